@@ -1,0 +1,39 @@
+"""Installs lightrft. torch is a plain requirement: install the build you want first (the README
+pins the CPU build for CPU-only machines) and pip keeps it."""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def read_requirements():
+    lines = (HERE / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="lightrft",
+    version="0.1.0",
+    description="Reinforcement fine-tuning of language models (PPO, GRPO, REINFORCE++, RLOO) on DeepSpeed",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["lightrft", "lightrft.*"]),
+    python_requires=">=3.10",
+    install_requires=read_requirements(),
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "vllm": ["vllm>=0.8"],
+        "flash-attn": ["flash-attn>=2.6"],
+        "math": ["math-verify>=0.7"],
+    },
+    entry_points={
+        "console_scripts": [
+            "lightrft-train-ppo=lightrft.cli.train_ppo:main",
+            "lightrft-train-sft=lightrft.cli.train_sft:main",
+            "lightrft-train-rm=lightrft.cli.train_rm:main",
+            "lightrft-serve-rm=lightrft.cli.serve_rm:main",
+        ]
+    },
+    license="Apache-2.0",
+)

@@ -1,0 +1,69 @@
+"""Shared test fixtures: a torchrun launcher for multi-rank CPU tests, and the GPU marker gate."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment for a child process: this checkout first on the path, one thread per rank,
+    no network for Hugging Face or W&B."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["HF_DATASETS_OFFLINE"] = "1"
+    env["WANDB_MODE"] = "offline"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env.update(extra)
+    return env
+
+
+def run_torchrun(args, nproc: int = 2, timeout: int = 600, env: dict | None = None, check: bool = True,
+                 module: bool = False) -> subprocess.CompletedProcess:
+    """Runs `torchrun --nproc_per_node nproc [-m] args...` on 127.0.0.1 and returns the finished
+    process. With check=True a non-zero exit fails the test with the tail of the output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    if module:
+        cmd.append("-m")
+    cmd += [str(a) for a in args]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=subprocess_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"torchrun exited with {proc.returncode}\ncommand: {' '.join(cmd)}\n"
+                    f"--- stdout (tail) ---\n{proc.stdout[-6000:]}\n--- stderr (tail) ---\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_json_lines(path: Path) -> list:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def torchrun():
+    return run_torchrun
