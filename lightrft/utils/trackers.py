@@ -1,0 +1,90 @@
+"""Metric trackers: Weights & Biases and TensorBoard behind one small object.
+
+Only rank 0 writes. wandb and tensorboard are imported when asked for, so a run that uses
+neither never imports them. W&B offline mode (`--use_wandb offline`) writes a run folder with no
+network access; `wandb sync` uploads it later.
+"""
+
+import os
+import re
+from typing import Mapping
+
+_SECRET_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
+_SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|key|api_key|apikey|access_token|secret|password)=)[^&\s]+",
+                           re.IGNORECASE)
+_SECRET_FLAGS = {"use_wandb"}
+
+
+def redact(value):
+    """Removes credentials from a URL-like string (`user:pass@`, `?token=`); other values pass."""
+    if not isinstance(value, str):
+        return value
+    value = _SECRET_IN_URL.sub(r"\g<scheme>***@", value)
+    return _SECRET_QUERY.sub(r"\g<key>***", value)
+
+
+def redacted_config(config: Mapping) -> dict:
+    """A copy of a run config that is safe to log: secrets masked, URLs stripped of credentials."""
+    clean = {}
+    for key, value in config.items():
+        if key in _SECRET_FLAGS and value not in (None, "offline", "online"):
+            clean[key] = "***"
+        elif isinstance(value, (list, tuple)):
+            clean[key] = [redact(v) for v in value]
+        else:
+            clean[key] = redact(value)
+    return clean
+
+
+class MetricsTracker:
+    """Writes scalar metrics to W&B and/or TensorBoard on rank 0; a no-op on other ranks.
+
+    `use_wandb`: None (off), "offline", "online", or an API key. `use_tensorboard`: a folder or None.
+    Metric names carry their namespace (`rollout/reward`, `train/policy_loss`, ...)."""
+
+    def __init__(self, *, is_rank_0: bool, config: Mapping, use_wandb: str | None = None,
+                 wandb_project: str = "lightrft", wandb_org: str | None = None,
+                 wandb_run_name: str | None = None, use_tensorboard: str | None = None,
+                 wandb_dir: str | None = None):
+        self._wandb = None
+        self._tb = None
+        if not is_rank_0:
+            return
+        config = redacted_config(config)
+        if use_wandb:
+            import wandb
+
+            if use_wandb not in ("offline", "online"):
+                wandb.login(key=use_wandb)
+            mode = "offline" if use_wandb == "offline" else None
+            self._wandb = wandb.init(project=wandb_project, entity=wandb_org, name=wandb_run_name,
+                                     config=config, mode=mode, dir=wandb_dir, reinit="finish_previous")
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(use_tensorboard, exist_ok=True)
+            self._tb = SummaryWriter(log_dir=use_tensorboard)
+            self._tb.add_text("config", "\n".join(f"{k}: {v}" for k, v in sorted(config.items())))
+
+    @property
+    def active(self) -> bool:
+        return self._wandb is not None or self._tb is not None
+
+    @property
+    def wandb_run_dir(self) -> str | None:
+        return None if self._wandb is None else self._wandb.dir
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+        if self._tb is not None:
+            for name, value in metrics.items():
+                self._tb.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
