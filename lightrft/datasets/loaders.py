@@ -1,0 +1,101 @@
+"""Reading dataset rows from local files and saved `datasets` folders.
+
+Every loader returns a plain `list[dict]` in file order, so row `i` of an error message is the
+`i`-th record of the file (0-based; for JSON lines files, blank lines are not rows). Nothing is
+downloaded: a path that does not exist is an error naming the path and the flag it came from.
+"""
+
+import csv
+import json
+from pathlib import Path
+
+import datasets as hf_datasets
+import pyarrow.parquet as pq
+
+from lightrft.datasets.validation import DatasetRowError
+
+SUPPORTED_FORMATS = (".jsonl", ".json", ".parquet", ".csv", "a folder written by datasets' save_to_disk")
+
+
+def load_rows(path: str | Path, flag: str = "--dataset", split: str | None = None) -> list[dict]:
+    """Loads every row of a .jsonl/.json/.parquet/.csv file or a saved `datasets` folder.
+
+    `flag` names the command-line flag the path came from, for error messages. `split` picks a split
+    of a saved `DatasetDict` folder (default "train" when it has one, or its only split)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file or folder (relative paths are resolved from "
+                                f"{Path.cwd()}); pass an existing .jsonl/.json/.parquet/.csv file or a "
+                                "folder written by datasets' save_to_disk")
+    if path.is_dir():
+        rows = _load_saved_dataset(path, flag, split)
+    else:
+        suffix = path.suffix.lower()
+        readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
+        if suffix not in readers:
+            raise ValueError(f"{flag} {path}: unsupported format {suffix or '(no extension)'!r}; supported: "
+                             + ", ".join(SUPPORTED_FORMATS))
+        rows = readers[suffix](path)
+    if not rows:
+        raise ValueError(f"{flag} {path}: the dataset has no rows")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DatasetRowError(str(path), len(rows), "<json>",
+                                      f"line {line_no} is not valid JSON ({e.msg} at column {e.colno})",
+                                      "fix or delete that line", kind="bad JSON") from None
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":
+            # One object per line saved under a .json name: read it as JSON lines.
+            return _read_jsonl(path)
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    if isinstance(data, dict):
+        raise ValueError(f"{path}: the top level is an object with keys {sorted(data)[:5]}; a .json dataset "
+                         "must be a list of row objects (or one object per line)")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: the top level is a {type(data).__name__}; a .json dataset must be a list "
+                         "of row objects")
+    return data
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _load_saved_dataset(path: Path, flag: str, split: str | None) -> list[dict]:
+    if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        raise ValueError(f"{flag} {path}: a folder, but not one written by datasets' save_to_disk (it has no "
+                         "dataset_dict.json or state.json); pass a data file or a saved dataset folder")
+    loaded = hf_datasets.load_from_disk(str(path))
+    if isinstance(loaded, hf_datasets.DatasetDict):
+        names = sorted(loaded)
+        if split is None:
+            split = "train" if "train" in loaded else (names[0] if len(names) == 1 else None)
+        if split not in loaded:
+            raise ValueError(f"{flag} {path}: the saved dataset has splits {names}; choose one of them "
+                             f"(asked for {split!r})")
+        loaded = loaded[split]
+    elif split is not None and split != "train":
+        raise ValueError(f"{flag} {path}: a single saved dataset has no split {split!r}; drop the split")
+    return loaded.to_list()

@@ -1,0 +1,108 @@
+"""load_rows on real files of every supported format."""
+
+import json
+
+import datasets as hf_datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lightrft.datasets import DatasetRowError, load_rows
+
+ROWS = [
+    {"input": "What is 1+1?", "label": "2"},
+    {"input": "Say \"hi\", please", "label": "hi"},
+    {"input": "line one\nline two", "label": "x,y"},
+]
+
+
+def write(path, rows):
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2))
+    elif suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif suffix == ".csv":
+        hf_datasets.Dataset.from_list(rows).to_csv(str(path), index=False)
+    return path
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.parquet", "data.csv"])
+def test_each_file_format_round_trips(tmp_path, name):
+    assert load_rows(write(tmp_path / name, ROWS)) == ROWS
+
+
+def test_uppercase_extension_and_json_lines_under_json_name(tmp_path):
+    path = tmp_path / "DATA.JSON"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert load_rows(path) == ROWS
+
+
+def test_jsonl_blank_lines_are_not_rows(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n\n   \n" + json.dumps(ROWS[1]) + "\n")
+    assert load_rows(path) == ROWS[:2]
+
+
+def test_saved_dataset_folder(tmp_path):
+    hf_datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert load_rows(tmp_path / "single") == ROWS
+
+
+def test_saved_dataset_dict_picks_train_or_the_named_split(tmp_path):
+    folder = tmp_path / "dict"
+    hf_datasets.DatasetDict({"train": hf_datasets.Dataset.from_list(ROWS[:2]),
+                             "test": hf_datasets.Dataset.from_list(ROWS[2:])}).save_to_disk(str(folder))
+    assert load_rows(folder) == ROWS[:2]
+    assert load_rows(folder, split="test") == ROWS[2:]
+    with pytest.raises(ValueError, match=r"has splits \['test', 'train'\]; choose one of them \(asked for 'dev'\)"):
+        load_rows(folder, split="dev")
+
+
+def test_missing_path_names_the_path_and_flag(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=rf"--eval_dataset {missing}: no such file or folder"):
+        load_rows(missing, flag="--eval_dataset")
+
+
+def test_unknown_extension_lists_the_supported_formats(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("hello")
+    with pytest.raises(ValueError) as info:
+        load_rows(path)
+    message = str(info.value)
+    assert f"--dataset {path}: unsupported format '.txt'" in message
+    for fmt in (".jsonl", ".json", ".parquet", ".csv", "save_to_disk"):
+        assert fmt in message
+
+
+def test_plain_folder_is_not_a_dataset(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps(ROWS[0]))
+    with pytest.raises(ValueError, match="not one written by datasets' save_to_disk"):
+        load_rows(tmp_path)
+
+
+def test_empty_file_and_wrong_json_shapes(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="the dataset has no rows"):
+        load_rows(empty)
+    obj = tmp_path / "obj.json"
+    obj.write_text(json.dumps({"data": ROWS}))
+    with pytest.raises(ValueError, match=r"top level is an object with keys \['data'\]"):
+        load_rows(obj)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"input": "x"},')
+    with pytest.raises(ValueError, match=r"broken.json: not valid JSON"):
+        load_rows(broken)
+
+
+def test_corrupt_jsonl_line_reports_row_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n\n{\"input\": oops}\n")
+    with pytest.raises(DatasetRowError) as info:
+        load_rows(path)
+    assert (info.value.row, info.value.field) == (1, "<json>")
+    assert "line 3 is not valid JSON" in str(info.value)
