@@ -1,0 +1,169 @@
+"""The policy: a Hugging Face causal LM that returns log-probabilities of its action tokens."""
+
+import copy
+import os
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
+from lightrft.models.hf_utils import (
+    default_attn_implementation,
+    enable_gradient_checkpointing,
+    model_dtype,
+    packed_forward_kwargs,
+    padded_forward_kwargs,
+    resolve_pretrained,
+)
+from lightrft.models.packing import check_num_actions, packed_action_index
+
+
+class ActorLanguage(nn.Module):
+    """A causal LM (loaded from a folder, or a given module) returning action log-probabilities.
+
+    Args:
+        pretrain_or_model: a Hugging Face model folder (`--pretrain`), a Hub id, or an `nn.Module`
+            (a causal LM with the Hugging Face forward signature) to wrap; its attention
+            implementation is set as below.
+        bf16: load weights in bfloat16 (else float32). Log-probs are float32 either way.
+        attn_implementation: None picks `hf_utils.default_attn_implementation()`
+            ("flash_attention_2" on CUDA with flash-attn, else exact per-sequence SDPA); any
+            transformers name ("sdpa", "eager", "flex_attention", ...) overrides it.
+        lora_rank: > 0 wraps the model in a peft LoRA adapter of this rank; only the adapter trains.
+        lora_alpha, lora_dropout: LoRA scale numerator (scale = alpha / rank) and dropout.
+        target_modules: module names that get adapters; None means every linear layer but the LM head.
+        trust_remote_code: allow model code shipped in the folder.
+        gradient_checkpointing: recompute activations in the backward pass (non-reentrant).
+        temperature: logits are divided by it before log-softmax and entropy, matching sampling
+            at that temperature.
+
+    Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`.
+    """
+
+    def __init__(
+        self,
+        pretrain_or_model: str | os.PathLike | nn.Module,
+        *,
+        bf16: bool = False,
+        attn_implementation: str | None = None,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: list[str] | str | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+        temperature: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"--temperature must be > 0, got {temperature}")
+        if lora_rank < 0:
+            raise ValueError(f"--lora_rank must be >= 0, got {lora_rank}")
+        self.temperature = float(temperature)
+        if isinstance(pretrain_or_model, nn.Module):
+            model = pretrain_or_model
+            if hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation(attn_implementation or default_attn_implementation())
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                resolve_pretrained(pretrain_or_model, "--pretrain"),
+                dtype=model_dtype(bf16),
+                attn_implementation=attn_implementation or default_attn_implementation(),
+                trust_remote_code=trust_remote_code,
+            )
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        self.lora_rank = lora_rank
+        if lora_rank > 0:
+            from peft import LoraConfig, TaskType, get_peft_model
+
+            lora_config = LoraConfig(
+                task_type=TaskType.CAUSAL_LM,
+                r=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_dropout=lora_dropout,
+                target_modules=target_modules or "all-linear",
+                bias="none",
+            )
+            model = get_peft_model(model, lora_config)
+        self.model = model
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.model.config._attn_implementation
+
+    def forward(
+        self,
+        sequences: torch.Tensor,
+        num_actions: int | list[int] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_output: bool = False,
+        packed_seq_lens: list[int] | None = None,
+        return_entropy: bool = False,
+    ):
+        """Log-probabilities of the action tokens (the last `num_actions` tokens of each sequence).
+
+        Padded: sequences (B, T) with prompts left-padded and responses right-padded, num_actions
+        an int A -> log-probs (B, A) of `sequences[:, -A:]`. Positions are counted over real tokens
+        (from `attention_mask`), so padding does not shift them.
+        Packed: sequences (1, P), `packed_seq_lens` N lengths, num_actions N ints -> (N, max A)
+        with row i holding the log-probs of the last num_actions[i] tokens of sequence i,
+        left-aligned and right-padded with 0. `attention_mask` is ignored.
+
+        Only the logits that predict action tokens are computed (`logits_to_keep`), and the
+        float32 log-softmax runs in chunks, so no float32 (B, T, V) copy is made.
+
+        With `return_output=True` returns `(log_probs, output)`: the model output whose `logits`
+        cover only the action-predicting positions ((B, A, V) padded, (1, K, V) packed with
+        K = sum(num_actions)), plus `output["entropy"]` (same layout as log_probs, float32) when
+        `return_entropy=True`. With `num_actions=None` returns the full model output (logits over
+        every position, e.g. for a pretraining/SFT loss).
+        """
+        if packed_seq_lens is None:
+            return self._forward_padded(sequences, num_actions, attention_mask, return_output, return_entropy)
+        return self._forward_packed(sequences, num_actions, packed_seq_lens, return_output, return_entropy)
+
+    def _forward_padded(self, sequences, num_actions, attention_mask, return_output, return_entropy):
+        kwargs = padded_forward_kwargs(sequences, attention_mask)
+        if num_actions is None:
+            return self.model(**kwargs)
+        check_num_actions(num_actions, sequences, None)
+        # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
+        output = self.model(**kwargs, logits_to_keep=num_actions + 1)
+        output.logits = output.logits[:, :-1]  # (B, A, V)
+        log_probs = log_probs_from_logits(output.logits, sequences[:, -num_actions:], self.temperature)  # (B, A)
+        if return_entropy:
+            output["entropy"] = entropy_from_logits(output.logits, self.temperature)  # (B, A)
+        return (log_probs, output) if return_output else log_probs
+
+    def _forward_packed(self, sequences, num_actions, packed_seq_lens, return_output, return_entropy):
+        kwargs = packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation)
+        if num_actions is None:
+            return self.model(**kwargs)
+        check_num_actions(num_actions, sequences, packed_seq_lens)
+        index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
+        output = self.model(**kwargs, logits_to_keep=index.predict_positions)  # logits (1, K, V)
+        labels = sequences[0, index.token_positions]  # (K,)
+        log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
+        if return_entropy:
+            output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
+        return (log_probs, output) if return_output else log_probs
+
+    def gradient_checkpointing_enable(self) -> None:
+        enable_gradient_checkpointing(self.model)
+
+    def merged_model(self) -> PreTrainedModel:
+        """The plain Hugging Face causal LM to export: without LoRA the model itself; with LoRA a
+        copy with the adapters merged into the base weights (W + alpha/r * B A), which loads with
+        `AutoModelForCausalLM` anywhere. The copy costs one extra set of weights in memory; with
+        ZeRO-3 call it inside a parameter-gathering context."""
+        if self.lora_rank == 0:
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def save_pretrained(self, output_dir: str | os.PathLike, tokenizer=None) -> None:
+        """Writes a Hugging Face folder (safetensors, LoRA merged) and the tokenizer if given."""
+        self.merged_model().save_pretrained(output_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)

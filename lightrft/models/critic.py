@@ -1,0 +1,84 @@
+"""The critic: a transformer backbone with a scalar value head, giving one value per action token."""
+
+import os
+
+import torch
+from torch import nn
+
+from lightrft.models.hf_utils import enable_gradient_checkpointing, value_forward_kwargs, value_model_from
+from lightrft.models.packing import check_num_actions, packed_action_index
+
+
+class Critic(nn.Module):
+    """Value function V(s_t) for PPO's GAE, on a Hugging Face backbone (`AutoModel`, no LM head).
+
+    Args:
+        pretrain_or_model: a model folder (`--critic_pretrain`) or Hub id, or a module built by
+            `hf_utils.value_model_class`. A causal-LM folder works (critics usually start from the
+            policy or the reward model): the backbone loads and the head starts fresh.
+        value_head_prefix: attribute and weight-name prefix of the head
+            `nn.Linear(hidden_size, 1, bias=False)`; saved in config.json.
+        bf16, attn_implementation, trust_remote_code, gradient_checkpointing: as for ActorLanguage.
+
+    `.model` is the `PreTrainedModel` (backbone under its usual prefix, head under
+    `value_head_prefix`); `.head_loaded` says whether the head came from the folder.
+    """
+
+    def __init__(
+        self,
+        pretrain_or_model: str | os.PathLike | nn.Module,
+        value_head_prefix: str = "score",
+        *,
+        bf16: bool = False,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.value_head_prefix = value_head_prefix
+        self.model, self.head_loaded = value_model_from(
+            pretrain_or_model,
+            value_head_prefix=value_head_prefix,
+            flag="--critic_pretrain",
+            bf16=bf16,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "Critic":
+        return cls(path, **kwargs)
+
+    def forward(
+        self,
+        sequences: torch.Tensor,
+        num_actions: int | list[int],
+        attention_mask: torch.Tensor | None = None,
+        packed_seq_lens: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Values of the states from which each action token is generated, in float32.
+
+        The state before action token t is the prefix ending at t - 1, so the value for action t
+        is the head's output at position t - 1: `values[:, -A-1:-1]` of the per-position values.
+        Padded: sequences (B, T), num_actions int A -> (B, A).
+        Packed: sequences (1, P), packed_seq_lens N lengths, num_actions N ints -> (N, max A),
+        actions left-aligned, right-padded with 0 (the actor's layout).
+        """
+        check_num_actions(num_actions, sequences, packed_seq_lens)
+        kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
+        values = self.model(**kwargs)  # (B, T) or (1, P)
+        if packed_seq_lens is None:
+            return values[:, -num_actions - 1 : -1].float()  # (B, A)
+        index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
+        return index.to_rows(values[0, index.predict_positions].float())  # (N, A)
+
+    def gradient_checkpointing_enable(self) -> None:
+        enable_gradient_checkpointing(self.model)
+
+    def save_pretrained(self, output_dir: str | os.PathLike, tokenizer=None) -> None:
+        """Writes a Hugging Face folder: config.json (with `value_head_prefix`) and safetensors
+        weights of backbone and head; loads back with `Critic(output_dir)`."""
+        self.model.save_pretrained(output_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)

@@ -1,0 +1,112 @@
+"""The reward model: a transformer backbone with a scalar head read at the last real token."""
+
+import math
+import os
+
+import torch
+from torch import nn
+
+from lightrft.models.hf_utils import enable_gradient_checkpointing, value_forward_kwargs, value_model_from
+from lightrft.models.packing import check_seq_lens
+
+
+class RewardModel(nn.Module):
+    """Sequence score r(x, y) from a Hugging Face backbone (`AutoModel`) and a value head.
+
+    Args:
+        pretrain_or_model: a reward-model folder (`--reward_pretrain`) or Hub id, or a module built
+            by `hf_utils.value_model_class`.
+        value_head_prefix: attribute and weight-name prefix of the head
+            `nn.Linear(hidden_size, 1, bias=False)`; saved in config.json.
+        normalize_reward: return (r - mean) / std with `config.mean`, `config.std` (set by
+            `set_normalization`, saved in config.json); stored as `config.normalize_reward`.
+        init_value_head: allow a folder without head weights (a causal LM or backbone) and start
+            the head fresh, as reward-model training does. Without it such a folder is an error,
+            since scoring with an untrained head would silently give noise.
+        bf16, attn_implementation, trust_remote_code, gradient_checkpointing: as for ActorLanguage.
+    """
+
+    def __init__(
+        self,
+        pretrain_or_model: str | os.PathLike | nn.Module,
+        value_head_prefix: str = "score",
+        *,
+        normalize_reward: bool = False,
+        init_value_head: bool = False,
+        bf16: bool = False,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.value_head_prefix = value_head_prefix
+        self.model, self.head_loaded = value_model_from(
+            pretrain_or_model,
+            value_head_prefix=value_head_prefix,
+            flag="--reward_pretrain",
+            bf16=bf16,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+            gradient_checkpointing=gradient_checkpointing,
+        )
+        if not self.head_loaded and not init_value_head:
+            raise ValueError(
+                f"--reward_pretrain {os.fspath(pretrain_or_model)!r} has no value-head weights "
+                f"'{value_head_prefix}.weight': it is not a trained reward model, or its head has another name "
+                "(pass --value_head_prefix NAME). To train a reward model from this folder, use init_value_head=True."
+            )
+        config = self.model.config
+        config.normalize_reward = bool(normalize_reward)
+        config.mean = float(getattr(config, "mean", 0.0))
+        config.std = float(getattr(config, "std", 1.0))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "RewardModel":
+        return cls(path, **kwargs)
+
+    def set_normalization(self, mean: float, std: float) -> None:
+        """Stores the reward statistics used when `config.normalize_reward` is on."""
+        if not math.isfinite(mean) or not math.isfinite(std) or std <= 0:
+            raise ValueError(f"reward normalisation needs a finite mean and a std > 0, got mean={mean}, std={std}")
+        self.model.config.mean = float(mean)
+        self.model.config.std = float(std)
+
+    def forward(
+        self,
+        sequences: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        packed_seq_lens: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Scores in float32, read from the head at the last real token of each sequence.
+
+        Padded: sequences (B, T); the last real token is the last 1 of `attention_mask` (so left
+        and right padding both work), or position T - 1 without a mask -> (B,).
+        Packed: sequences (1, P), packed_seq_lens N lengths -> (N,).
+        With `config.normalize_reward`: (r - config.mean) / config.std.
+        """
+        kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
+        values = self.model(**kwargs)  # (B, T) or (1, P)
+        if packed_seq_lens is not None:
+            ends = torch.tensor(check_seq_lens(packed_seq_lens, sequences.size(-1))).cumsum(0) - 1  # (N,)
+            scores = values[0, ends.to(values.device)]  # (N,)
+        elif attention_mask is not None:
+            mask = attention_mask.long()
+            last = mask.size(1) - 1 - mask.flip(dims=[1]).argmax(dim=1)  # (B,) index of the last 1
+            scores = values.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)
+        else:
+            scores = values[:, -1]  # (B,)
+        scores = scores.float()
+        config = self.model.config
+        if config.normalize_reward:
+            scores = (scores - config.mean) / config.std
+        return scores
+
+    def gradient_checkpointing_enable(self) -> None:
+        enable_gradient_checkpointing(self.model)
+
+    def save_pretrained(self, output_dir: str | os.PathLike, tokenizer=None) -> None:
+        """Writes a Hugging Face folder: config.json (with `value_head_prefix`, `normalize_reward`,
+        `mean`, `std`) and safetensors weights of backbone and head."""
+        self.model.save_pretrained(output_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
