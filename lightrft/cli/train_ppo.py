@@ -1,0 +1,306 @@
+"""PPO / GRPO / REINFORCE++ / RLOO training from the command line.
+
+    torchrun --nproc_per_node 8 -m lightrft.cli.train_ppo --pretrain MODEL --prompt_data FILE \
+        --advantage_estimator group_norm --n_samples_per_prompt 8 --remote_rm_url math ...
+
+This module parses flags once, checks that they fit together, builds the models through the
+strategy and hands explicit arguments to `PPOTrainer`. `--help` lists every flag by group.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
+                                 add_strategy_args, check_positive)
+
+ADVANTAGE_CHOICES = ("gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "reinforce++")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.train_ppo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_strategy_args(parser)
+    models = add_model_args(parser)
+    models.add_argument("--critic_pretrain", type=str, default=None,
+                        help="Hugging Face folder to start the critic from (needed by --advantage_estimator gae)")
+    models.add_argument("--reward_pretrain", type=str, default=None,
+                        help="reward model folder(s), comma-separated; combined by summing their scores")
+    models.add_argument("--value_head_prefix", type=str, default="score", help="attribute name of the value head")
+    models.add_argument("--normalize_reward", action="store_true",
+                        help="normalise reward-model scores with the mean/std stored in its config")
+    models.add_argument("--enable_ema", action="store_true", help="keep an exponential moving average of the actor")
+    models.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay")
+
+    rollout = parser.add_argument_group("rollout", "generation of responses")
+    rollout.add_argument("--rollout_engine", choices=["hf", "vllm"], default="hf",
+                         help="hf: Hugging Face generate with the live actor (everywhere); vllm: colocated vLLM (CUDA)")
+    rollout.add_argument("--n_samples_per_prompt", type=int, default=1, help="responses sampled per prompt (G)")
+    rollout.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout over all ranks")
+    rollout.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per rank per forward")
+    rollout.add_argument("--generate_max_len", type=int, default=1024, help="most new tokens per response")
+    rollout.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    rollout.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass")
+    rollout.add_argument("--top_k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    rollout.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5,
+                         help="GPU memory fraction vLLM may take when awake")
+
+    algo = parser.add_argument_group("algorithm", "advantages, losses, KL (formulas in docs/algorithms.md)")
+    algo.add_argument("--advantage_estimator", choices=ADVANTAGE_CHOICES, default="gae")
+    algo.add_argument("--policy_loss", choices=["ppo", "gspo", "cispo"], default="ppo")
+    algo.add_argument("--loss_agg_mode", default="token-mean",
+                      choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+    algo.add_argument("--eps_clip", type=float, default=0.2, help="PPO ratio clip (both sides)")
+    algo.add_argument("--eps_clip_low_high", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                      help="separate low/high ratio clip (DAPO clip-higher), overriding --eps_clip")
+    algo.add_argument("--dual_clip", type=float, default=None, help="dual-clip bound c > 1 for negative advantages")
+    algo.add_argument("--value_clip", type=float, default=0.2, help="critic value clip (PPO)")
+    algo.add_argument("--tis_cap", type=float, default=None,
+                      help="truncated importance sampling cap for rollout-engine vs trainer log-probs")
+    algo.add_argument("--init_kl_coef", type=float, default=0.01, help="KL coefficient (0 disables the reference model)")
+    algo.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed KL)")
+    algo.add_argument("--kl_horizon", type=int, default=10000, help="adaptive KL horizon")
+    algo.add_argument("--use_kl_loss", action="store_true", help="KL as a loss term (GRPO) instead of in the reward")
+    algo.add_argument("--kl_estimator", choices=["k1", "k2", "k3"], default="k1")
+    algo.add_argument("--gamma", type=float, default=1.0, help="discount factor")
+    algo.add_argument("--lambd", type=float, default=0.95, help="GAE lambda")
+    algo.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
+    algo.add_argument("--aux_loss_coef", type=float, default=0.0, help="MoE load-balancing loss weight")
+    algo.add_argument("--ptx_coef", type=float, default=0.0, help="pretraining loss weight (needs --pretrain_data)")
+    algo.add_argument("--dynamic_sampling", action="store_true",
+                      help="drop groups with identical rewards and draw more prompts (DAPO)")
+    algo.add_argument("--max_sampling_rounds", type=int, default=4, help="most prompt batches per step with --dynamic_sampling")
+    algo.add_argument("--overlong_buffer_len", type=int, default=0, help="DAPO overlong shaping buffer (0: off)")
+    algo.add_argument("--overlong_penalty_factor", type=float, default=1.0, help="DAPO overlong penalty at the limit")
+    algo.add_argument("--freezing_actor_steps", type=int, default=-1, help="train only the critic for N steps")
+    algo.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
+    algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
+    algo.add_argument("--actor_learning_rate", type=float, default=1e-6)
+    algo.add_argument("--critic_learning_rate", type=float, default=9e-6)
+    algo.add_argument("--lr_warmup_ratio", type=float, default=0.03)
+    algo.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr")
+    algo.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    algo.add_argument("--l2", type=float, default=0.0, help="weight decay")
+
+    data = add_data_args(parser)
+    data.add_argument("--prompt_data", type=str, required=True,
+                      help="prompts: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
+    data.add_argument("--label_key", type=str, default=None, help="field holding the reference answer")
+    data.add_argument("--prompt_max_len", type=int, default=1024, help="most prompt tokens")
+    data.add_argument("--eval_data", type=str, default=None, help="held-out prompts for eval/* metrics")
+    data.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: never during training)")
+    data.add_argument("--eval_n_samples", type=int, default=1, help="k of pass@k in evaluation")
+    data.add_argument("--pretrain_data", type=str, default=None, help="SFT-style data for the PTX loss")
+    data.add_argument("--pretrain_output_key", type=str, default="output", help="response field of --pretrain_data")
+    rewards = parser.add_argument_group("rewards", "reward sources beside --reward_pretrain")
+    rewards.add_argument("--remote_rm_url", type=str, default=None,
+                         help="comma-separated reward sources: http(s) URLs of reward servers, .py files "
+                              "defining reward_func(queries, prompts, labels), or builtin rules (math, format)")
+    rewards.add_argument("--reward_timeout", type=float, default=30.0, help="seconds per reward request")
+    rewards.add_argument("--reward_retries", type=int, default=3, help="retries per reward request")
+    rewards.add_argument("--reward_on_failure", choices=["error", "drop"], default="error",
+                         help="after the retries: stop the run, or drop the failed samples (counted)")
+    add_logging_args(parser)
+    add_checkpoint_args(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    validate_args(parser, args)
+    return args
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Start-up checks of option combinations; each error says what to change."""
+    from lightrft.algorithms.advantages import get_advantage_estimator, validate_group_size
+
+    check_positive(parser, args, "n_samples_per_prompt", "rollout_batch_size", "micro_rollout_batch_size",
+                   "train_batch_size", "micro_train_batch_size", "generate_max_len", "prompt_max_len",
+                   "max_epochs", "num_episodes")
+    estimator = get_advantage_estimator(args.advantage_estimator)
+    try:
+        validate_group_size(args.advantage_estimator, args.n_samples_per_prompt)
+    except ValueError as err:
+        parser.error(str(err))
+    if estimator.needs_critic and not args.critic_pretrain:
+        parser.error(f"--advantage_estimator {args.advantage_estimator} needs a critic: pass --critic_pretrain "
+                     "(often the same folder as --pretrain), or choose a critic-free estimator such as group_norm")
+    if args.critic_pretrain and not estimator.needs_critic:
+        parser.error(f"--critic_pretrain is set but --advantage_estimator {args.advantage_estimator} does not use a "
+                     "critic; drop --critic_pretrain or use --advantage_estimator gae")
+    if not args.reward_pretrain and not args.remote_rm_url:
+        parser.error("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+    if args.dynamic_sampling and args.n_samples_per_prompt < 2:
+        parser.error("--dynamic_sampling needs --n_samples_per_prompt >= 2 (it drops groups with equal rewards)")
+    if args.ptx_coef > 0 and not args.pretrain_data:
+        parser.error("--ptx_coef > 0 needs --pretrain_data")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        parser.error(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.eps_clip_low_high is not None:
+        args.eps_clip_low_high = tuple(args.eps_clip_low_high)
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if samples % args.train_batch_size != 0:
+        parser.error(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must be a "
+                     f"multiple of --train_batch_size {args.train_batch_size}")
+    if args.rollout_engine == "vllm" and args.zero_stage == 3 and args.lora_rank > 0:
+        parser.error("--rollout_engine vllm with LoRA under --zero_stage 3 is not supported; use --zero_stage 2")
+
+
+def check_world_size(args: argparse.Namespace, world_size: int) -> None:
+    if args.rollout_batch_size % world_size != 0:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the number of "
+                         f"ranks ({world_size}) so every rank gets the same prompts per rollout")
+
+
+def build_scheduler(optimizer, args, lr: float, total_steps: int):
+    from transformers import get_scheduler
+
+    kwargs = {"min_lr": lr * 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
+    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Builds everything from parsed flags and runs PPO; returns the last logged metrics."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightrft.datasets import PromptDataset, SFTDataset
+    from lightrft.models import ActorLanguage, Critic, RewardModel
+    from lightrft.strategy import get_strategy
+    from lightrft.trainer.ppo_trainer import AlgorithmConfig, PPOTrainer
+    from lightrft.utils.trackers import MetricsTracker
+
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    check_world_size(args, strategy.world_size)
+
+    model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,
+                        trust_remote_code=args.trust_remote_code)
+    actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                          lora_dropout=args.lora_dropout, target_modules=args.target_modules,
+                          gradient_checkpointing=args.gradient_checkpointing, temperature=args.temperature,
+                          **model_kwargs)
+    critic = (Critic(args.critic_pretrain, value_head_prefix=args.value_head_prefix, **model_kwargs)
+              if args.critic_pretrain else None)
+    reward_models = [RewardModel(path.strip(), value_head_prefix=args.value_head_prefix,
+                                 normalize_reward=args.normalize_reward, **model_kwargs)
+                     for path in (args.reward_pretrain or "").split(",") if path.strip()]
+    needs_reference = args.init_kl_coef > 0
+    initial_model = ActorLanguage(args.pretrain, temperature=args.temperature, **model_kwargs) if needs_reference else None
+    ema_model = ActorLanguage(args.pretrain, **model_kwargs) if args.enable_ema else None
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    prompts = PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                            apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
+                            on_bad_row=args.on_bad_row, max_samples=args.max_samples)
+    per_rank = args.rollout_batch_size // strategy.world_size
+    if len(prompts) < args.rollout_batch_size:
+        raise ValueError(f"--prompt_data {args.prompt_data} has {len(prompts)} usable prompts, fewer than "
+                         f"--rollout_batch_size {args.rollout_batch_size}")
+    dataloader = strategy.setup_dataloader(prompts, per_rank, shuffle=True, collate_fn=prompts.collate_fn,
+                                           drop_last=True)
+    eval_dataloader = None
+    if args.eval_data:
+        eval_set = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                                 apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
+                                 on_bad_row=args.on_bad_row)
+        eval_dataloader = strategy.setup_dataloader(eval_set, max(1, args.micro_rollout_batch_size), shuffle=False,
+                                                    collate_fn=eval_set.collate_fn, drop_last=False)
+    pretrain_dataloader = None
+    if args.pretrain_data:
+        ptx = SFTDataset(args.pretrain_data, tokenizer, input_key=args.input_key, output_key=args.pretrain_output_key,
+                         apply_chat_template=args.apply_chat_template,
+                         max_len=args.prompt_max_len + args.generate_max_len)
+        pretrain_dataloader = strategy.setup_dataloader(ptx, args.micro_train_batch_size, shuffle=True,
+                                                        collate_fn=ptx.collate_fn)
+
+    steps_per_episode = len(prompts) // args.rollout_batch_size
+    updates_per_step = (args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size) * args.max_epochs
+    total_updates = max(1, steps_per_episode * args.num_episodes * updates_per_step)
+
+    actor_optim = strategy.create_optimizer(actor, lr=args.actor_learning_rate, betas=tuple(args.adam_betas),
+                                            weight_decay=args.l2)
+    actor_scheduler = build_scheduler(actor_optim, args, args.actor_learning_rate, total_updates)
+    critic_optim = critic_scheduler = None
+    if critic is not None:
+        critic_optim = strategy.create_optimizer(critic, lr=args.critic_learning_rate, betas=tuple(args.adam_betas),
+                                                 weight_decay=args.l2)
+        critic_scheduler = build_scheduler(critic_optim, args, args.critic_learning_rate, total_updates)
+
+    actor, actor_optim, actor_scheduler = strategy.prepare((actor, actor_optim, actor_scheduler))
+    if critic is not None:
+        critic, critic_optim, critic_scheduler = strategy.prepare((critic, critic_optim, critic_scheduler))
+    reward_models = [strategy.prepare(rm) for rm in reward_models]
+    initial_model = strategy.prepare(initial_model) if initial_model is not None else None
+    ema_model = strategy.prepare(ema_model) if ema_model is not None else None
+
+    rollout_engine = None
+    if args.rollout_engine == "vllm":
+        from lightrft.rollout import make_rollout_engine
+
+        rollout_engine = make_rollout_engine("vllm", model_path=args.pretrain, seed=args.seed + strategy.rank,
+                                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+    tracker = MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
+                             wandb_project=args.wandb_project, wandb_org=args.wandb_org,
+                             wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+    algo = AlgorithmConfig(
+        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
+        policy_loss=args.policy_loss, loss_agg_mode=args.loss_agg_mode, eps_clip_low_high=args.eps_clip_low_high,
+        dual_clip=args.dual_clip, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
+        entropy_coef=args.entropy_coef, aux_loss_coef=args.aux_loss_coef, gamma=args.gamma, lambd=args.lambd,
+        dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=args.max_sampling_rounds,
+        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
+        freezing_actor_steps=args.freezing_actor_steps, norm_len=args.generate_max_len)
+    remote = None
+    if args.remote_rm_url:
+        from lightrft.rewards import make_reward_source
+
+        remote = [make_reward_source(spec.strip(), timeout=args.reward_timeout, max_retries=args.reward_retries,
+                                     on_failure=args.reward_on_failure)
+                  for spec in args.remote_rm_url.split(",") if spec.strip()]
+    trainer = PPOTrainer(
+        strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
+        actor_scheduler, critic_scheduler, ema_beta=args.ema_beta, init_kl_coef=args.init_kl_coef,
+        kl_target=args.kl_target, kl_horizon=args.kl_horizon, ptx_coef=args.ptx_coef,
+        micro_train_batch_size=args.micro_train_batch_size, eps_clip=args.eps_clip, value_clip=args.value_clip,
+        micro_rollout_batch_size=args.micro_rollout_batch_size, gradient_checkpointing=args.gradient_checkpointing,
+        max_epochs=args.max_epochs, max_norm=args.max_norm, tokenizer=tokenizer, prompt_max_len=args.prompt_max_len,
+        reward_sources=remote or (), packing_samples=args.packing_samples, save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt, algo=algo,
+        rollout_engine=rollout_engine, tracker=tracker, max_new_tokens=args.generate_max_len,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+    consumed = 0
+    if args.load_checkpoint:
+        consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
+    trainer.fit(args, dataloader, pretrain_dataloader, consumed, updates_per_step, eval_dataloader=eval_dataloader)
+    if trainer.stop_reason is None:
+        strategy.save_model(ema_model or actor, tokenizer, args.save_path)
+    logs = dict(getattr(trainer, "last_logs", {}))
+    if eval_dataloader is not None:
+        logs.update(trainer.evaluate(eval_dataloader))
+    tracker.close()
+    if strategy.is_rank_0():
+        summary = {k: round(v, 4) for k, v in logs.items() if isinstance(v, float)}
+        print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
+                          "save_path": os.path.abspath(args.save_path), **summary}))
+    strategy.destroy()
+    return logs
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    train(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

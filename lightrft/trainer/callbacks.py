@@ -1,0 +1,41 @@
+"""Callbacks let research code observe or change a run without copying `fit`.
+
+Subclass `TrainerCallback`, override the hooks you need, and pass instances as
+`PPOTrainer(..., callbacks=[...])`. Every hook gets the trainer, so it can read `trainer.global_step`,
+change `trainer.generate_kwargs`, inspect `trainer.replay_buffer`, and so on. Hooks run on every
+rank; guard side effects with `trainer.strategy.is_rank_0()`.
+"""
+
+
+class TrainerCallback:
+    def on_train_begin(self, trainer) -> None:
+        """Before the first rollout (after any resume)."""
+
+    def on_rollout_end(self, trainer, experiences: list) -> None:
+        """After a rollout's experiences are made, before they enter the replay buffer."""
+
+    def on_step_end(self, trainer, metrics: dict) -> None:
+        """After each optimizer step; `metrics` holds that step's averaged train/* values."""
+
+    def on_save(self, trainer, path: str) -> None:
+        """After a checkpoint is complete on disk at `path`."""
+
+    def on_train_end(self, trainer) -> None:
+        """After the last step, before the final export."""
+
+
+class CallbackList:
+    """Calls a hook on every callback in order."""
+
+    def __init__(self, callbacks=()):
+        self.callbacks = list(callbacks)
+
+    def __getattr__(self, hook):
+        if not hook.startswith("on_"):
+            raise AttributeError(hook)
+
+        def call(*args, **kwargs):
+            for callback in self.callbacks:
+                getattr(callback, hook)(*args, **kwargs)
+
+        return call

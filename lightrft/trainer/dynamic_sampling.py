@@ -1,0 +1,65 @@
+"""Dynamic sampling (DAPO, arXiv 2503.14476 sec. 3.2): keep only groups whose rewards differ.
+
+A group of G samples with identical rewards has zero group-relative advantage, so it adds no
+policy gradient but still dilutes token-mean losses. The trainer drops such groups and draws more
+prompts until the batch is full again (or a round limit is hit).
+"""
+
+from dataclasses import fields, replace
+
+import torch
+
+from lightrft.trainer.experience import Experience
+
+
+def select_rows(exp: Experience, rows: torch.Tensor) -> Experience:
+    """The padded Experience restricted to `rows` (a 1-D index tensor)."""
+    picked = {}
+    for f in fields(exp):
+        value = getattr(exp, f.name)
+        if isinstance(value, torch.Tensor):
+            picked[f.name] = value[rows]
+    picked["info"] = {k: v[rows] for k, v in exp.info.items()}
+    return replace(exp, **picked)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which groups have rewards that are not all equal. Shape: (B,) -> (B / G,) bool."""
+    grouped = rewards.view(-1, group_size)                 # (B / G, G)
+    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > 0
+
+
+def _group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Row indices of the selected groups, each group's G rows in order."""
+    return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
+
+
+def filter_informative_groups(experiences: list[Experience],
+                              group_size: int) -> tuple[list[Experience], list[Experience]]:
+    """Splits each experience into its informative groups and the rest (equal rewards)."""
+    kept, rest = [], []
+    for exp in experiences:
+        mask = informative_groups(exp.info["reward"], group_size)
+        if mask.any():
+            kept.append(select_rows(exp, _group_rows(mask.nonzero().squeeze(1), group_size)))
+        if not mask.all():
+            rest.append(select_rows(exp, _group_rows((~mask).nonzero().squeeze(1), group_size)))
+    return kept, rest
+
+
+def fill_to_size(kept: list[Experience], fallback: list[Experience], target: int,
+                 group_size: int) -> list[Experience]:
+    """Exactly `target` samples: the kept ones (whole groups, truncated if over), topped up with
+    groups of `fallback` (the uninformative ones) when sampling rounds ran out. Every rank must train on the same
+    number of samples, so a short batch is filled rather than left short."""
+    out, have = [], 0
+    for exp in kept + fallback:
+        if have >= target:
+            break
+        take = min(exp.batch_size, target - have)
+        take -= take % group_size
+        if take <= 0:
+            continue
+        out.append(select_rows(exp, torch.arange(take)) if take < exp.batch_size else exp)
+        have += take
+    return out

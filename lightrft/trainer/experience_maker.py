@@ -1,0 +1,245 @@
+"""Turns prompts into training experience: generate, score, forward, KL, advantages.
+
+One call of `make_experience_list` handles this rank's share of a rollout batch:
+
+    prompts --RolloutEngine.generate--> sequences, action_mask, rollout log-probs     (B, T) / (B, A)
+            --reward sources----------> scores                                        (B,)
+            --actor / reference / critic forwards, micro-batched--> log-probs, values  (B, A)
+            --KL (in the reward or left for the loss) + advantage estimator--> advantages, returns
+
+The B = prompts x G samples of one prompt are contiguous rows, so group estimators (GRPO, RLOO)
+see each group whole on one rank.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightrft.algorithms.advantages import AdvantageInputs, get_advantage_estimator
+from lightrft.algorithms.kl import compute_approx_kl
+from lightrft.algorithms.masked import masked_mean
+from lightrft.rollout.base import RolloutOutput, SamplingParams
+from lightrft.trainer.experience import Experience
+
+
+@dataclass
+class RewardBatch:
+    scores: Tensor   # (B,) float32 combined score per sample
+    valid: Tensor    # (B,) bool; False where a reward source failed and dropped the sample
+
+
+def _pad_right(x: Tensor, width: int, value=0) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.size(1)), value=value)
+
+
+def concat_rollouts(parts: list[RolloutOutput], pad_token_id: int) -> RolloutOutput:
+    """Concatenates rollouts of different prompt and response widths along the batch.
+
+    Prompts are left-padded to the widest prompt and responses right-padded to the longest
+    response, keeping the layout `sequences[:, -A:]` = responses."""
+    if len(parts) == 1:
+        return parts[0]
+    prompt_width = max(p.prompt_len for p in parts)
+    width = max(p.action_mask.size(1) for p in parts)
+    seqs, masks, action_masks, logps = [], [], [], []
+    for p in parts:
+        a = p.action_mask.size(1)
+        left = prompt_width - p.prompt_len
+        prompt, response = p.sequences[:, :-a] if a else p.sequences, p.sequences[:, -a:] if a else p.sequences[:, :0]
+        prompt_mask, response_mask = p.attention_mask[:, :-a] if a else p.attention_mask, \
+            p.attention_mask[:, -a:] if a else p.attention_mask[:, :0]
+        prompt = torch.nn.functional.pad(prompt, (left, 0), value=pad_token_id)
+        prompt_mask = torch.nn.functional.pad(prompt_mask, (left, 0), value=0)
+        seqs.append(torch.cat([prompt, _pad_right(response, width, pad_token_id)], dim=1))
+        masks.append(torch.cat([prompt_mask, _pad_right(response_mask, width, 0)], dim=1))
+        action_masks.append(_pad_right(p.action_mask, width, 0))
+        logps.append(_pad_right(p.rollout_log_probs, width, 0.0))
+    return RolloutOutput(sequences=torch.cat(seqs), attention_mask=torch.cat(masks),
+                         action_mask=torch.cat(action_masks), rollout_log_probs=torch.cat(logps),
+                         prompt_len=prompt_width)
+
+
+class NaiveExperienceMaker:
+    """Makes Experiences on each rank with a colocated rollout engine.
+
+    Models may be DeepSpeed engines or plain modules; `critic`, `reward_model` and `initial_model`
+    may be None (critic-free methods, reward from `remote_rm_url` sources, no KL). `reward_model`
+    may be a list of models; `reward_fn` combines the (K, B) scores of all reward sources into (B,)
+    and defaults to their sum."""
+
+    def __init__(self, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
+                 kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
+                 rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
+                 kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = 1.0,
+                 lambd: float = 1.0, micro_rollout_batch_size: int = 8, reward_sources: Sequence = (),
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0):
+        self.actor = actor
+        self.critic = critic
+        self.reward_models = [] if reward_model is None else (
+            list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
+        self.initial_model = initial_model
+        self.tokenizer = tokenizer
+        self.prompt_max_len = prompt_max_len
+        self.kl_ctl = kl_controller
+        self.strategy = strategy
+        self.reward_fn = reward_fn
+        self.engine = rollout_engine
+        self.estimator = get_advantage_estimator(advantage_estimator)
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.kl_estimator = kl_estimator
+        self.use_kl_loss = use_kl_loss
+        self.gamma = gamma
+        self.lambd = lambd
+        self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.reward_sources = list(reward_sources)
+        if remote_rm_url:
+            from lightrft.rewards import make_reward_source
+
+            specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
+            self.reward_sources += [make_reward_source(spec.strip()) for spec in specs if spec.strip()]
+        if not self.reward_models and not self.reward_sources:
+            raise ValueError("no reward: pass --reward_pretrain (a reward model) or --remote_rm_url "
+                             "(an http(s) URL, a .py file defining reward_func, or a builtin rule name)")
+        self.overlong_buffer_len = overlong_buffer_len
+        self.overlong_penalty_factor = overlong_penalty_factor
+        self.seed = seed
+        self.calls = 0
+
+    # ----------------------------------------------------------------------------------- generate
+    def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
+        ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        # Keep the end of an over-long prompt: the question is usually last. Datasets reject or
+        # skip such rows earlier unless the user asked for truncation.
+        return [row[-self.prompt_max_len:] for row in ids]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], params: SamplingParams) -> RolloutOutput:
+        """Samples `params.n` responses per prompt with the rollout engine, in chunks."""
+        prompt_ids = self.tokenize_prompts(prompts)
+        chunk = max(1, self.micro_rollout_batch_size // max(params.n, 1))
+        parts = [self.engine.generate(prompt_ids[i:i + chunk], params) for i in range(0, len(prompt_ids), chunk)]
+        return concat_rollouts(parts, self.tokenizer.pad_token_id)
+
+    def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
+        """SamplingParams from generate kwargs; the seed differs per rank and per call."""
+        self.calls += 1
+        seed = self.seed + 1_000_003 * self.strategy.rank + self.calls
+        return SamplingParams(temperature=generate_kwargs.get("temperature", 1.0),
+                              top_p=generate_kwargs.get("top_p", 1.0), top_k=generate_kwargs.get("top_k", 0),
+                              max_new_tokens=generate_kwargs.get("max_new_tokens", 64),
+                              min_new_tokens=generate_kwargs.get("min_new_tokens", 0),
+                              n=self.n_samples_per_prompt if n is None else n, seed=seed)
+
+    # ------------------------------------------------------------------------------------ rewards
+    def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
+        """Query texts (prompt + response) and the prompt of each sample, for text reward sources."""
+        a = rollout.action_mask.size(1)
+        responses = []
+        for row, mask in zip(rollout.sequences[:, -a:] if a else rollout.sequences[:, :0], rollout.action_mask):
+            tokens = row[mask.bool()].tolist()
+            responses.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        sample_prompts = [p for p in prompts for _ in range(n)]
+        return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
+
+    @torch.no_grad()
+    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int) -> RewardBatch:
+        """Scores every sample with every reward source and combines them with `reward_fn`."""
+        batch = rollout.sequences.size(0)
+        columns, valid = [], torch.ones(batch, dtype=torch.bool)
+        for model in self.reward_models:
+            scores = []
+            for i in range(0, batch, self.micro_rollout_batch_size):
+                sl = slice(i, i + self.micro_rollout_batch_size)
+                seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
+                scores.append(model(seq, attention_mask=mask).float().cpu())
+            columns.append(torch.cat(scores))
+        if self.reward_sources:
+            queries, sample_prompts = self.decode(rollout, prompts, n)
+            sample_labels = [lab for lab in (labels if labels is not None else [None] * len(prompts))
+                             for _ in range(n)]
+            for source in self.reward_sources:
+                result = source(queries, sample_prompts, sample_labels)
+                if hasattr(result, "valid"):
+                    valid &= result.valid.cpu().bool()
+                    result = result.rewards
+                columns.append(torch.as_tensor(result, dtype=torch.float32).cpu().reshape(batch))
+        stacked = torch.stack(columns)                                     # (K, B)
+        scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
+        scores = torch.where(valid, scores, torch.zeros_like(scores))
+        if self.overlong_buffer_len > 0:
+            from lightrft.rewards.shaping import overlong_penalty
+
+            scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), rollout.action_mask.size(1),
+                                               self.overlong_buffer_len, self.overlong_penalty_factor)
+        return RewardBatch(scores=scores.float(), valid=valid)
+
+    # ----------------------------------------------------------------------------------- forwards
+    def _to_device(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.to(self.strategy.device) for t in tensors)
+
+    @torch.no_grad()
+    def _forward_all(self, model, rollout: RolloutOutput, kind: str) -> Tensor:
+        """Runs `model` over the rollout in micro-batches. Shape: (B, A)."""
+        a = rollout.action_mask.size(1)
+        outs = []
+        for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
+            sl = slice(i, i + self.micro_rollout_batch_size)
+            seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
+            outs.append(model(seq, a, attention_mask=mask).float().cpu())
+        return torch.cat(outs) * rollout.action_mask.to(torch.float32)
+
+    # -------------------------------------------------------------------------------- experience
+    @torch.no_grad()
+    def make_experience_list(self, prompts: list[str], labels: Optional[list] = None,
+                             **generate_kwargs) -> list[Experience]:
+        """This rank's experience for `prompts` (G samples each), as one padded Experience per
+        micro-rollout batch. `generate_kwargs`: temperature, top_p, top_k, max_new_tokens."""
+        for model in (self.actor, self.critic, self.initial_model, *self.reward_models):
+            if model is not None:
+                model.eval()
+        params = self.sampling_params(**generate_kwargs)
+        rollout = self.generate(list(prompts), params)
+        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n)
+        return self.experience_from_rollout(rollout, rewards, params.n)
+
+    @torch.no_grad()
+    def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
+        action_mask = rollout.action_mask.bool()
+        mask_f = action_mask.float()
+        action_log_probs = self._forward_all(self.actor, rollout, "actor")
+        base_log_probs = (self._forward_all(self.initial_model, rollout, "reference")
+                          if self.initial_model is not None else None)
+        values = self._forward_all(self.critic, rollout, "critic") if self.critic is not None else None
+
+        kl = None
+        if base_log_probs is not None:
+            kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, kl_estimator=self.kl_estimator)
+        # KL enters the reward (per token, -beta * kl) unless it is a separate loss term.
+        kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
+        token_rewards = -kl_coef * (kl if kl is not None else torch.zeros_like(mask_f))
+        last = (action_mask.sum(dim=1) - 1).clamp(min=0)                  # (B,) index of last action
+        token_rewards[torch.arange(len(last)), last] += rewards.scores
+        token_rewards = token_rewards * mask_f
+
+        outputs = self.estimator.fn(AdvantageInputs(
+            action_mask=mask_f, scores=rewards.scores, token_rewards=token_rewards, values=values,
+            group_size=n, gamma=self.gamma, lambd=self.lambd))
+        # A sample whose reward source failed under the "drop" policy keeps its place (every rank
+        # must run the same number of micro-batches) but gets no advantage, so it moves nothing.
+        keep = rewards.valid.float().unsqueeze(1)
+        info = {
+            "reward": rewards.scores,
+            "response_length": mask_f.sum(dim=1),
+            "total_length": rollout.attention_mask.float().sum(dim=1),
+            "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(rewards.scores),
+            "valid": rewards.valid.float(),
+        }
+        exp = Experience(
+            sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=action_mask,
+            num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
+            advantages=outputs.advantages * keep, returns=outputs.returns,
+            base_action_log_probs=base_log_probs, rollout_log_probs=rollout.rollout_log_probs.float(),
+            values=values, kl=kl, info=info)
+        return [exp]

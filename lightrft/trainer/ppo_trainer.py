@@ -1,0 +1,493 @@
+"""PPOTrainer: the PPO / GRPO / REINFORCE++ / RLOO loop.
+
+One step = one rollout batch: generate and score on every rank, put the experience in the
+replay buffer, run `max_epochs` passes of micro-batches through the policy (and value) loss,
+update the KL controller, log, and save when due. `fit` reads top to bottom; everything it calls
+is a small method meant to be overridden by research code.
+"""
+
+import math
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from lightrft.algorithms.advantages import get_advantage_estimator
+from lightrft.algorithms.aggregation import aggregate_loss
+from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
+from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
+from lightrft.rollout.hf_engine import HFEngine
+from lightrft.trainer.callbacks import CallbackList
+from lightrft.trainer.checkpoint import (check_resume_options, gather_rng_states,
+                                         restore_rank_rng_state)
+from lightrft.trainer.experience import Experience
+from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
+from lightrft.trainer.experience_maker import NaiveExperienceMaker
+from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Algorithm options beyond the classic PPO constructor arguments (see docs/algorithms.md)."""
+
+    advantage_estimator: str = "gae"
+    n_samples_per_prompt: int = 1
+    policy_loss: str = "ppo"
+    loss_agg_mode: str = "token-mean"
+    eps_clip_low_high: Optional[tuple[float, float]] = None
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
+    kl_estimator: str = "k1"
+    use_kl_loss: bool = False
+    entropy_coef: float = 0.0
+    aux_loss_coef: float = 0.0
+    gamma: float = 1.0
+    lambd: float = 0.95
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    freezing_actor_steps: int = -1
+    norm_len: Optional[int] = None          # length constant of seq-mean-token-sum-norm
+
+
+# Options that define the experiment: resuming with a different value is an error.
+PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
+                  "train_batch_size", "micro_train_batch_size", "policy_loss", "loss_agg_mode",
+                  "kl_estimator", "use_kl_loss", "seed", "prompt_data", "max_epochs")
+
+
+class PreemptionFlag:
+    """Records SIGTERM / SIGUSR1 so the loop can save and exit at its next safe point."""
+
+    def __init__(self):
+        self.raised = False
+        self.received_at = None
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+        self.received_at = time.time()
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class PPOTrainer:
+    """Trains `actor` with PPO-family updates. `critic=None` selects a critic-free method.
+
+    Models are DeepSpeed engines from `strategy.prepare` (or plain modules for frozen ones).
+    `reward_model` may be a list, combined by `reward_fn` ((K, B) -> (B,)); `remote_rm_url` adds
+    HTTP reward servers, reward files and builtin rules. `generate_kwargs` (temperature, top_p,
+    top_k, max_new_tokens) are the rollout sampling parameters. `reward_sources` takes ready-made
+    reward sources (objects with `__call__(queries, prompts, labels)`); `packing_samples` packs the
+    training micro-batches."""
+
+    def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
+                 critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
+                 init_kl_coef: float = 0.001, kl_target: Optional[float] = None, kl_horizon: int = 10000,
+                 ptx_coef: float = 0, micro_train_batch_size: int = 8, buffer_limit: int = 0,
+                 buffer_cpu_offload: bool = True, eps_clip: float = 0.2, value_clip: float = 0.2,
+                 micro_rollout_batch_size: int = 8, gradient_checkpointing: bool = False,
+                 max_epochs: int = 1, max_norm: float = 1.0, tokenizer=None, prompt_max_len: int = 128,
+                 dataloader_pin_memory: bool = True, remote_rm_url=None, reward_fn=None,
+                 save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False, *,
+                 algo: Optional[AlgorithmConfig] = None, rollout_engine=None, reward_sources: Sequence = (),
+                 packing_samples: bool = False, callbacks: Sequence = (), tracker=None,
+                 eval_generate_kwargs: Optional[dict] = None, **generate_kwargs):
+        self.strategy = strategy
+        self.actor, self.critic = actor, critic
+        self.reward_model, self.initial_model, self.ema_model = reward_model, initial_model, ema_model
+        self.actor_optim, self.critic_optim = actor_optim, critic_optim
+        self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
+        self.ema_beta = ema_beta
+        self.ptx_coef = ptx_coef
+        self.micro_train_batch_size = micro_train_batch_size
+        self.max_epochs = max_epochs
+        self.max_norm = max_norm
+        self.tokenizer = tokenizer
+        self.prompt_max_len = prompt_max_len
+        self.dataloader_pin_memory = dataloader_pin_memory
+        self.save_hf_ckpt = save_hf_ckpt
+        self.disable_ds_ckpt = disable_ds_ckpt
+        self.gradient_checkpointing = gradient_checkpointing
+        self.algo = algo or AlgorithmConfig()
+        self.generate_kwargs = generate_kwargs
+        self.eval_generate_kwargs = eval_generate_kwargs or {}
+        self.callbacks = CallbackList(callbacks)
+        self.tracker = tracker
+        self.init_kl_coef = init_kl_coef
+
+        estimator = get_advantage_estimator(self.algo.advantage_estimator)
+        if estimator.needs_critic and critic is None:
+            raise ValueError(f"--advantage_estimator {self.algo.advantage_estimator} needs a critic: pass "
+                             "--critic_pretrain, or pick a critic-free estimator such as group_norm or reinforce++")
+        self.normalize_advantages_globally = estimator.normalize_globally
+
+        self.kl_ctl = (AdaptiveKLController(init_kl_coef, kl_target, kl_horizon) if kl_target
+                       else FixedKLController(init_kl_coef))
+        eps_low, eps_high = self.algo.eps_clip_low_high or (eps_clip, eps_clip)
+        self.actor_loss_fn = PolicyLoss(eps_clip, policy_loss=self.algo.policy_loss,
+                                        eps_clip_low_high=(eps_low, eps_high), dual_clip=self.algo.dual_clip,
+                                        loss_agg_mode=self.algo.loss_agg_mode, tis_cap=self.algo.tis_cap)
+        self.critic_loss_fn = ValueLoss(value_clip, loss_agg_mode=self.algo.loss_agg_mode)
+        self.ptx_loss_fn = GPTLMLoss()
+
+        if rollout_engine is None:
+            module = strategy.unwrap_model(actor)
+            rollout_engine = HFEngine(module.model, pad_token_id=tokenizer.pad_token_id,
+                                      eos_token_id=tokenizer.eos_token_id,
+                                      synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
+        self.rollout_engine = rollout_engine
+        self.experience_maker = NaiveExperienceMaker(
+            actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
+            remote_rm_url, reward_fn, rollout_engine=rollout_engine, reward_sources=reward_sources,
+            advantage_estimator=self.algo.advantage_estimator, n_samples_per_prompt=self.algo.n_samples_per_prompt,
+            kl_estimator=self.algo.kl_estimator, use_kl_loss=self.algo.use_kl_loss, gamma=self.algo.gamma,
+            lambd=self.algo.lambd, micro_rollout_batch_size=micro_rollout_batch_size,
+            overlong_buffer_len=self.algo.overlong_buffer_len,
+            overlong_penalty_factor=self.algo.overlong_penalty_factor, seed=strategy.config.seed)
+        self.replay_buffer = NaiveReplayBuffer(micro_train_batch_size, buffer_limit, buffer_cpu_offload,
+                                               packing_samples=packing_samples,
+                                               pad_token_id=tokenizer.pad_token_id)
+        self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
+        self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
+        self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
+        self.preemption = PreemptionFlag()
+        self.stop_reason = None
+
+    # ====================================================================================== fit
+    def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
+            num_update_steps_per_episodes: int = 1, eval_dataloader=None) -> None:
+        """Runs `args.num_episodes` passes over the prompts (resuming after `consumed_samples`)."""
+        self.args = args
+        self.prompts_dataloader = prompts_dataloader
+        self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
+        self.consumed_samples = consumed_samples
+        batches_per_episode = len(prompts_dataloader.dataset) // args.rollout_batch_size
+        total_steps = batches_per_episode * args.num_episodes
+        prompt_batches = self._prompt_batches(args, prompts_dataloader, batches_per_episode)
+        self.preemption.install()
+        self.callbacks.on_train_begin(self)
+        bar = tqdm(total=total_steps, initial=self.global_step, desc="PPO steps",
+                   disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
+        try:
+            while True:
+                # 1. Rollout: generate, score and forward (refilling dropped groups if asked).
+                started = time.time()
+                experiences = self.make_experience(prompt_batches)
+                if experiences is None:
+                    break
+                rollout_time = time.time() - started
+                self.callbacks.on_rollout_end(self, experiences)
+                # 2. Replay buffer, with global advantage whitening where the estimator needs it.
+                for experience in experiences:
+                    self.replay_buffer.append(experience)
+                if self.normalize_advantages_globally:
+                    self.replay_buffer.normalize("advantages", self.strategy)
+                rollout_logs = self.rollout_metrics()
+                # 3. Optimise: epochs x micro-batches.
+                started = time.time()
+                train_logs = self.ppo_train(self.global_step)
+                train_time = time.time() - started
+                self.replay_buffer.clear()
+                # 4. KL controller follows the observed KL (adaptive) or stays fixed.
+                self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
+                                   args.rollout_batch_size * self.algo.n_samples_per_prompt)
+                self.global_step += 1
+                bar.update(1)
+                bar.set_postfix(reward=f"{rollout_logs.get('rollout/reward', float('nan')):.3f}")
+                # 5. Logs, evaluation, checkpoints; stop early on preemption.
+                logs = {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value,
+                        "perf/rollout_time": rollout_time, "perf/train_time": train_time,
+                        "perf/samples_per_sec": args.rollout_batch_size * self.algo.n_samples_per_prompt
+                        / max(rollout_time + train_time, 1e-9)}
+                self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
+                if self.preempted():
+                    self.stop_reason = "preempted"
+                    self.save_checkpoint(args, final=False)
+                    break
+        finally:
+            bar.close()
+            self.preemption.restore()
+        self.callbacks.on_train_end(self)
+
+    # ============================================================================ rollout phase
+    def _prompt_batches(self, args, dataloader, batches_per_episode: int):
+        """Yields (prompts, labels) from where `consumed_samples` left off, episode after episode."""
+        per_episode = batches_per_episode * args.rollout_batch_size
+        start_episode, consumed_in_episode = divmod(self.consumed_samples, per_episode)
+        for episode in range(start_episode, args.num_episodes):
+            dataloader.sampler.set_epoch(episode, consumed_samples=consumed_in_episode if episode == start_episode else 0)
+            for prompts, labels in dataloader:
+                self.consumed_samples += args.rollout_batch_size
+                yield list(prompts), list(labels)
+
+    def make_experience(self, prompt_batches) -> Optional[list[Experience]]:
+        """One rollout batch of experience; None when the prompts are exhausted.
+
+        With dynamic sampling (DAPO), groups whose rewards are all equal carry no GRPO signal:
+        they are dropped and more prompts are drawn, up to `max_sampling_rounds` batches."""
+        batch = next(prompt_batches, None)
+        if batch is None:
+            return None
+        experiences = self.experience_maker.make_experience_list(batch[0], batch[1], **self.generate_kwargs)
+        if not self.algo.dynamic_sampling:
+            return experiences
+        target = len(batch[0]) * self.algo.n_samples_per_prompt
+        kept, rest = filter_informative_groups(experiences, self.algo.n_samples_per_prompt)
+        rounds = 1
+        # Every rank draws the same number of extra batches so collective calls stay matched.
+        while rounds < self.algo.max_sampling_rounds and self._any_rank_short(kept, target):
+            more = next(prompt_batches, None)
+            if more is None:
+                break
+            extra = self.experience_maker.make_experience_list(more[0], more[1], **self.generate_kwargs)
+            new_kept, new_rest = filter_informative_groups(extra, self.algo.n_samples_per_prompt)
+            kept, rest, rounds = kept + new_kept, rest + new_rest, rounds + 1
+        self.counters["dropped_groups"] += sum(e.batch_size for e in rest) // self.algo.n_samples_per_prompt
+        self.counters["sampling_rounds"] += rounds
+        return fill_to_size(kept, rest, target, self.algo.n_samples_per_prompt)
+
+    def _any_rank_short(self, kept: list[Experience], target: int) -> bool:
+        have = sum(e.batch_size for e in kept)
+        short = torch.tensor([1.0 if have < target else 0.0])
+        return self.strategy.all_reduce(short, op="max").item() > 0
+
+    def rollout_metrics(self) -> dict[str, float]:
+        means = self.replay_buffer.mean_info(self.strategy)
+        return {f"rollout/{k}": v for k, v in means.items()}
+
+    # =========================================================================== training phase
+    def ppo_train(self, global_steps: int) -> dict[str, float]:
+        """`max_epochs` passes over the replay buffer; returns train/* metrics averaged over steps."""
+        grad_accum = self.strategy.accumulated_gradient
+        generator = torch.Generator().manual_seed(self.strategy.config.seed * 7919 + global_steps)
+        dataloader = DataLoader(self.replay_buffer, batch_size=self.micro_train_batch_size, shuffle=True,
+                                drop_last=True, collate_fn=self.replay_buffer.collate_fn,
+                                pin_memory=self.dataloader_pin_memory and torch.cuda.is_available(),
+                                generator=generator)
+        step_metrics = []
+        for epoch in range(self.max_epochs):
+            micro_batches = list(dataloader)
+            for start in range(0, len(micro_batches), grad_accum):
+                group = micro_batches[start:start + grad_accum]
+                counts = self.global_counts(group)
+                metrics = [self.training_step(exp, global_steps, counts) for exp in group]
+                step_metrics.append(self.reduce_step_metrics(metrics))
+                self.callbacks.on_step_end(self, step_metrics[-1])
+        if not step_metrics:
+            return {}
+        return {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+
+    def global_counts(self, group: list[Experience]) -> dict[str, float]:
+        """Action tokens and sequences of one optimizer step over all ranks (one all-reduce): the
+        normalisers that make the loss independent of how the batch is split."""
+        local = torch.tensor([sum(float(e.action_mask.sum()) for e in group),
+                              sum(float(e.batch_size) for e in group)], dtype=torch.float64)
+        tokens, seqs = self.strategy.all_reduce(local, op="sum").tolist()
+        return {"tokens": tokens, "seqs": seqs}
+
+    def loss_scale(self) -> float:
+        """DeepSpeed averages gradients over ranks and divides the loss by the accumulation steps;
+        a loss already normalised by global counts is multiplied back so the summed gradient of all
+        micro-batches is the gradient of the whole-batch loss."""
+        return float(self.strategy.world_size * self.strategy.accumulated_gradient)
+
+    def training_step(self, experience: Experience, global_steps: int, counts: dict) -> dict:
+        experience = experience.to(self.strategy.device)
+        metrics = {}
+        if global_steps > self.algo.freezing_actor_steps:
+            metrics.update(self.training_step_actor(experience, counts))
+        if self.critic is not None:
+            metrics.update(self.training_step_critic(experience, counts))
+        return metrics
+
+    def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
+        return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
+                     return_output=True, packed_seq_lens=experience.packed_seq_lens,
+                     return_entropy=return_entropy)
+
+    def training_step_actor(self, experience: Experience, counts: dict) -> dict:
+        self.actor.train()
+        mask = experience.action_mask
+        log_probs, output = self._actor_forward(self.actor, experience, return_entropy=self.algo.entropy_coef != 0)
+        agg = dict(global_num_tokens=counts["tokens"], global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len)
+        policy_loss, metrics = self.actor_loss_fn(log_probs, experience.action_log_probs, experience.advantages,
+                                                  action_mask=mask, rollout_log_probs=experience.rollout_log_probs,
+                                                  return_metrics=True, **agg)
+        loss = policy_loss
+        if self.algo.use_kl_loss and experience.base_action_log_probs is not None:
+            kl = compute_approx_kl(log_probs, experience.base_action_log_probs, mask,
+                                   kl_estimator=self.algo.kl_estimator)
+            kl_loss = aggregate_loss(kl, mask.float(), self.algo.loss_agg_mode, counts["tokens"], counts["seqs"],
+                                     self.algo.norm_len)
+            loss = loss + self.kl_ctl.value * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        if self.algo.entropy_coef != 0:
+            entropy = aggregate_loss(output["entropy"], mask.float(), self.algo.loss_agg_mode, counts["tokens"],
+                                     counts["seqs"], self.algo.norm_len)
+            loss = loss - self.algo.entropy_coef * entropy
+            metrics["entropy"] = entropy.detach()
+        aux_loss = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+        if self.algo.aux_loss_coef and aux_loss is not None:
+            # The MoE load-balancing loss is already a per-rank mean: scale it like one.
+            loss = loss + self.algo.aux_loss_coef * aux_loss / self.loss_scale()
+        self.strategy.backward(loss * self.loss_scale(), self.actor, self.actor_optim)
+        if self.pretrain_iter is not None and self.ptx_coef > 0:
+            metrics["ptx_loss"] = self.ptx_step()
+        self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler)
+        if self.ema_model is not None:
+            self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta)
+        metrics["policy_loss"] = policy_loss.detach()
+        metrics["actor_lr"] = torch.tensor(self._current_lr(self.actor_scheduler))
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def ptx_step(self) -> torch.Tensor:
+        """One language-modelling micro-batch from the pretraining data, weighted by ptx_coef
+        (InstructGPT's PPO-ptx objective)."""
+        input_ids, attention_mask, labels = (t.to(self.strategy.device) for t in next(self.pretrain_iter))
+        module = self.strategy.unwrap_model(self.actor)
+        logits = module.model(input_ids=input_ids, attention_mask=attention_mask).logits
+        ptx_loss = self.ptx_loss_fn(logits, labels)
+        self.strategy.backward(self.ptx_coef * ptx_loss, self.actor, self.actor_optim)
+        return ptx_loss.detach()
+
+    def training_step_critic(self, experience: Experience, counts: dict) -> dict:
+        self.critic.train()
+        values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
+                             packed_seq_lens=experience.packed_seq_lens)
+        loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
+                                            action_mask=experience.action_mask, global_num_tokens=counts["tokens"],
+                                            global_num_seqs=counts["seqs"], return_metrics=True)
+        self.strategy.backward(loss * self.loss_scale(), self.critic, self.critic_optim)
+        self.strategy.optimizer_step(self.critic_optim, self.critic, self.critic_scheduler)
+        metrics = {"critic_loss": loss.detach(), **metrics}
+        return {f"train/{k}": v for k, v in metrics.items()}
+
+    def reduce_step_metrics(self, micro_metrics: list[dict]) -> dict[str, float]:
+        """Averages one optimizer step's micro-batch metrics over micro-batches and ranks with a
+        single all-reduce (the only host sync of the step)."""
+        if not micro_metrics or not micro_metrics[0]:
+            return {}
+        keys = sorted(micro_metrics[0])
+        local = torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro_metrics]).mean() for k in keys])
+        reduced = self.strategy.all_reduce(local, op="mean").tolist()
+        return dict(zip(keys, reduced))
+
+    @staticmethod
+    def _current_lr(scheduler) -> float:
+        return scheduler.get_last_lr()[0] if scheduler is not None else float("nan")
+
+    @staticmethod
+    def _cycle(dataloader):
+        while True:
+            yield from dataloader
+
+    # ======================================================================= logs and checkpoints
+    def save_logs_and_checkpoints(self, args, global_step: int, step_bar, logs_dict: dict,
+                                  client_states: Optional[dict] = None, eval_dataloader=None) -> None:
+        logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()}}
+        if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
+            logs_dict.update(self.evaluate(eval_dataloader))
+        if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
+            self.tracker.log(logs_dict, step=global_step)
+        self.last_logs = logs_dict
+        if args.save_steps > 0 and global_step % args.save_steps == 0:
+            self.save_checkpoint(args, final=False)
+
+    def client_state(self) -> dict:
+        return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
+                "kl_ctl": self.kl_ctl.state_dict(), "rng": gather_rng_states(),
+                "rollout_calls": self.experience_maker.calls, "counters": dict(self.counters),
+                "options": {k: self._plain(getattr(self.args, k)) for k in PINNED_OPTIONS if hasattr(self.args, k)}}
+
+    @staticmethod
+    def _plain(value):
+        return list(value) if isinstance(value, tuple) else value
+
+    def save_checkpoint(self, args, final: bool = False) -> None:
+        """Writes a resumable checkpoint (critic first, then actor, whose `latest` pointer marks the
+        step as resumable) and optionally a Hugging Face export of the actor."""
+        tag = f"global_step{self.global_step}"
+        state = self.client_state()
+        if not self.disable_ds_ckpt:
+            if self.critic is not None:
+                self.strategy.save_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag, args.max_ckpt_num,
+                                        client_state={"global_step": self.global_step})
+            self.strategy.save_ckpt(self.actor, f"{args.ckpt_path}/_actor", tag, args.max_ckpt_num,
+                                    client_state=state)
+        if self.save_hf_ckpt or final:
+            self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{args.ckpt_path}/{tag}_hf")
+        self.callbacks.on_save(self, f"{args.ckpt_path}/_actor/{tag}")
+
+    def load_checkpoint(self, args, required: bool = True) -> int:
+        """Resumes weights, optimizer, scheduler, KL controller, counters and RNG from the newest
+        complete checkpoint in `args.ckpt_path`; returns the consumed prompt count (0 if none)."""
+        path, state = self.strategy.load_ckpt(self.actor, f"{args.ckpt_path}/_actor")
+        if path is None:
+            if required:
+                raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {args.ckpt_path}/_actor; "
+                                        "pass --load_checkpoint if_present to start fresh when none exists")
+            return 0
+        check_resume_options(state.get("options", {}),
+                             {k: self._plain(getattr(args, k)) for k in PINNED_OPTIONS if hasattr(args, k)}, path)
+        if self.critic is not None:
+            tag = f"global_step{state['global_step']}"
+            critic_path, _ = self.strategy.load_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag=tag)
+            if critic_path is None:
+                raise FileNotFoundError(f"the actor checkpoint {path} has no matching critic checkpoint {tag} under "
+                                        f"{args.ckpt_path}/_critic")
+        self.global_step = state["global_step"]
+        self.consumed_samples = state["consumed_samples"]
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.experience_maker.calls = state.get("rollout_calls", 0)
+        self.counters.update(state.get("counters", {}))
+        restore_rank_rng_state(state["rng"])
+        self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} prompts consumed")
+        return self.consumed_samples
+
+    def preempted(self) -> bool:
+        """True on every rank once any rank has received SIGTERM/SIGUSR1 (one all-reduce)."""
+        flag = torch.tensor([1.0 if self.preemption.raised else 0.0])
+        return self.strategy.all_reduce(flag, op="max").item() > 0
+
+    # ================================================================================ evaluation
+    @torch.no_grad()
+    def evaluate(self, eval_dataloader) -> dict[str, float]:
+        """Mean reward of greedy decoding, and pass@k over k samples when `eval_n_samples` > 1."""
+        maker = self.experience_maker
+        k = getattr(self.args, "eval_n_samples", 1)
+        greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
+        for prompts, labels in eval_dataloader:
+            prompts, labels = list(prompts), list(labels)
+            greedy = maker.sampling_params(n=1, **{**self.generate_kwargs, **self.eval_generate_kwargs,
+                                                   "temperature": 0.0})
+            rollout = maker.generate(prompts, greedy)
+            rewards = maker.compute_rewards(rollout, prompts, labels, 1).scores
+            greedy_sum += rewards.sum().item()
+            greedy_n += rewards.numel()
+            if k > 1:
+                params = maker.sampling_params(n=k, **{**self.generate_kwargs, **self.eval_generate_kwargs})
+                rollout = maker.generate(prompts, params)
+                scores = maker.compute_rewards(rollout, prompts, labels, k).scores.view(-1, k)
+                pass_sum += (scores > 0).any(dim=1).float().sum().item()
+                sample_sum += scores.mean(dim=1).sum().item()
+                prompts_n += scores.size(0)
+        totals = self.strategy.all_reduce(torch.tensor([greedy_sum, greedy_n, pass_sum, sample_sum, prompts_n],
+                                                       dtype=torch.float64), op="sum").tolist()
+        logs = {"eval/reward_greedy": totals[0] / max(totals[1], 1)}
+        if k > 1:
+            logs[f"eval/pass@{k}"] = totals[2] / max(totals[4], 1)
+            logs["eval/reward_mean"] = totals[3] / max(totals[4], 1)
+        return logs

@@ -1,0 +1,69 @@
+"""The replay buffer: rollout samples of this rank, served as padded or packed micro-batches."""
+
+import torch
+
+from lightrft.trainer.experience import Experience, Sample, collate_samples, split_experience
+
+
+class NaiveReplayBuffer(torch.utils.data.Dataset):
+    """Holds this rank's samples between rollout and training.
+
+    `sample_batch_size` is the micro-batch size a DataLoader over the buffer uses; `limit` caps the
+    number of samples kept (0: no cap, oldest dropped first); `cpu_offload` keeps samples on the CPU
+    until a micro-batch is built; `packing_samples` makes `collate_fn` pack micro-batches."""
+
+    def __init__(self, sample_batch_size: int, limit: int = 0, cpu_offload: bool = True,
+                 packing_samples: bool = False, pad_token_id: int = 0):
+        self.sample_batch_size = sample_batch_size
+        self.limit = limit
+        self.cpu_offload = cpu_offload
+        self.packing_samples = packing_samples
+        self.pad_token_id = pad_token_id
+        self.items: list[Sample] = []
+
+    def append(self, experience: Experience) -> None:
+        if self.cpu_offload:
+            experience = experience.to("cpu")
+        self.items.extend(split_experience(experience))
+        if self.limit > 0 and len(self.items) > self.limit:
+            self.items = self.items[len(self.items) - self.limit:]
+
+    def clear(self) -> None:
+        self.items = []
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.items[index]
+
+    def collate_fn(self, batch: list[Sample]) -> Experience:
+        return collate_samples(batch, self.pad_token_id, self.packing_samples)
+
+    def normalize(self, key: str, strategy, eps: float = 1e-8) -> None:
+        """Whitens `key` (e.g. "advantages") over the action tokens of every rank's buffer:
+        x <- (x - mean) / (std + eps), mean and std over the global batch (one all-reduce)."""
+        values = torch.cat([item.per_action[key] for item in self.items]).double()
+        stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
+        stats = strategy.all_reduce(stats, op="sum")
+        total, total_sq, count = stats.tolist()
+        if count == 0:
+            return
+        mean = total / count
+        var = max(total_sq / count - mean * mean, 0.0)
+        std = var ** 0.5
+        for item in self.items:
+            item.per_action[key] = ((item.per_action[key].double() - mean) / (std + eps)).to(
+                item.per_action[key].dtype)
+
+    def mean_info(self, strategy) -> dict[str, float]:
+        """Mean of every info field over all ranks' samples (one all-reduce)."""
+        if not self.items:
+            return {}
+        keys = sorted(self.items[0].info)
+        sums = torch.stack([torch.stack([item.info[k].double() for item in self.items]).sum() for k in keys])
+        stats = strategy.all_reduce(torch.cat([sums, torch.tensor([float(len(self.items))], dtype=torch.double)]),
+                                    op="sum")
+        count = stats[-1].item()
+        return {k: (stats[i] / count).item() for i, k in enumerate(keys)}
+
