@@ -8,6 +8,7 @@ downloaded: a path that does not exist is an error naming the path and the flag 
 import csv
 import json
 from pathlib import Path
+from typing import Sequence
 
 import datasets as hf_datasets
 import pyarrow.parquet as pq
@@ -39,6 +40,19 @@ def load_rows(path: str | Path, flag: str = "--dataset", split: str | None = Non
     if not rows:
         raise ValueError(f"{flag} {path}: the dataset has no rows")
     return rows
+
+
+def resolve_rows(rows_or_path: str | Path | Sequence[dict], source_name: str | None = None,
+                 max_samples: int | None = None) -> tuple[Sequence[dict], str]:
+    """The rows of a dataset argument (a path for `load_rows`, or rows already in memory) and the
+    source name used in error messages, cut to the first `max_samples` rows when given."""
+    if max_samples is not None and max_samples <= 0:
+        raise ValueError(f"--max_samples must be positive, got {max_samples}")
+    if isinstance(rows_or_path, (str, Path)):
+        rows, source = load_rows(rows_or_path), source_name or str(rows_or_path)
+    else:
+        rows, source = rows_or_path, source_name or "<rows>"
+    return (rows if max_samples is None else rows[:max_samples]), source
 
 
 def _read_jsonl(path: Path) -> list[dict]:

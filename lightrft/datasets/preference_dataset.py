@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightrft.datasets.chat import render_chat, require_chat_template, to_messages
-from lightrft.datasets.loaders import load_rows
+from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.padding import right_pad
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
 
@@ -54,7 +54,7 @@ class PreferenceDataset(Dataset):
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, prompt_key: str | None = None,
                  chosen_key: str = "chosen", rejected_key: str = "rejected", apply_chat_template: bool = False,
                  max_len: int = 2048, on_bad_row: str = "error", source_name: str | None = None,
-                 margin_key: str | None = None):
+                 margin_key: str | None = None, max_samples: int | None = None):
         if max_len < 2:
             raise ValueError(f"--max_len must be at least 2, got {max_len}")
         if apply_chat_template:
@@ -66,10 +66,7 @@ class PreferenceDataset(Dataset):
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.margin_key = margin_key
-        if isinstance(rows_or_path, (str, Path)):
-            source, rows = source_name or str(rows_or_path), load_rows(rows_or_path)
-        else:
-            source, rows = source_name or "<rows>", rows_or_path
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
         self.source = source
         self.pairs, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 

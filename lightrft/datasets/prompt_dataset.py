@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from torch.utils.data import Dataset
 
 from lightrft.datasets.chat import render_chat, require_chat_template, to_messages
-from lightrft.datasets.loaders import load_rows
+from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
 
 
@@ -19,7 +19,8 @@ class PromptDataset(Dataset):
     applied with the generation prompt; without it the string is used as is (after
     `input_template.format(text)` when given) and a list of messages is an error. `label_key` is
     optional (labels are then None). A prompt longer than `prompt_max_len` tokens is a bad row, or
-    keeps its last `prompt_max_len` tokens with `truncate_long_prompts=True`.
+    keeps its last `prompt_max_len` tokens with `truncate_long_prompts=True`. `max_samples` keeps
+    only the first rows.
 
     Items are `(prompt_text, label)` in row order; `collate_fn` turns a batch into
     `(list[str], list[label])`."""
@@ -27,7 +28,7 @@ class PromptDataset(Dataset):
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, input_key: str = "input",
                  label_key: str | None = None, apply_chat_template: bool = False, prompt_max_len: int = 1024,
                  on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
-                 truncate_long_prompts: bool = False):
+                 truncate_long_prompts: bool = False, max_samples: int | None = None):
         if prompt_max_len <= 0:
             raise ValueError(f"--prompt_max_len must be positive, got {prompt_max_len}")
         if input_template is not None and "{}" not in input_template:
@@ -41,11 +42,7 @@ class PromptDataset(Dataset):
         self.prompt_max_len = prompt_max_len
         self.input_template = input_template
         self.truncate_long_prompts = truncate_long_prompts
-        if isinstance(rows_or_path, (str, Path)):
-            source = source_name or str(rows_or_path)
-            rows = load_rows(rows_or_path)
-        else:
-            source, rows = source_name or "<rows>", rows_or_path
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
         self.source = source
         self.items, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 

@@ -15,9 +15,10 @@ import torch
 from torch.utils.data import Dataset
 
 from lightrft.datasets.chat import assistant_spans, require_chat_template, to_messages
-from lightrft.datasets.loaders import load_rows
+from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.padding import right_pad
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
+from lightrft.models.packing import pack_sequences
 
 IGNORE_INDEX = -100
 
@@ -63,7 +64,8 @@ class SFTDataset(Dataset):
 
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, input_key: str = "input",
                  output_key: str | None = "output", apply_chat_template: bool = False, max_len: int = 2048,
-                 on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None):
+                 on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
+                 max_samples: int | None = None):
         if max_len < 2:
             raise ValueError(f"--max_len must be at least 2, got {max_len}")
         if input_template is not None and "{}" not in input_template:
@@ -81,10 +83,7 @@ class SFTDataset(Dataset):
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.input_template = input_template
-        if isinstance(rows_or_path, (str, Path)):
-            source, rows = source_name or str(rows_or_path), load_rows(rows_or_path)
-        else:
-            source, rows = source_name or "<rows>", rows_or_path
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
         self.source = source
         self.samples, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 
@@ -161,8 +160,8 @@ def pad_sft_batch(batch: list[SFTSample], pad_token_id: int) -> SFTBatch:
 def pack_sft_batch(batch: list[SFTSample]) -> SFTBatch:
     """Concatenates samples into one row of P = sum of lengths tokens. Shape: (1, P); loss_mask (N, A)
     with A = max(len) - 1, row i left-aligned (the actor's packed layout)."""
-    seq_lens = [len(s.input_ids) for s in batch]
-    input_ids = torch.cat([s.input_ids for s in batch]).unsqueeze(0)  # (1, P)
+    packed = pack_sequences([s.input_ids for s in batch])
+    seq_lens, input_ids = packed.seq_lens, packed.input_ids  # (1, P)
     labels = torch.cat([s.labels for s in batch]).unsqueeze(0)  # (1, P)
     loss_mask = torch.zeros((len(batch), max(seq_lens) - 1), dtype=torch.bool)
     for i, sample in enumerate(batch):

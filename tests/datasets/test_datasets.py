@@ -215,3 +215,10 @@ def test_validate_rows_returns_valid_rows_and_report():
     assert valid == [rows[0]]
     assert [(e.row, e.field, e.kind) for e in report.errors] == [(1, "label", "missing"), (2, "input", "empty"),
                                                                   (3, "label", "null")]
+
+
+def test_max_samples_keeps_the_first_rows(tok):
+    rows = [{"input": str(i)} for i in range(5)]
+    assert [p for p, _ in PromptDataset(rows, tok, max_samples=2)] == ["0", "1"]
+    with pytest.raises(ValueError, match="--max_samples must be positive, got 0"):
+        SFTDataset([{"input": "a", "output": "b"}], tok, max_samples=0)
