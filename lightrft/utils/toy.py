@@ -35,3 +35,25 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: int = 4, batch_size: int = 64) -> float:
+    """Fraction of `rows` whose greedy response, stripped, equals row["output"] exactly, for a
+    Hugging Face folder holding a causal LM and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            enc = tokenizer([row["input"] for row in chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=False)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            correct += sum(text.strip() == row["output"] for text, row in zip(texts, chunk))
+    return correct / len(rows)
