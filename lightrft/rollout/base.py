@@ -1,0 +1,168 @@
+"""What every rollout engine takes and returns.
+
+An engine turns tokenised prompts into sampled responses plus the engine's own log-probabilities
+of the sampled tokens. The trainer only sees `RolloutOutput`, so the Hugging Face engine and the
+vLLM engine are interchangeable behind the `RolloutEngine` protocol.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses.
+
+    - `temperature == 0` means greedy decoding (log-probs are then reported at temperature 1).
+    - `top_k == 0` and `top_p == 1.0` switch those filters off.
+    - `n` samples are drawn per prompt; they are contiguous in the output (rows i*n ... i*n+n-1).
+    - `min_new_tokens` forbids end-of-sequence tokens before that many tokens were generated.
+    - `seed` seeds this call's sampling. Each rank must pass a different seed (for example
+      `base_seed + rank`) or all ranks draw the same samples for the same prompts. With `seed=None`
+      the engine draws a seed from torch's global generator, so a run seeded with
+      `torch.manual_seed` stays reproducible.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    n: int = 1
+    min_new_tokens: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 switches it off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 switches it off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RolloutOutput:
+    """Sampled sequences, prompts left-padded and responses right-padded.
+
+    B = number of prompts x n, with the n samples of a prompt contiguous. A is the longest
+    response in this batch. A response ends with its first end-of-sequence token (included in
+    `action_mask`); everything after it is padding with `action_mask == 0` and log-prob 0.
+    """
+
+    sequences: torch.Tensor  # (B, T) long, T = prompt_len + A
+    attention_mask: torch.Tensor  # (B, T) long, 1 on real prompt tokens and on response tokens
+    action_mask: torch.Tensor  # (B, A) bool, 1 on response tokens up to and including the first EOS
+    rollout_log_probs: torch.Tensor  # (B, A) float32, engine log-probs of the sampled tokens, 0 on padding
+    prompt_len: int  # length of the (left-padded) prompt part of `sequences`
+
+    @property
+    def num_actions(self) -> int:
+        """A, the width of the response part."""
+        return self.action_mask.shape[1]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """Tokens in each response, EOS included. Shape: (B,)."""
+        return self.action_mask.sum(dim=-1)
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """The response part of `sequences`. Shape: (B, A)."""
+        return self.sequences[:, self.prompt_len:]
+
+    @classmethod
+    def from_token_lists(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        log_probs: Sequence[Sequence[float]],
+        pad_token_id: int,
+        eos_token_ids: Iterable[int],
+    ) -> "RolloutOutput":
+        """Pads per-sample token lists into a `RolloutOutput`.
+
+        `prompts`, `responses` and `log_probs` hold one entry per sample (B entries, prompts
+        already repeated n times). A response is cut after its first EOS token; a response without
+        EOS was stopped by the length limit and keeps all its tokens.
+        """
+        if not len(prompts) == len(responses) == len(log_probs):
+            raise ValueError(
+                f"prompts, responses and log_probs must have one entry per sample, got "
+                f"{len(prompts)}, {len(responses)} and {len(log_probs)}"
+            )
+        eos = set(eos_token_ids)
+        cut_responses, cut_log_probs = [], []
+        for i, (resp, lp) in enumerate(zip(responses, log_probs)):
+            if len(resp) != len(lp):
+                raise ValueError(f"sample {i}: {len(resp)} response tokens but {len(lp)} log-probs")
+            end = next((j + 1 for j, tok in enumerate(resp) if tok in eos), len(resp))
+            cut_responses.append(list(resp[:end]))
+            cut_log_probs.append(list(lp[:end]))
+
+        batch = len(prompts)
+        prompt_len = max((len(p) for p in prompts), default=0)
+        num_actions = max((len(r) for r in cut_responses), default=0)
+        sequences = torch.full((batch, prompt_len + num_actions), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prompt_len + num_actions), dtype=torch.long)
+        action_mask = torch.zeros((batch, num_actions), dtype=torch.bool)
+        rollout_log_probs = torch.zeros((batch, num_actions), dtype=torch.float32)
+        for i, (prompt, resp, lp) in enumerate(zip(prompts, cut_responses, cut_log_probs)):
+            # Prompt right-aligned at prompt_len (left padding), response left-aligned after it.
+            start = prompt_len - len(prompt)
+            sequences[i, start:prompt_len] = torch.tensor(list(prompt), dtype=torch.long)
+            attention_mask[i, start:prompt_len] = 1
+            sequences[i, prompt_len:prompt_len + len(resp)] = torch.tensor(resp, dtype=torch.long)
+            attention_mask[i, prompt_len:prompt_len + len(resp)] = 1
+            action_mask[i, :len(resp)] = True
+            rollout_log_probs[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
+        return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses for the trainer.
+
+    `update_weights` receives `(name, tensor)` pairs named as in the Hugging Face model's
+    `named_parameters()`; it may be called several times per update with parts of the model (for
+    example one gathered ZeRO-3 layer at a time). `sleep` frees accelerator memory while the
+    trainer runs; `wake_up` brings it back before the next `generate`.
+    """
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        ...
+
+    def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        ...
+
+    def sleep(self) -> None:
+        ...
+
+    def wake_up(self) -> None:
+        ...
+
+
+def validate_prompts(prompt_token_ids: list[list[int]]) -> None:
+    """Raises a ValueError naming the first prompt that is not a non-empty list of token ids."""
+    if len(prompt_token_ids) == 0:
+        raise ValueError("generate() got no prompts: pass a non-empty list of token-id lists")
+    for i, prompt in enumerate(prompt_token_ids):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}; "
+                             "tokenise prompts before calling generate()")
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
