@@ -1,0 +1,163 @@
+"""serve_rm: a real HTTP server on 127.0.0.1 scoring with a real (tiny) RewardModel."""
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lightrft.cli.serve_rm import RewardScorer, build_server
+from lightrft.models import RewardModel
+from lightrft.utils.tiny import save_tiny_model
+from tests.conftest import REPO_ROOT, subprocess_env
+
+TEXTS = ["user: 2+2?\nassistant: 4", "hi", "a much longer text that needs padding in its batch", "x y z", "Q: ok"]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    """A reward-model folder: a tiny Qwen2 backbone with a seeded head, saved with its tokenizer and
+    normalisation statistics mean=0.25, std=2."""
+    root = tmp_path_factory.mktemp("serve_rm")
+    base = save_tiny_model(root / "base", seed=3)
+    torch.manual_seed(0)
+    model = RewardModel(base, init_value_head=True)
+    with torch.no_grad():
+        model.model.score.weight.normal_(0, 1.0)  # a large head so texts score far apart
+    model.set_normalization(0.25, 2.0)
+    model.save_pretrained(root / "rm", tokenizer=AutoTokenizer.from_pretrained(base))
+    return root / "rm"
+
+
+@pytest.fixture(scope="module")
+def direct_scores(rm_dir):
+    """Each text scored alone (no padding) straight through RewardModel, with EOS appended as in training."""
+    model = RewardModel(rm_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    with torch.no_grad():
+        return [model(torch.tensor([tokenizer(t)["input_ids"] + [tokenizer.eos_token_id]])).item() for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def server(rm_dir):
+    scorer = RewardScorer(RewardModel(rm_dir), AutoTokenizer.from_pretrained(rm_dir), batch_size=2, max_len=64)
+    srv = build_server(scorer, "127.0.0.1", 0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def post(url, body: bytes, path="/get_reward"):
+    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post_json(url, payload, path="/get_reward"):
+    return post(url, json.dumps(payload).encode(), path)
+
+
+def test_batch_scores_equal_direct_reward_model_scores(server, direct_scores):
+    # Five texts in batches of two: padding and batching must not change any score or the order.
+    assert min(abs(a - b) for i, a in enumerate(direct_scores) for b in direct_scores[i + 1:]) > 1e-3
+    status, reply = post_json(server, {"query": TEXTS, "prompts": ["p"] * 5, "labels": [None] * 5})
+    assert status == 200
+    assert reply["rewards"] == pytest.approx(direct_scores, abs=1e-5)
+    # Any POST path works, and "query" alone is enough.
+    status, reply = post_json(server, {"query": TEXTS[:1]}, path="/")
+    assert (status, reply["rewards"]) == (200, pytest.approx(direct_scores[:1], abs=1e-5))
+
+
+def test_long_queries_keep_their_last_tokens(server, rm_dir):
+    text = "y" * 100 + "tail"
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    ids = (tokenizer(text)["input_ids"] + [tokenizer.eos_token_id])[-64:]  # --max_len 64
+    with torch.no_grad():
+        expected = RewardModel(rm_dir)(torch.tensor([ids])).item()
+    assert post_json(server, {"query": [text]})[1]["rewards"] == pytest.approx([expected], abs=1e-5)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "the request body is not valid JSON"),
+    (b"[1, 2]", 400, "the request body must be a JSON object"),
+    (b'{"prompts": ["a"]}', 400, "missing field 'query'"),
+    (b'{"query": "just one string"}', 400, "field 'query' must be a list of strings, got str"),
+    (b'{"query": ["ok", 5]}', 400, "field 'query[1]' must be a string, got int"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+])
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, direct_scores, body, status, message):
+    got_status, reply = post(server, body)
+    assert got_status == status
+    assert message in reply["error"]
+    assert post_json(server, {"query": TEXTS[1:2]})[1]["rewards"] == pytest.approx(direct_scores[1:2], abs=1e-5)
+
+
+def test_missing_content_length_and_routes(server):
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/get_reward")
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]
+    conn.close()
+    with urllib.request.urlopen(server + "/health", timeout=30) as response:
+        assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(server + "/nope", timeout=30)
+    assert info.value.code == 404
+
+
+def test_empty_query_list_and_concurrent_clients(server, direct_scores):
+    assert post_json(server, {"query": []}) == (200, {"rewards": []})
+    results = [None] * 6
+
+    def client(i):
+        order = TEXTS[i % 5:] + TEXTS[:i % 5]
+        results[i] = (order, post_json(server, {"query": order})[1]["rewards"])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = dict(zip(TEXTS, direct_scores))
+    for order, rewards in results:
+        assert rewards == pytest.approx([expected[t] for t in order], abs=1e-5)
+
+
+def test_command_line_server_with_normalisation(rm_dir, direct_scores):
+    cmd = [sys.executable, "-m", "lightrft.cli.serve_rm", "--reward_pretrain", str(rm_dir), "--port", "0",
+           "--batch_size", "3", "--normalize_reward", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "http://127.0.0.1:" in line, proc.stderr.read() if proc.poll() is not None else line
+        url = line.split("http://")[1].split()[0]
+        status, reply = post_json("http://" + url, {"query": TEXTS})
+        # Saved statistics mean=0.25, std=2: served scores are (r - 0.25) / 2.
+        assert status == 200
+        assert reply["rewards"] == pytest.approx([(r - 0.25) / 2 for r in direct_scores], abs=1e-5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_command_line_rejects_bad_flags(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lightrft.cli.serve_rm", "--reward_pretrain", str(tmp_path),
+                           "--batch_size", "0"], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--batch_size must be positive, got 0" in proc.stderr
