@@ -44,7 +44,8 @@ class VLLMEngine:
     Args:
         model_path: Hugging Face folder (or hub name) of the actor's initial weights.
         pad_token_id, eos_token_id: as for `HFEngine`; EOS ends a response (kept in it).
-        seed: base seed; the engine seeds vLLM with `seed + rank` so ranks sample differently.
+        seed: vLLM's seed. Pass a different one per rank (for example `base_seed + rank`) so ranks
+            draw different samples; `SamplingParams.seed` additionally seeds each request.
         gpu_memory_utilization: share of the GPU vLLM may take for weights and KV cache; the rest
             stays for the trainer's ZeRO shards.
         enable_sleep_mode: lets `sleep()` free the GPU memory while the trainer runs.
@@ -62,11 +63,11 @@ class VLLMEngine:
         self._vllm = vllm
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
-        rank, world_size = _rank_and_world_size()
+        world_size = _world_size()
         options = dict(
             model=model_path,
             tensor_parallel_size=1,
-            seed=seed + rank,
+            seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_sleep_mode=enable_sleep_mode,
             logprobs_mode="processed_logprobs",
@@ -127,7 +128,7 @@ class VLLMEngine:
             self._asleep = False
 
 
-def _rank_and_world_size() -> tuple[int, int]:
+def _world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+        return torch.distributed.get_world_size()
+    return 1
