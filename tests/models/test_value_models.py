@@ -1,0 +1,163 @@
+"""Critic and RewardModel: layouts, packed == padded, save/load, normalisation, clear errors."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lightrft.models import Critic, RewardModel
+
+from .conftest import make_batch
+
+ATOL = 1e-5
+
+
+def set_head(model, seed):
+    """A non-trivial head (fresh heads are ~N(0, 0.02) and give values near 0)."""
+    head = getattr(model.model, model.value_head_prefix)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)))
+
+
+def grads(module):
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_critic_from_causal_lm_folder_loads_the_backbone(tiny_dirs):
+    critic = Critic(tiny_dirs["qwen2"])
+    lm = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen2"])
+    assert not critic.head_loaded
+    backbone = critic.model.model.state_dict()
+    for name, weight in lm.model.state_dict().items():
+        assert torch.equal(backbone[name], weight), name
+    assert critic.model.score.weight.shape == (1, 64)
+    assert critic.model.score.bias is None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_critic_value_of_an_action_is_the_value_of_its_prefix(tiny_dirs, batch, arch):
+    """values[i, j] is the head at the token before action j: the same number as the last-position
+    value of that prefix run alone, without padding."""
+    critic = Critic(tiny_dirs[arch])
+    set_head(critic, seed=0)
+    values = critic(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    assert values.shape == (4, batch.num_actions) and values.dtype == torch.float32
+    for i, (p, r) in enumerate(zip(batch.prompt_lens, batch.response_lens)):
+        real = batch.sequences[i][batch.attention_mask[i].bool()]  # (p + r,)
+        for j in range(r):
+            prefix = real[: p + j].unsqueeze(0)  # state before action j
+            alone = critic.model(input_ids=prefix, use_cache=False)[0, -1]
+            torch.testing.assert_close(values[i, j], alone, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_critic_packed_equals_padded_values_and_gradients(tiny_dirs, batch, arch):
+    critic = Critic(tiny_dirs[arch])
+    set_head(critic, seed=1)
+    weights = torch.linspace(-1.0, 1.0, 4 * batch.num_actions).view(4, -1) * batch.action_mask()
+
+    padded = critic(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    (padded * weights).sum().backward()
+    padded_grads = grads(critic)
+    critic.zero_grad()
+    packed = critic(batch.packed_ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens)
+    (packed * weights).sum().backward()
+    packed_grads = grads(critic)
+
+    mask = batch.action_mask().bool()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=ATOL, rtol=0)
+    assert (packed[~mask] == 0).all()
+    assert "model.score.weight" in padded_grads
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+
+
+def test_critic_save_load_round_trip(tiny_dirs, batch, tmp_path):
+    critic = Critic(tiny_dirs["llama"], value_head_prefix="value_head")
+    set_head(critic, seed=2)
+    critic.save_pretrained(tmp_path / "critic")
+    assert json.loads((tmp_path / "critic" / "config.json").read_text())["value_head_prefix"] == "value_head"
+    loaded = Critic(tmp_path / "critic", value_head_prefix="value_head")
+    assert loaded.head_loaded
+    expected = critic(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    got = loaded(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert expected.abs().max() > 0.1  # the loaded head is the trained one, not a fresh ~0 head
+
+    with pytest.raises(ValueError, match="saved with value_head_prefix='value_head'.*--value_head_prefix value_head"):
+        Critic(tmp_path / "critic")
+
+
+@pytest.fixture
+def reward_dir(tiny_dirs, tmp_path):
+    rm = RewardModel(tiny_dirs["qwen2"], init_value_head=True)
+    set_head(rm, seed=3)
+    rm.save_pretrained(tmp_path / "rm")
+    return tmp_path / "rm"
+
+
+def test_reward_scores_ignore_left_and_right_padding(reward_dir, batch):
+    rm = RewardModel(reward_dir)
+    assert rm.head_loaded
+    scores = rm(batch.sequences, attention_mask=batch.attention_mask)
+    assert scores.shape == (4,) and scores.dtype == torch.float32
+    for i in range(4):
+        real = batch.sequences[i][batch.attention_mask[i].bool()].unsqueeze(0)  # unpadded (1, L)
+        torch.testing.assert_close(scores[i], rm(real)[0], atol=ATOL, rtol=0)
+    assert scores.std() > 1e-3  # different sequences, different scores
+    packed = rm(batch.packed_ids, packed_seq_lens=batch.packed_seq_lens)
+    torch.testing.assert_close(packed, scores, atol=ATOL, rtol=0)
+
+
+def test_reward_packed_gradients_equal_padded(tiny_dirs):
+    batch = make_batch([2, 5, 3], [3, 1, 4], seed=4)
+    rm = RewardModel(tiny_dirs["llama"], init_value_head=True)
+    set_head(rm, seed=4)
+    weights = torch.tensor([1.0, -2.0, 0.5])
+    (rm(batch.sequences, attention_mask=batch.attention_mask) * weights).sum().backward()
+    padded_grads = grads(rm)
+    rm.zero_grad()
+    (rm(batch.packed_ids, packed_seq_lens=batch.packed_seq_lens) * weights).sum().backward()
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(grads(rm)[name], grad, atol=ATOL, rtol=1e-4, msg=name)
+
+
+def test_reward_normalisation_on_known_numbers(reward_dir, batch, tmp_path):
+    rm = RewardModel(reward_dir, normalize_reward=True)
+    rm.model.score.weight.data.zero_()  # raw score exactly 0 for every sequence
+    rm.set_normalization(mean=0.5, std=2.0)
+    # (0 - 0.5) / 2.0 = -0.25
+    assert rm(batch.sequences, attention_mask=batch.attention_mask).tolist() == [-0.25] * 4
+
+    rm.save_pretrained(tmp_path / "normalised")
+    config = json.loads((tmp_path / "normalised" / "config.json").read_text())
+    assert (config["normalize_reward"], config["mean"], config["std"]) == (True, 0.5, 2.0)
+    reloaded = RewardModel(tmp_path / "normalised", normalize_reward=True)
+    assert reloaded(batch.sequences, attention_mask=batch.attention_mask).tolist() == [-0.25] * 4
+    raw = RewardModel(tmp_path / "normalised")  # normalisation off: raw scores
+    assert raw(batch.sequences, attention_mask=batch.attention_mask).tolist() == [0.0] * 4
+
+    with pytest.raises(ValueError, match="std > 0"):
+        rm.set_normalization(mean=0.0, std=0.0)
+
+
+def test_reward_model_folder_without_head_is_an_error(tiny_dirs):
+    with pytest.raises(ValueError, match=r"--reward_pretrain '.*qwen2' has no value-head weights 'score.weight'"):
+        RewardModel(tiny_dirs["qwen2"])
+
+
+def test_missing_value_model_paths_name_their_flag(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--critic_pretrain '.*nothing_here'"):
+        Critic(tmp_path / "nothing_here")
+    with pytest.raises(FileNotFoundError, match=r"--reward_pretrain '.*nothing_here'"):
+        RewardModel(tmp_path / "nothing_here")
+
+
+def test_given_module_needs_its_head(tiny_dirs):
+    lm = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen2"])
+    with pytest.raises(TypeError, match="no value head nn.Linear named 'score'"):
+        Critic(lm)
+    critic = Critic(tiny_dirs["qwen2"])
+    wrapped = Critic(critic.model)
+    assert wrapped.model is critic.model
