@@ -52,6 +52,8 @@ class AdvantageInputs:
             raise ValueError(f"--gamma must be in [0, 1]; got {self.gamma}")
         if not 0.0 <= self.lambd <= 1.0:
             raise ValueError(f"--lambd must be in [0, 1]; got {self.lambd}")
+        if not self.eps > 0.0:
+            raise ValueError(f"eps must be > 0 (it keeps groups of equal scores at advantage 0); got {self.eps}")
 
 
 @dataclass
