@@ -1,0 +1,407 @@
+"""The file-system protocol that makes training checkpoints crash-consistent.
+
+A checkpoint is the folder `save_dir/<tag>`. It counts only when it holds the completion marker
+(`MARKER_NAME`, JSON: tag, sequence number, and the size of every file), and every listed file is
+there with that size. Saving goes:
+
+1. the writer (rank 0) makes an empty temporary folder `save_dir/.tmp-<tag>`;
+2. every rank writes its shard into it and fsyncs the files;   -- all ranks agree it worked
+3. the writer writes the marker (write to a temp name, fsync, rename), renames the folder to
+   `save_dir/<tag>` and fsyncs `save_dir`, then points `save_dir/latest` at the tag
+   (write `latest.tmp`, fsync, `os.replace`);                   -- all ranks agree it worked
+4. the writer prunes complete checkpoints beyond `max_num`, oldest first (by sequence number),
+   and removes leftovers of earlier crashes (`.tmp-*`, `.trash-*`, `.old-*` folders).
+
+A crash at any point leaves either the previous state or the new complete checkpoint: the folder
+is invisible until renamed, and the rename happens only after the marker, which is written only
+after every rank's files are durable. Loading reads `latest` and falls back to the newest complete
+checkpoint when the pointer is missing or names an incomplete folder.
+
+Assumptions: `save_dir` is one file system that every rank sees (a shared disk on several nodes),
+with POSIX rename semantics; one run writes to a given `save_dir` at a time.
+
+Test hook: the environment variable `LIGHTRFT_CKPT_FAULT=<stage>[:exit|:raise]` makes a save fail at
+a named stage (see `FAULT_STAGES`): `exit` (the default) ends the process at once with
+`os._exit(137)`, as a kill would; `raise` raises an OSError there. At `mid-shard` the largest file
+written so far is first truncated to half its size, as a torn write would leave it.
+
+Client state is saved per rank with `torch.save` and loaded with `torch.load(weights_only=True)`,
+so it must be plain data: ints, floats, strings, lists, tuples, dicts and tensors.
+"""
+
+import errno
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+MARKER_NAME = "lightrft_checkpoint_complete.json"
+POINTER_NAME = "latest"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+TRASH_PREFIX = ".trash-"
+CLIENT_STATE_DIR = "client_state"
+FAULT_ENV = "LIGHTRFT_CKPT_FAULT"
+FAULT_STAGES = ("mid-shard", "before-marker", "before-rename", "before-pointer", "during-cleanup")
+MARKER_FORMAT = 1
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous checkpoints are untouched."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Test hook
+
+
+def fault_point(stage: str, directory: Path | None = None) -> None:
+    """Fails here when `LIGHTRFT_CKPT_FAULT` names `stage` (a test hook; see the module docstring)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    name, _, mode = spec.partition(":")
+    if name not in FAULT_STAGES or mode not in ("", "exit", "raise"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <stage>[:exit|:raise] with stage one of "
+                         f"{', '.join(FAULT_STAGES)}")
+    if name != stage:
+        return
+    if stage == "mid-shard" and directory is not None:
+        _tear_largest_file(directory)
+    if mode == "raise":
+        raise OSError(errno.EIO, f"{FAULT_ENV}: injected failure at stage {stage}", str(directory))
+    sys.stdout.write(f"{FAULT_ENV}: exiting at stage {stage}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(137)
+
+
+def _tear_largest_file(directory: Path) -> None:
+    files = [p for p in Path(directory).rglob("*") if p.is_file()]
+    if files:
+        largest = max(files, key=lambda p: p.stat().st_size)
+        os.truncate(largest, largest.stat().st_size // 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Durable file operations
+
+
+def fsync_file(path: Path) -> None:
+    """Flushes one file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flushes a directory's entries (creations, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flushes every file and folder under `root`, then `root` itself."""
+    root = Path(root)
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes `path` so a reader sees the old content or the new, never a mix: write `<path>.tmp`,
+    fsync it, `os.replace` it over `path`, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Markers, pointer, discovery
+
+
+def validate_tag(tag: str) -> str:
+    """A tag names one folder directly under the save folder."""
+    if (not isinstance(tag, str) or not tag or tag.startswith(".") or tag == POINTER_NAME
+            or any(c in tag for c in "/\\\n\r\t ")):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain folder name: not empty, not starting with '.', "
+                         f"not {POINTER_NAME!r}, without slashes or whitespace (e.g. 'global_step100')")
+    return tag
+
+
+def list_files(root: Path) -> dict[str, int]:
+    """Relative path -> size in bytes of every file under `root` (the marker excluded)."""
+    root = Path(root)
+    sizes = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name != MARKER_NAME:
+            sizes[path.relative_to(root).as_posix()] = path.stat().st_size
+    return sizes
+
+
+def read_marker(ckpt_dir: Path) -> dict | None:
+    """The parsed completion marker of `ckpt_dir`, or None when it is missing or unreadable."""
+    try:
+        marker = json.loads((Path(ckpt_dir) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict) or "seq" not in marker:
+        return None
+    return marker
+
+
+def is_complete(ckpt_dir: Path) -> bool:
+    """True when `ckpt_dir` has a marker and every file it lists is present with the listed size."""
+    marker = read_marker(ckpt_dir)
+    if marker is None:
+        return False
+    for rel, size in marker["files"].items():
+        path = Path(ckpt_dir) / rel
+        try:
+            if path.stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def list_complete(save_dir: Path) -> list[tuple[int, Path]]:
+    """(sequence number, folder) of every complete checkpoint under `save_dir`, oldest first.
+
+    A `.old-<tag>` folder (the previous copy of a tag being overwritten) counts only while
+    `<tag>` itself is not complete: it is the copy a crash during the overwrite leaves."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for path in save_dir.iterdir():
+        if not path.is_dir():
+            continue
+        if path.name.startswith(OLD_PREFIX):
+            if is_complete(save_dir / path.name[len(OLD_PREFIX):]):
+                continue
+        elif path.name.startswith("."):
+            continue
+        if is_complete(path):
+            found.append((int(read_marker(path)["seq"]), path))
+    return sorted(found, key=lambda item: (item[0], item[1].name))
+
+
+def find_latest_complete(save_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest sequence number, or None when there is none."""
+    complete = list_complete(save_dir)
+    return complete[-1][1] if complete else None
+
+
+def read_pointer(save_dir: Path) -> str | None:
+    """The tag `save_dir/latest` names, or None."""
+    try:
+        tag = (Path(save_dir) / POINTER_NAME).read_text().strip()
+    except OSError:
+        return None
+    return tag or None
+
+
+def resolve_checkpoint(save_dir: Path, tag: str | None = None) -> Path | None:
+    """The folder to load from `save_dir`.
+
+    With a `tag`: that checkpoint, which must be complete (else FileNotFoundError naming the path
+    and the complete ones). Without: the one `latest` points to when complete, else the newest
+    complete one, else None (nothing to resume from)."""
+    save_dir = Path(save_dir)
+    complete = [path for _, path in list_complete(save_dir)]
+
+    def complete_copy_of(name: str) -> Path | None:
+        for candidate in (save_dir / name, save_dir / (OLD_PREFIX + name)):
+            if candidate in complete:
+                return candidate
+        return None
+
+    if tag is not None:
+        found = complete_copy_of(tag)
+        if found is None:
+            raise FileNotFoundError(
+                f"checkpoint {save_dir / tag} is missing or incomplete (no valid {MARKER_NAME}); "
+                f"complete checkpoints in {save_dir}: {[p.name for p in complete] or 'none'}")
+        return found
+    pointed = read_pointer(save_dir)
+    if pointed is not None and not pointed.startswith("."):
+        found = complete_copy_of(pointed)
+        if found is not None:
+            return found
+    return complete[-1] if complete else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Client state
+
+
+def client_state_path(ckpt_dir: Path, rank: int) -> Path:
+    return Path(ckpt_dir) / CLIENT_STATE_DIR / f"rank_{rank}.pt"
+
+
+def save_client_state(ckpt_dir: Path, rank: int, state: dict) -> None:
+    """Writes this rank's client state (plain data and tensors) into the checkpoint folder."""
+    path = client_state_path(ckpt_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def load_client_state(ckpt_dir: Path, rank: int) -> dict:
+    """This rank's client state, or rank 0's when the checkpoint was saved by fewer ranks.
+
+    Loaded with `weights_only=True`: only plain data and tensors are accepted."""
+    path = client_state_path(ckpt_dir, rank)
+    if not path.exists():
+        path = client_state_path(ckpt_dir, 0)
+    if not path.exists():
+        return {}
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The save protocol
+
+
+def _agreed(all_ok: Callable[[bool], bool], error: BaseException | None, what: str, path: Path) -> None:
+    """Collective check after a step: raises on every rank when the step failed on any."""
+    if all_ok(error is None):
+        return
+    if error is not None:
+        raise CheckpointSaveError(f"{what} failed for checkpoint {path}: {error}; the previous checkpoints "
+                                  f"in {path.parent} are untouched") from error
+    raise CheckpointSaveError(f"{what} failed on another rank for checkpoint {path}; the previous "
+                              f"checkpoints in {path.parent} are untouched")
+
+
+def _prepare_tmp(save_dir: Path, tmp: Path) -> None:
+    save_dir.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    fsync_dir(save_dir)
+
+
+def _commit(save_dir: Path, tmp: Path, tag: str) -> Path:
+    """Writer only: marker, rename into place, pointer. Returns the final folder."""
+    final = save_dir / tag
+    fault_point("before-marker", tmp)
+    previous = list_complete(save_dir)
+    marker = {"format": MARKER_FORMAT, "tag": tag, "seq": (previous[-1][0] + 1) if previous else 1,
+              "created": time.time(), "files": list_files(tmp)}
+    atomic_write_text(tmp / MARKER_NAME, json.dumps(marker, indent=1))
+    fault_point("before-rename", tmp)
+    if final.exists():
+        # Overwriting a tag: park the old copy under `.old-<tag>` (still loadable) until the new is in.
+        old = save_dir / (OLD_PREFIX + tag)
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+        fsync_dir(save_dir)
+    os.rename(tmp, final)
+    fsync_dir(save_dir)
+    fault_point("before-pointer", final)
+    atomic_write_text(save_dir / POINTER_NAME, tag + "\n")
+    return final
+
+
+def prune_checkpoints(save_dir: Path, max_num: int) -> list[str]:
+    """Removes complete checkpoints beyond the newest `max_num` (oldest first), and leftovers of
+    earlier crashes. A removed folder is first renamed to `.trash-<tag>` so it disappears from
+    discovery atomically. Returns the tags removed."""
+    save_dir = Path(save_dir)
+    removed = []
+    complete = list_complete(save_dir)
+    for _, path in complete[: max(0, len(complete) - max_num)]:
+        trash = save_dir / (TRASH_PREFIX + path.name)
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(path, trash)
+        fsync_dir(save_dir)
+        fault_point("during-cleanup", trash)
+        shutil.rmtree(trash)
+        removed.append(path.name)
+    kept = {p.name for _, p in list_complete(save_dir)}
+    for path in save_dir.iterdir():
+        leftover = path.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
+            path.name.startswith(OLD_PREFIX) and path.name not in kept)
+        if path.is_dir() and leftover:
+            shutil.rmtree(path)
+    fsync_dir(save_dir)
+    return removed
+
+
+def save_checkpoint_dir(
+    save_dir: str | os.PathLike,
+    tag: str,
+    write_shard: Callable[[Path], None],
+    *,
+    is_writer: bool = True,
+    all_ok: Callable[[bool], bool] = lambda ok: ok,
+    max_num: int = 3,
+) -> Path:
+    """Runs the save protocol (module docstring) and returns the final folder `save_dir/<tag>`.
+
+    `write_shard(tmp_dir)` writes this rank's files into the temporary folder. `all_ok(ok)` is a
+    collective that returns True only when `ok` is True on every rank (it also synchronises them);
+    a single process passes the default. `is_writer` is True on exactly one rank (rank 0).
+    Raises CheckpointSaveError naming the path when any rank fails to write; the previous
+    checkpoints are then untouched. A failed clean-up after the commit only warns: the new
+    checkpoint is already complete.
+    """
+    save_dir = Path(save_dir)
+    validate_tag(tag)
+    if max_num < 1:
+        raise ValueError(f"--max_ckpt_num must be >= 1, got {max_num}")
+    tmp = save_dir / (TMP_PREFIX + tag)
+    final = save_dir / tag
+
+    error = None
+    if is_writer:
+        try:
+            _prepare_tmp(save_dir, tmp)
+        except Exception as err:  # reported on every rank by _agreed
+            error = err
+    _agreed(all_ok, error, "creating the temporary folder", tmp)
+
+    error = None
+    try:
+        write_shard(tmp)
+        fault_point("mid-shard", tmp)
+        fsync_tree(tmp)
+    except Exception as err:  # any failure while writing must reach every rank, not hang them
+        error = err
+    _agreed(all_ok, error, "writing the shards", final)
+
+    error = None
+    if is_writer:
+        try:
+            _commit(save_dir, tmp, tag)
+        except Exception as err:  # reported on every rank by _agreed
+            error = err
+    _agreed(all_ok, error, "committing", final)
+
+    if is_writer:
+        try:
+            prune_checkpoints(save_dir, max_num)
+        except Exception as err:  # the new checkpoint is committed; a failed clean-up only warns
+            warnings.warn(f"checkpoint {final} is complete, but removing old checkpoints in {save_dir} "
+                          f"failed: {err}", RuntimeWarning)
+    all_ok(True)
+    return final

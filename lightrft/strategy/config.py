@@ -1,0 +1,53 @@
+"""The strategy's typed configuration, parsed once from command-line arguments."""
+
+import argparse
+from dataclasses import dataclass, fields
+
+from lightrft.strategy.ds_config import GRAD_ACCUM_DTYPES, check_zero_stage
+
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """What `DeepspeedStrategy` needs to know; the flag of each field has the same name.
+
+    `train_batch_size` counts samples per optimizer step over all ranks and
+    `micro_train_batch_size` samples per rank per forward; gradient accumulation is derived once the
+    world size is known. `backend=None` picks NCCL on CUDA and gloo on CPU. `ref_reward_offload`
+    keeps frozen models (reference, reward) on the CPU under ZeRO-3 between uses.
+    """
+
+    seed: int = 42
+    max_norm: float = 1.0
+    micro_train_batch_size: int = 1
+    train_batch_size: int = 8
+    zero_stage: int = 2
+    bf16: bool = False
+    adam_offload: bool = False
+    zero3_param_offload: bool = False
+    grad_accum_dtype: str | None = None
+    dist_timeout_minutes: float = 30
+    backend: str | None = None
+    ref_reward_offload: bool = False
+
+    def __post_init__(self):
+        check_zero_stage(self.zero_stage)
+        if self.micro_train_batch_size < 1:
+            raise ValueError(f"--micro_train_batch_size must be >= 1, got {self.micro_train_batch_size}")
+        if self.train_batch_size < 1:
+            raise ValueError(f"--train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.grad_accum_dtype is not None and self.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+            raise ValueError(f"--grad_accum_dtype {self.grad_accum_dtype!r} is not one of "
+                             f"{', '.join(GRAD_ACCUM_DTYPES)}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)} "
+                             f"(leave it unset to pick NCCL on CUDA and gloo on CPU)")
+        if self.dist_timeout_minutes <= 0:
+            raise ValueError(f"--dist_timeout_minutes must be > 0, got {self.dist_timeout_minutes}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "StrategyConfig":
+        """Reads the fields from same-named attributes of `args`; missing ones keep their defaults."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)

@@ -1,0 +1,447 @@
+"""DeepSpeed training strategy: process group, ZeRO engines, collectives, EMA, HF export and
+crash-consistent checkpoints. The same code runs on CPU (gloo) and CUDA (NCCL).
+
+Building models under ZeRO-3: build the model the same way on every rank after `setup_distributed`
+(identical seeds give identical weights), then `prepare` partitions it inside
+`deepspeed.initialize`; until then every rank holds a full copy. For models too large for that,
+load them inside `strategy.zero3_init_context()`, which makes `from_pretrained` partition the
+weights while loading (transformers' `HfDeepSpeedConfig` switched on for the duration).
+"""
+
+import contextlib
+import os
+import resource
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightrft.strategy import checkpoint_io
+from lightrft.strategy.config import StrategyConfig
+from lightrft.strategy.ds_config import get_eval_ds_config, get_train_ds_config, gradient_accumulation_steps
+from lightrft.strategy.hf_export import export_hf_folder
+from lightrft.strategy.param_groups import weight_decay_groups
+from lightrft.strategy.seeding import set_seed
+from lightrft.utils.distributed import get_rank, get_world_size, is_dist_initialized
+from lightrft.utils.distributed_sampler import DistributedSampler
+
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN}
+# Sub-folder of a checkpoint that holds DeepSpeed's own files (model and optimizer shards).
+DS_SUBDIR = "deepspeed"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _is_zero3_param(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_id")
+
+
+class DeepspeedStrategy:
+    """Owns the process group and turns models into DeepSpeed engines (see the module docstring).
+
+    Typical use::
+
+        strategy = get_strategy(args)          # or DeepspeedStrategy(StrategyConfig(...))
+        strategy.setup_distributed()
+        optim = strategy.create_optimizer(actor, lr=1e-6)
+        (actor, optim, sched), ref = strategy.prepare((actor, optim, sched), ref)
+        loss = ...; strategy.backward(loss, actor, optim); strategy.optimizer_step(optim, actor, sched)
+        strategy.save_ckpt(actor, "ckpt/_actor", tag="global_step10", client_state={...})
+        strategy.close()
+    """
+
+    def __init__(self, config: StrategyConfig):
+        self.config = config
+        self._ema_global_step: dict[int, int] = {}
+        self._hf_zero3_config = None
+
+    # ------------------------------------------------------------------------------------------
+    # Process group
+
+    def setup_distributed(self) -> None:
+        """Joins the process group described by torchrun's environment (RANK, WORLD_SIZE,
+        LOCAL_RANK, MASTER_ADDR, MASTER_PORT; several nodes work the same way). Without any of
+        them the process becomes rank 0 of a world of 1 (a plain `python script.py`); the variables
+        are then set in `os.environ`, because DeepSpeed's engine reads LOCAL_RANK from there.
+
+        Backend: `config.backend`, else NCCL on CUDA and gloo on CPU; timeout
+        `config.dist_timeout_minutes`. Seeds every generator with `config.seed`, the same on all
+        ranks (see `lightrft.strategy.seeding`). Calling it again only re-seeds."""
+        present = [k for k in LAUNCH_ENV if k in os.environ]
+        if not present:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        elif len(present) < len(LAUNCH_ENV):
+            missing = [k for k in LAUNCH_ENV if k not in os.environ]
+            raise RuntimeError(f"incomplete launcher environment: {', '.join(missing)} not set (found "
+                               f"{', '.join(present)}); launch with torchrun, or set none of them to run "
+                               f"as a single process")
+        cuda = torch.cuda.is_available()
+        backend = self.config.backend or ("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(self.local_rank)
+        set_seed(self.config.seed)
+        if not is_dist_initialized():
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                       timeout=timedelta(minutes=self.config.dist_timeout_minutes))
+
+    def close(self) -> None:
+        """Leaves the process group cleanly: a barrier, so no rank exits while a peer still
+        exchanges data with it, then the group is destroyed. Without this, gloo's connection
+        threads can see the peer's sockets close during interpreter teardown and abort the
+        process (SIGABRT) after the work is done."""
+        if is_dist_initialized():
+            dist.barrier()
+            deepspeed.comm.destroy_process_group()
+
+    def __enter__(self) -> "DeepspeedStrategy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def rank(self) -> int:
+        return get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def accumulated_gradient(self) -> int:
+        """Micro-batches per optimizer step on each rank (DeepSpeed's gradient_accumulation_steps)."""
+        return gradient_accumulation_steps(self.config.train_batch_size, self.config.micro_train_batch_size,
+                                           self.world_size)
+
+    def rank_generator(self, offset: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded with `seed + rank + offset`, for randomness that must differ per rank."""
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.config.seed + self.rank + offset)
+        return generator
+
+    def is_rank_0(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on rank 0 only."""
+        if self.is_rank_0():
+            print(*args, **kwargs, flush=True)
+
+    def barrier(self) -> None:
+        if is_dist_initialized():
+            dist.barrier()
+
+    # ------------------------------------------------------------------------------------------
+    # Engines
+
+    def get_ds_train_config(self) -> dict:
+        c = self.config
+        return get_train_ds_config(zero_stage=c.zero_stage, train_batch_size=c.train_batch_size,
+                                   micro_train_batch_size=c.micro_train_batch_size, world_size=self.world_size,
+                                   bf16=c.bf16, max_norm=c.max_norm, adam_offload=c.adam_offload,
+                                   zero3_param_offload=c.zero3_param_offload, grad_accum_dtype=c.grad_accum_dtype)
+
+    def get_ds_eval_config(self, offload: bool | None = None) -> dict:
+        c = self.config
+        return get_eval_ds_config(zero_stage=c.zero_stage, micro_batch_size=c.micro_train_batch_size,
+                                  world_size=self.world_size, bf16=c.bf16,
+                                  offload=c.ref_reward_offload if offload is None else offload)
+
+    @contextlib.contextmanager
+    def zero3_init_context(self):
+        """While open, `transformers` `from_pretrained` builds models already partitioned for
+        ZeRO-3 (nothing changes under other stages)."""
+        if self.config.zero_stage != 3:
+            yield
+            return
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        # transformers keeps only a weak reference to this object; holding it keeps zero.Init on.
+        self._hf_zero3_config = HfDeepSpeedConfig(self.get_ds_train_config())
+        try:
+            yield
+        finally:
+            self._hf_zero3_config = None
+
+    def create_optimizer(self, model: nn.Module, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0):
+        """AdamW over the trainable parameters, no decay on biases and norm weights: DeepSpeed's
+        CPU Adam when `adam_offload` (optimizer states on the CPU), else torch's AdamW (fused on CUDA)."""
+        groups = weight_decay_groups(self.unwrap_model(model), weight_decay)
+        if self.config.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, weight_decay=weight_decay, adamw_mode=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
+                                 fused=torch.cuda.is_available())
+
+    def prepare(self, *models_or_triples):
+        """Turns each argument into a DeepSpeed engine and returns them in the same structure:
+        `(model, optimizer, scheduler)` -> `(engine, optimizer, scheduler)` trained with the train
+        config; a model alone -> a frozen engine with the eval config (sharded under ZeRO-3,
+        whole otherwise); None stays None. One argument returns one result, several a list."""
+        results = []
+        for item in models_or_triples:
+            if item is None:
+                results.append(None)
+            elif isinstance(item, (tuple, list)):
+                if len(item) != 3:
+                    raise ValueError("prepare takes a model, or a (model, optimizer, scheduler) triple "
+                                     f"(scheduler may be None); got a sequence of {len(item)}")
+                results.append(self._prepare_train(*item))
+            else:
+                results.append(self._prepare_eval(item))
+        return results[0] if len(results) == 1 else results
+
+    def _prepare_train(self, model, optimizer, scheduler):
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.get_ds_train_config(),
+            dist_init_required=False)
+        return engine, optimizer, scheduler
+
+    def _prepare_eval(self, model):
+        engine, *_ = deepspeed.initialize(model=model, config=self.get_ds_eval_config(), dist_init_required=False)
+        engine.eval()
+        return engine
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The module inside a DeepSpeed engine (the argument itself when it is not one)."""
+        while isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        return model
+
+    def backward(self, loss: torch.Tensor, model, optimizer=None) -> None:
+        """Back-propagates `loss`. DeepSpeed divides it by the gradient accumulation steps and the
+        gradients are averaged over ranks, so pass the mean loss of this rank's micro-batch."""
+        model.backward(loss)
+
+    def optimizer_step(self, optimizer, model, scheduler=None, name: str = "model") -> None:
+        """Counts a micro-batch; at the end of each accumulation window DeepSpeed clips the
+        gradients, steps the optimizer and the scheduler, and zeroes the gradients."""
+        model.step()
+
+    # ------------------------------------------------------------------------------------------
+    # Collectives
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not is_dist_initialized():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def all_reduce(self, data, op: str = "mean"):
+        """Reduces a tensor, or a dict of floats (or 0-d tensors), over all ranks with op `mean`,
+        `sum`, `max` or `min`. A tensor comes back on its own device (floating point for `mean`);
+        a dict comes back as a dict of Python floats (one collective for the whole dict)."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+        if isinstance(data, dict):
+            keys = list(data)
+            values = torch.tensor([float(data[k]) for k in keys], dtype=torch.float64)
+            return dict(zip(keys, self.all_reduce(values, op).tolist()))
+        if not torch.is_tensor(data):
+            raise TypeError(f"all_reduce takes a tensor or a dict of floats, got {type(data).__name__}")
+        out = data.detach().to(self.device, copy=True)
+        if op == "mean" and not out.is_floating_point():
+            out = out.double()
+        if is_dist_initialized():
+            dist.all_reduce(out, op=REDUCE_OPS[op])
+        if op == "mean":
+            out /= self.world_size
+        return out.to(data.device)
+
+    def all_gather(self, data):
+        """Gathers from all ranks, in rank order. A tensor is concatenated along dim 0 (a 0-d
+        tensor counts as one row; ranks may hold different numbers of rows): Shape: (sum of rows, ...).
+        A dict of floats becomes a dict of lists, one value per rank."""
+        if isinstance(data, dict):
+            keys = list(data)
+            values = torch.tensor([[float(data[k]) for k in keys]], dtype=torch.float64)
+            gathered = self.all_gather(values)  # (world, len(keys))
+            return {k: gathered[:, i].tolist() for i, k in enumerate(keys)}
+        if not torch.is_tensor(data):
+            raise TypeError(f"all_gather takes a tensor or a dict of floats, got {type(data).__name__}")
+        local = data.detach().reshape(1) if data.dim() == 0 else data.detach()
+        if not is_dist_initialized() or self.world_size == 1:
+            return local.clone()
+        local = local.to(self.device)
+        rows = torch.tensor([local.shape[0]], dtype=torch.int64, device=self.device)
+        all_rows = [torch.zeros_like(rows) for _ in range(self.world_size)]
+        dist.all_gather(all_rows, rows)
+        counts = [int(r.item()) for r in all_rows]
+        padded = local.new_zeros((max(counts),) + tuple(local.shape[1:]))
+        padded[: local.shape[0]] = local
+        pieces = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(pieces, padded)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, counts)]).to(data.device)
+
+    # ------------------------------------------------------------------------------------------
+    # EMA
+
+    @torch.no_grad()
+    def moving_average(self, model, ema_model, beta: float = 0.992) -> bool:
+        """ema = beta * ema + (1 - beta) * param for every parameter (an exponential moving average
+        of the weights), gathered from ZeRO-3 shards where needed.
+
+        The average moves once per optimizer update: with a DeepSpeed engine as `model`, a call
+        while its `global_steps` has not advanced since the previous update (inside a gradient
+        accumulation window) does nothing. Returns whether the average moved."""
+        step = getattr(model, "global_steps", None)
+        if step is not None:
+            if self._ema_global_step.get(id(ema_model)) == step:
+                return False
+            self._ema_global_step[id(ema_model)] = step
+        params = dict(self.unwrap_model(model).named_parameters())
+        for name, ema_param in self.unwrap_model(ema_model).named_parameters():
+            if name not in params:
+                raise ValueError(f"moving_average: the EMA model has parameter {name!r} that the trained model lacks; "
+                                 f"the EMA model must be a copy of the trained model")
+            param = params[name]
+            sharded = [p for p in (param, ema_param) if _is_zero3_param(p)]
+            with deepspeed.zero.GatheredParameters(sharded, modifier_rank=0, enabled=bool(sharded)):
+                # A sharded EMA weight is written on rank 0 and re-partitioned from there; a
+                # replicated one is updated on every rank.
+                if self.is_rank_0() or not _is_zero3_param(ema_param):
+                    source = param.data.to(device=ema_param.device, dtype=ema_param.dtype)
+                    ema_param.data.mul_(beta).add_(source, alpha=1 - beta)
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    # Data
+
+    def setup_dataloader(self, dataset: Dataset, batch_size: int, pin_memory: bool = False, shuffle: bool = True,
+                         collate_fn=None, drop_last: bool = True, consumed_samples: int = 0) -> DataLoader:
+        """A DataLoader over this rank's slice of `dataset` (`batch_size` per rank), shuffled with
+        `config.seed` and resumable: `consumed_samples` (over all ranks, this epoch) are skipped."""
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=shuffle,
+                                     seed=self.config.seed, drop_last=drop_last, consumed_samples=consumed_samples)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                          collate_fn=collate_fn, pin_memory=pin_memory)
+
+    # ------------------------------------------------------------------------------------------
+    # Saving
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The complete state dict of the (unwrapped) model as CPU tensors on rank 0, gathered
+        from ZeRO-3 shards one parameter at a time; None on the other ranks, which must call it
+        too. Tied parameters stay one tensor under both names."""
+        module = self.unwrap_model(model)
+        state = {}
+        copies: dict[int, torch.Tensor] = {}
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            if id(tensor) not in copies:
+                with deepspeed.zero.GatheredParameters([tensor], enabled=_is_zero3_param(tensor)):
+                    copies[id(tensor)] = tensor.data.detach().to("cpu", copy=True) if self.is_rank_0() else None
+            state[key] = copies[id(tensor)]
+        return state if self.is_rank_0() else None
+
+    def save_model(self, model: nn.Module, tokenizer, output_dir: str | os.PathLike, **_) -> None:
+        """Writes a Hugging Face folder (config, safetensors weights, tokenizer) that
+        `AutoModelForCausalLM.from_pretrained` loads; see `lightrft.strategy.hf_export` for how
+        wrappers, value-head models and PEFT models are written. All ranks must call it; rank 0
+        writes through a temporary folder, so a failure never leaves a half-written `output_dir`."""
+        state = self.full_state_dict(model)
+        error = None
+        if self.is_rank_0():
+            try:
+                export_hf_folder(self.unwrap_model(model), state, tokenizer, output_dir)
+            except Exception as err:  # reported on every rank below, so none waits forever
+                error = err
+        if not self._all_ok(error is None):
+            raise RuntimeError(f"saving the Hugging Face model to {output_dir} failed"
+                               + (f": {error}" if error else " on rank 0")) from error
+
+    def save_ckpt(self, model, save_dir: str | os.PathLike, tag: str, max_num: int = 3,
+                  client_state: dict | None = None, **_) -> Path:
+        """Saves everything needed to continue training (weights, optimizer, scheduler shards and
+        each rank's `client_state`) to `save_dir/<tag>`, crash-consistently, keeping the newest
+        `max_num` checkpoints (protocol in `lightrft.strategy.checkpoint_io`). All ranks call it
+        with the same tag; `client_state` may differ per rank (RNG states) and must be plain data
+        and tensors. Raises CheckpointSaveError naming the path when writing fails; the previous
+        checkpoints are then intact. Returns the checkpoint folder."""
+        client_state = {} if client_state is None else client_state
+
+        def write_shard(tmp_dir: Path) -> None:
+            model.save_checkpoint(str(tmp_dir), tag=DS_SUBDIR, client_state={}, save_latest=False)
+            checkpoint_io.save_client_state(tmp_dir, self.rank, client_state)
+
+        return checkpoint_io.save_checkpoint_dir(save_dir, tag, write_shard, is_writer=self.is_rank_0(),
+                                                 all_ok=self._all_ok, max_num=max_num)
+
+    def load_ckpt(self, model, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
+                  load_lr_scheduler_states: bool = True, load_module_strict: bool = True, load_module_only: bool = False):
+        """Loads a checkpoint written by `save_ckpt` into the engine `model` and returns
+        `(checkpoint folder, this rank's client state)`.
+
+        Without `tag`: the checkpoint `load_dir/latest` names, or the newest complete one when the
+        pointer is missing or stale; incomplete folders (crashed saves) are never loaded. Returns
+        `(None, None)` when `load_dir` holds no complete checkpoint: the caller decides whether
+        that is an error (a run asked to resume, `--load_checkpoint`, should raise naming
+        `--ckpt_path`). With `tag`: that checkpoint, FileNotFoundError when it is not complete.
+        Rank 0 picks the folder and tells the others, so all ranks load the same one."""
+        choice = [None]
+        if self.is_rank_0():
+            try:
+                path = checkpoint_io.resolve_checkpoint(Path(load_dir), tag)
+                choice = [("ok", None if path is None else str(path))]
+            except FileNotFoundError as err:
+                choice = [("error", str(err))]
+        if is_dist_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        status, value = choice[0]
+        if status == "error":
+            raise FileNotFoundError(value)
+        if value is None:
+            return None, None
+        load_path, _ = model.load_checkpoint(value, tag=DS_SUBDIR, load_module_strict=load_module_strict,
+                                             load_optimizer_states=load_optimizer_states,
+                                             load_lr_scheduler_states=load_lr_scheduler_states,
+                                             load_module_only=load_module_only)
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {value}/{DS_SUBDIR} (see its log "
+                               f"above); the folder is complete, so it was probably saved with a different "
+                               f"world size or ZeRO stage")
+        return value, checkpoint_io.load_client_state(Path(value), self.rank)
+
+    # ------------------------------------------------------------------------------------------
+    # Memory
+
+    def report_memory(self, tag: str = "") -> dict[str, float]:
+        """Prints (rank 0) and returns this rank's memory use in GiB: CUDA allocated / peak /
+        reserved on GPUs, the process's peak resident set size on CPU."""
+        gib = 2.0**30
+        if torch.cuda.is_available():
+            stats = {"allocated_gib": torch.cuda.memory_allocated() / gib,
+                     "max_allocated_gib": torch.cuda.max_memory_allocated() / gib,
+                     "reserved_gib": torch.cuda.memory_reserved() / gib}
+        else:
+            # ru_maxrss is in KiB on Linux.
+            stats = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
+        self.print(f"[memory] {tag} " + ", ".join(f"{k}={v:.3f}" for k, v in stats.items()))
+        return stats
+
+
+def get_strategy(args) -> DeepspeedStrategy:
+    """A DeepspeedStrategy configured from parsed command-line `args` (call `setup_distributed`
+    on it before building models)."""
+    return DeepspeedStrategy(StrategyConfig.from_args(args))
