@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GRPO on math prompts with Qwen2.5-1.5B-Instruct: 1 node x 8 GPUs.
+#
+# Hardware   8 GPUs per node x 1 node = 8 GPUs, 40 GB each (A100 40GB or larger); host RAM >= 128 GB per node
+# ZeRO       stage 2; offload: none
+# Precision  bf16, gradient checkpointing
+# Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
+# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.4
+#            while generating, asleep (memory released) while training
+# Models     actor + reference (KL as a loss term, k3 estimator); no critic: group_norm advantages;
+#            reward: the builtin `math` rule (1 when the final answer equals the label)
+# Batches    rollout_batch_size 128 prompts x n_samples_per_prompt 8 = 1024 samples per rollout
+#            (128 / 8 GPUs = 16 prompts, 128 samples per GPU)
+#            train_batch_size 256: 1024 / 256 = 4 optimizer steps per rollout (max_epochs 1)
+#            micro_train_batch_size 4 x 8 GPUs = 32 samples per forward: 256 / 32 = 8 gradient-accumulation steps
+#            micro_rollout_batch_size 16 samples per GPU per forward when scoring experience
+# Lengths    prompt_max_len 1024, generate_max_len 2048
+# Memory     trainer: 1.54B x 2 bytes whole + 1.54B x 14 bytes / 8 GPUs = 3.1 + 2.7 GB; reference 3.1 GB;
+#            vLLM: 3.1 GB of weights + KV cache inside 0.4 x 40 GB = 16 GB; gradient checkpointing
+#            keeps activations of 4 x 3k-token samples to a few GB.
+# Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
+#
+# Single node; for several nodes set NNODES, NODE_RANK and MASTER_ADDR on each.
+# A different GPU count changes the arithmetic above: keep rollout_batch_size divisible by the
+# GPU count and train_batch_size divisible by micro_train_batch_size x GPUs.
+# Extra flags after the script name are passed to the trainer (the last value of a flag wins).
+# Usage: MODEL=... PROMPT_DATA=... bash scripts/grpo_qwen2.5_1.5b.sh [--flag value ...]
+
+set -euo pipefail
+
+MODEL=${MODEL:-Qwen/Qwen2.5-1.5B-Instruct}
+PROMPT_DATA=${PROMPT_DATA:-data/math/train.jsonl}
+EVAL_DATA=${EVAL_DATA:-data/math/test.jsonl}
+SAVE_DIR=${SAVE_DIR:-./ckpt/grpo_qwen2.5_1.5b}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --nproc_per_node 8 -m lightrft.cli.train_ppo \
+    --pretrain "$MODEL" \
+    --prompt_data "$PROMPT_DATA" --input_key problem --label_key answer --apply_chat_template \
+    --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
+    --remote_rm_url math \
+    --advantage_estimator group_norm --n_samples_per_prompt 8 \
+    --rollout_engine vllm --vllm_gpu_memory_utilization 0.4 \
+    --rollout_batch_size 128 --micro_rollout_batch_size 16 \
+    --train_batch_size 256 --micro_train_batch_size 4 \
+    --prompt_max_len 1024 --generate_max_len 2048 --temperature 1.0 \
+    --actor_learning_rate 1e-6 --lr_warmup_ratio 0.03 \
+    --init_kl_coef 1e-3 --use_kl_loss --kl_estimator k3 --eps_clip 0.2 \
+    --max_epochs 1 --num_episodes 1 \
+    --zero_stage 2 --bf16 --gradient_checkpointing --packing_samples \
+    --save_path "$SAVE_DIR/model" --ckpt_path "$SAVE_DIR/checkpoints" \
+    --save_steps 20 --max_ckpt_num 3 --load_checkpoint if_present \
+    --use_tensorboard "$SAVE_DIR/tensorboard" --logging_steps 1 \
+    "$@"

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# GRPO on math prompts with Qwen2.5-32B-Instruct: 4 nodes x 8 GPUs.
+#
+# Hardware   8 GPUs per node x 4 nodes = 32 GPUs, 141 GB each (H200 141GB); host RAM >= 512 GB per node
+# ZeRO       stage 3; offload: Adam states to CPU (--adam_offload)
+# Precision  bf16, gradient checkpointing
+# Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
+# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.6
+#            while generating, asleep (memory released) while training
+# Models     actor + reference (KL as a loss term, k3 estimator); no critic: group_norm advantages;
+#            reward: the builtin `math` rule (1 when the final answer equals the label)
+# Batches    rollout_batch_size 128 prompts x n_samples_per_prompt 8 = 1024 samples per rollout
+#            (128 / 32 GPUs = 4 prompts, 32 samples per GPU)
+#            train_batch_size 256: 1024 / 256 = 4 optimizer steps per rollout (max_epochs 1)
+#            micro_train_batch_size 1 x 32 GPUs = 32 samples per forward: 256 / 32 = 8 gradient-accumulation steps
+#            micro_rollout_batch_size 2 samples per GPU per forward when scoring experience
+# Lengths    prompt_max_len 1024, generate_max_len 4096
+# Memory     vLLM holds one whole bf16 copy per GPU (tensor parallel 1): 66 GB of weights + 19 GB KV
+#            cache inside 0.6 x 141 GB, which is why this recipe assumes 141 GB GPUs (on 80 GB GPUs use
+#            --rollout_engine hf, as the 70B recipes do). Trainer: 32.8B x 4 bytes / 32 GPUs = 4.1 GB,
+#            fp32 master and Adam (394 GB) in host RAM, 99 GB per node; reference 2 GB.
+# Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
+#
+# Run on every node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address) set.
+# A different GPU count changes the arithmetic above: keep rollout_batch_size divisible by the
+# GPU count and train_batch_size divisible by micro_train_batch_size x GPUs.
+# Extra flags after the script name are passed to the trainer (the last value of a flag wins).
+# Usage: MODEL=... PROMPT_DATA=... bash scripts/grpo_qwen2.5_32b.sh [--flag value ...]
+
+set -euo pipefail
+
+MODEL=${MODEL:-Qwen/Qwen2.5-32B-Instruct}
+PROMPT_DATA=${PROMPT_DATA:-data/math/train.jsonl}
+EVAL_DATA=${EVAL_DATA:-data/math/test.jsonl}
+SAVE_DIR=${SAVE_DIR:-./ckpt/grpo_qwen2.5_32b}
+NNODES=${NNODES:-4}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --nproc_per_node 8 -m lightrft.cli.train_ppo \
+    --pretrain "$MODEL" \
+    --prompt_data "$PROMPT_DATA" --input_key problem --label_key answer --apply_chat_template \
+    --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
+    --remote_rm_url math \
+    --advantage_estimator group_norm --n_samples_per_prompt 8 \
+    --rollout_engine vllm --vllm_gpu_memory_utilization 0.6 \
+    --rollout_batch_size 128 --micro_rollout_batch_size 2 \
+    --train_batch_size 256 --micro_train_batch_size 1 \
+    --prompt_max_len 1024 --generate_max_len 4096 --temperature 1.0 \
+    --actor_learning_rate 5e-7 --lr_warmup_ratio 0.03 \
+    --init_kl_coef 1e-3 --use_kl_loss --kl_estimator k3 --eps_clip 0.2 \
+    --max_epochs 1 --num_episodes 1 \
+    --zero_stage 3 --bf16 --adam_offload --gradient_checkpointing --packing_samples \
+    --save_path "$SAVE_DIR/model" --ckpt_path "$SAVE_DIR/checkpoints" \
+    --save_steps 20 --max_ckpt_num 3 --load_checkpoint if_present \
+    --use_tensorboard "$SAVE_DIR/tensorboard" --logging_steps 1 \
+    "$@"

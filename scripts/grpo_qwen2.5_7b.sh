@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GRPO on math prompts with Qwen2.5-7B-Instruct: 1 node x 8 GPUs.
+#
+# Hardware   8 GPUs per node x 1 node = 8 GPUs, 80 GB each (A100/H100 80GB); host RAM >= 256 GB per node
+# ZeRO       stage 3; offload: none
+# Precision  bf16, gradient checkpointing
+# Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
+# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.5
+#            while generating, asleep (memory released) while training
+# Models     actor + reference (KL as a loss term, k3 estimator); no critic: group_norm advantages;
+#            reward: the builtin `math` rule (1 when the final answer equals the label)
+# Batches    rollout_batch_size 128 prompts x n_samples_per_prompt 8 = 1024 samples per rollout
+#            (128 / 8 GPUs = 16 prompts, 128 samples per GPU)
+#            train_batch_size 128: 1024 / 128 = 8 optimizer steps per rollout (max_epochs 1)
+#            micro_train_batch_size 2 x 8 GPUs = 16 samples per forward: 128 / 16 = 8 gradient-accumulation steps
+#            micro_rollout_batch_size 8 samples per GPU per forward when scoring experience
+# Lengths    prompt_max_len 1024, generate_max_len 4096
+# Memory     trainer: 7.6B x 16 bytes (bf16 weights and grads, fp32 master and Adam) / 8 GPUs = 15 GB;
+#            reference 7.6B x 2 bytes / 8 = 1.9 GB; vLLM: 15 GB of weights (one whole copy per GPU)
+#            + 25 GB KV cache inside 0.5 x 80 GB, released while training (sleep mode).
+# Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
+#
+# Single node; for several nodes set NNODES, NODE_RANK and MASTER_ADDR on each.
+# A different GPU count changes the arithmetic above: keep rollout_batch_size divisible by the
+# GPU count and train_batch_size divisible by micro_train_batch_size x GPUs.
+# Extra flags after the script name are passed to the trainer (the last value of a flag wins).
+# Usage: MODEL=... PROMPT_DATA=... bash scripts/grpo_qwen2.5_7b.sh [--flag value ...]
+
+set -euo pipefail
+
+MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+PROMPT_DATA=${PROMPT_DATA:-data/math/train.jsonl}
+EVAL_DATA=${EVAL_DATA:-data/math/test.jsonl}
+SAVE_DIR=${SAVE_DIR:-./ckpt/grpo_qwen2.5_7b}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --nproc_per_node 8 -m lightrft.cli.train_ppo \
+    --pretrain "$MODEL" \
+    --prompt_data "$PROMPT_DATA" --input_key problem --label_key answer --apply_chat_template \
+    --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
+    --remote_rm_url math \
+    --advantage_estimator group_norm --n_samples_per_prompt 8 \
+    --rollout_engine vllm --vllm_gpu_memory_utilization 0.5 \
+    --rollout_batch_size 128 --micro_rollout_batch_size 8 \
+    --train_batch_size 128 --micro_train_batch_size 2 \
+    --prompt_max_len 1024 --generate_max_len 4096 --temperature 1.0 \
+    --actor_learning_rate 1e-6 --lr_warmup_ratio 0.03 \
+    --init_kl_coef 1e-3 --use_kl_loss --kl_estimator k3 --eps_clip 0.2 \
+    --max_epochs 1 --num_episodes 1 \
+    --zero_stage 3 --bf16 --gradient_checkpointing --packing_samples \
+    --save_path "$SAVE_DIR/model" --ckpt_path "$SAVE_DIR/checkpoints" \
+    --save_steps 20 --max_ckpt_num 3 --load_checkpoint if_present \
+    --use_tensorboard "$SAVE_DIR/tensorboard" --logging_steps 1 \
+    "$@"

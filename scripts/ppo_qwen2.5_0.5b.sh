@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# PPO with a reward model and a critic, Qwen2.5-0.5B-Instruct as the actor: 1 node x 4 GPUs.
+#
+# Hardware   4 GPUs per node x 1 node = 4 GPUs, 24 GB each (RTX 4090 / L4 / A10 class); host RAM >= 64 GB per node
+# ZeRO       stage 2; offload: none
+# Precision  bf16
+# Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
+# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.35
+#            while generating, asleep (memory released) while training
+# Models     actor, critic (initialised from the reward model), reference, reward model; gae advantages.
+#            The reward model must share the actor's tokenizer (it scores the actor's token ids):
+#            train it with lightrft.cli.train_rm from the same base model
+# Batches    rollout_batch_size 256 prompts x n_samples_per_prompt 1 = 256 samples per rollout
+#            (256 / 4 GPUs = 64 prompts, 64 samples per GPU)
+#            train_batch_size 64: 256 / 64 = 4 optimizer steps per rollout (max_epochs 1)
+#            micro_train_batch_size 4 x 4 GPUs = 16 samples per forward: 64 / 16 = 4 gradient-accumulation steps
+#            micro_rollout_batch_size 16 samples per GPU per forward when scoring experience
+# Lengths    prompt_max_len 512, generate_max_len 1024
+# Memory     actor and critic: 0.49B x 2 bytes whole + 0.49B x 14 bytes / 4 GPUs = 2.7 GB each;
+#            reference and reward model 1 GB each; vLLM 1 GB of weights + KV cache inside 0.35 x 24 GB.
+# Data       PROMPT_DATA: jsonl (or parquet, ...) rows with a "prompt" field
+#
+# Single node; for several nodes set NNODES, NODE_RANK and MASTER_ADDR on each.
+# A different GPU count changes the arithmetic above: keep rollout_batch_size divisible by the
+# GPU count and train_batch_size divisible by micro_train_batch_size x GPUs.
+# Extra flags after the script name are passed to the trainer (the last value of a flag wins).
+# Usage: MODEL=... PROMPT_DATA=... bash scripts/ppo_qwen2.5_0.5b.sh [--flag value ...]
+
+set -euo pipefail
+
+MODEL=${MODEL:-Qwen/Qwen2.5-0.5B-Instruct}
+REWARD_MODEL=${REWARD_MODEL:-./ckpt/rm_qwen2.5_0.5b}
+CRITIC_MODEL=${CRITIC_MODEL:-$REWARD_MODEL}
+PROMPT_DATA=${PROMPT_DATA:-data/prompts/train.jsonl}
+SAVE_DIR=${SAVE_DIR:-./ckpt/ppo_qwen2.5_0.5b}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --nproc_per_node 4 -m lightrft.cli.train_ppo \
+    --pretrain "$MODEL" --reward_pretrain "$REWARD_MODEL" --critic_pretrain "$CRITIC_MODEL" \
+    --prompt_data "$PROMPT_DATA" --input_key prompt --apply_chat_template \
+    --advantage_estimator gae --gamma 1.0 --lambd 0.95 --n_samples_per_prompt 1 \
+    --rollout_engine vllm --vllm_gpu_memory_utilization 0.35 \
+    --rollout_batch_size 256 --micro_rollout_batch_size 16 \
+    --train_batch_size 64 --micro_train_batch_size 4 \
+    --prompt_max_len 512 --generate_max_len 1024 --temperature 1.0 \
+    --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --lr_warmup_ratio 0.03 \
+    --init_kl_coef 0.01 --eps_clip 0.2 --value_clip 0.2 \
+    --max_epochs 1 --num_episodes 1 \
+    --zero_stage 2 --bf16 --packing_samples \
+    --save_path "$SAVE_DIR/model" --ckpt_path "$SAVE_DIR/checkpoints" \
+    --save_steps 20 --max_ckpt_num 3 --load_checkpoint if_present \
+    --use_tensorboard "$SAVE_DIR/tensorboard" --logging_steps 1 \
+    "$@"
