@@ -49,7 +49,8 @@ def test_gae_skips_holes_in_the_mask():
     rewards, values = t([[0.0, 9.0, 0.0, 1.0]]), t([[0.5, 9.0, 0.6, 0.7]])
     mask = torch.tensor([[1, 0, 1, 1]])
     holes = generalized_advantage_estimation(rewards, values, mask, 0.9, 0.8)
-    compressed = generalized_advantage_estimation(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), torch.ones(1, 3), 0.9, 0.8)
+    compressed = generalized_advantage_estimation(t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]]), torch.ones(1, 3),
+                                                  0.9, 0.8)
     torch.testing.assert_close(holes[:, [0, 2, 3]], compressed)
     assert holes[0, 1] == 0
 
@@ -193,7 +194,8 @@ def test_vectorised_equals_loops(seed):
     for kind in GROUP_EXPECTED:
         for G in (2, 3, 4):
             out = run(kind, action_mask=mask, scores=scores, group_size=G)
-            torch.testing.assert_close(out.advantages, loop_group(scores, G, kind)[:, None] * mask, rtol=1e-6, atol=1e-6)
+            expected = loop_group(scores, G, kind)[:, None] * mask
+            torch.testing.assert_close(out.advantages, expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))

@@ -28,7 +28,8 @@ def train(estimator_name, loss_name, eps_low, eps_high, steps=60, G=8, epochs=2)
         for _ in range(epochs):  # the second epoch is off-policy: the ratio and clipping matter
             log_probs = torch.log_softmax(logits, -1)[actions][:, None]
             per_token, _ = get_policy_loss(loss_name)(
-                log_probs, old_log_probs, advantages, mask, PolicyLossConfig(eps_clip_low=eps_low, eps_clip_high=eps_high)
+                log_probs, old_log_probs, advantages, mask,
+                PolicyLossConfig(eps_clip_low=eps_low, eps_clip_high=eps_high),
             )
             optimizer.zero_grad()
             aggregate_loss(per_token, mask, "token-mean").backward()

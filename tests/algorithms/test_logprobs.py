@@ -72,7 +72,8 @@ def test_non_contiguous_slice_and_2d_input():
     torch.testing.assert_close(log_probs_from_logits(sliced, labels[:, 1:], chunk_size=4),
                                naive_log_probs(sliced, labels[:, 1:]))
     flat = logits.reshape(-1, 11)
-    torch.testing.assert_close(log_probs_from_logits(flat, labels.reshape(-1)), naive_log_probs(flat, labels.reshape(-1)))
+    flat_labels = labels.reshape(-1)
+    torch.testing.assert_close(log_probs_from_logits(flat, flat_labels), naive_log_probs(flat, flat_labels))
     torch.testing.assert_close(entropy_from_logits(flat), naive_entropy(flat))
 
 
@@ -91,7 +92,8 @@ def test_no_float32_copy_of_the_logits_is_kept_for_backward():
     logits, labels = batch(7, B=2, T=16, V=64, dtype=torch.float32)
     logits = logits.to(torch.bfloat16).requires_grad_(True)
     full = logits.numel()
-    for fn in (lambda x: log_probs_from_logits(x, labels, chunk_size=4), lambda x: entropy_from_logits(x, chunk_size=4)):
+    chunked = (lambda x: log_probs_from_logits(x, labels, chunk_size=4), lambda x: entropy_from_logits(x, chunk_size=4))
+    for fn in chunked:
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
             fn(logits)
