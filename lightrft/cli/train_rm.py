@@ -1,0 +1,140 @@
+"""Reward-model training from preference pairs on the command line.
+
+    torchrun --nproc_per_node 8 -m lightrft.cli.train_rm --pretrain MODEL --dataset FILE \
+        --prompt_key prompt --chosen_key chosen --rejected_key rejected --apply_chat_template ...
+
+A scalar head on the model's backbone is trained with the pairwise (Bradley-Terry) loss. The
+export in `--save_path` is a `RewardModel` folder: `train_ppo --reward_pretrain` and
+`serve_rm --reward_pretrain` load it, and its config holds the mean and std of the rewards over the
+training set for `--normalize_reward`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
+                                 add_strategy_args, check_positive)
+from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.train_rm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_strategy_args(parser)
+    models = add_model_args(parser)
+    models.add_argument("--value_head_prefix", type=str, default="score", help="attribute name of the value head")
+    data = add_data_args(parser)
+    data.add_argument("--dataset", type=str, required=True,
+                      help="preference rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
+    data.add_argument("--prompt_key", type=str, default=None,
+                      help="field holding the prompt; without it chosen/rejected are whole texts or conversations")
+    data.add_argument("--chosen_key", type=str, default="chosen", help="field holding the preferred answer")
+    data.add_argument("--rejected_key", type=str, default="rejected", help="field holding the other answer")
+    data.add_argument("--margin_key", type=str, default=None,
+                      help="optional field with a per-pair margin m: loss -log sigmoid(r_c - r_r - m)")
+    data.add_argument("--max_len", type=int, default=2048, help="most tokens per sequence; longer pairs are bad rows")
+    add_eval_args(parser)
+    add_optimizer_args(parser).set_defaults(learning_rate=9e-6)
+    add_logging_args(parser)
+    add_checkpoint_args(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
+                   "learning_rate")
+    if args.lora_rank > 0:
+        parser.error("--lora_rank is not supported by train_rm: the reward model trains all weights; drop it")
+    if args.packing_samples:
+        parser.error("--packing_samples is not supported by train_rm (pairs are padded); drop it")
+    if not 0.0 <= args.eval_split < 1.0:
+        parser.error(f"--eval_split must be in [0, 1), got {args.eval_split}")
+    if args.eval_split and args.eval_dataset:
+        parser.error("pass either --eval_dataset or --eval_split, not both")
+    return args
+
+
+def build_datasets(args, tokenizer, strategy):
+    """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
+    from lightrft.datasets import PreferenceDataset, split_train_eval
+
+    def pairs(path, max_samples=None):
+        return PreferenceDataset(path, tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
+                                 rejected_key=args.rejected_key, apply_chat_template=args.apply_chat_template,
+                                 max_len=args.max_len, on_bad_row=args.on_bad_row, margin_key=args.margin_key,
+                                 max_samples=max_samples)
+
+    train_set = pairs(args.dataset, args.max_samples)
+    if train_set.skipped:
+        strategy.print(train_set.skip_report.summary())
+    eval_set = None
+    if args.eval_dataset:
+        eval_set = pairs(args.eval_dataset)
+    elif args.eval_split:
+        train_set, eval_set = split_train_eval(train_set, args.eval_split, seed=args.seed)
+    return train_set, eval_set
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Builds everything from parsed flags, trains the reward model and exports it; returns the
+    last logged metrics with the reward statistics."""
+    from lightrft.cli.train_ppo import build_scheduler
+    from lightrft.models import RewardModel
+    from lightrft.strategy import get_strategy
+    from lightrft.trainer.rm_trainer import RewardModelTrainer
+    from lightrft.utils.trackers import MetricsTracker
+
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
+    with strategy.zero3_init_context():
+        model = RewardModel(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,
+                            bf16=args.bf16, attn_implementation=args.attn_implementation,
+                            trust_remote_code=args.trust_remote_code,
+                            gradient_checkpointing=args.gradient_checkpointing)
+
+    train_set, eval_set = build_datasets(args, tokenizer, strategy)
+    collate = (train_set.dataset if hasattr(train_set, "indices") else train_set).collate_fn
+    dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
+    total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)
+
+    optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
+                                      weight_decay=args.l2)
+    scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
+    model, optim, scheduler = strategy.prepare((model, optim, scheduler))
+
+    tracker = MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
+                             wandb_project=args.wandb_project, wandb_org=args.wandb_org,
+                             wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+    trainer = RewardModelTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
+                                 eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
+                                 save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt)
+    if args.load_checkpoint:
+        trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
+    trainer.fit(args, dataloader)
+    logs = dict(trainer.last_logs)
+    if trainer.stop_reason is None:
+        # Reward statistics over the training set, stored in the exported config.
+        mean, std = trainer.reward_statistics(train_set, collate)
+        strategy.unwrap_model(model).set_normalization(mean, std)
+        logs.update({"reward/mean": mean, "reward/std": std})
+        trainer.export_hf(args.save_path)
+    tracker.close()
+    if strategy.is_rank_0():
+        summary = {k: round(v, 6) for k, v in logs.items() if isinstance(v, float)}
+        print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
+                          "save_path": os.path.abspath(args.save_path), **summary}), flush=True)
+    strategy.close()
+    return logs
+
+
+def main(argv=None) -> None:
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

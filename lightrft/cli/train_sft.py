@@ -1,0 +1,164 @@
+"""Supervised fine-tuning from the command line.
+
+    torchrun --nproc_per_node 8 -m lightrft.cli.train_sft --pretrain MODEL --dataset FILE \
+        --input_key question --output_key answer --apply_chat_template --max_len 2048 ...
+
+The loss covers response tokens only (prompt tokens are labelled -100). Rows are prompt/response
+pairs (`--input_key`, `--output_key`), or with `--multiturn` whole conversations in `--input_key`
+whose assistant turns are all trained. Evaluation loss comes from `--eval_dataset` or a held-out
+`--eval_split` fraction. The model is exported as a Hugging Face folder to `--save_path` at the end.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
+                                 add_strategy_args, check_positive)
+
+
+def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("optimizer", "learning rate and schedule")
+    group.add_argument("--max_epochs", type=int, default=1, help="passes over the training set")
+    group.add_argument("--learning_rate", type=float, default=5e-6)
+    group.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="fraction of steps spent warming up")
+    group.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr",
+                       help="a transformers scheduler name (cosine_with_min_lr decays to 10%% of the peak)")
+    group.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    group.add_argument("--l2", type=float, default=0.0, help="weight decay")
+    return group
+
+
+def add_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("evaluation", "held-out loss")
+    group.add_argument("--eval_dataset", type=str, default=None, help="held-out rows in the training format")
+    group.add_argument("--eval_split", type=float, default=0.0,
+                       help="hold out this fraction of --dataset for evaluation instead (0: none)")
+    group.add_argument("--eval_steps", type=int, default=-1,
+                       help="evaluate every N steps (-1: only at the end)")
+    return group
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.train_sft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_strategy_args(parser)
+    add_model_args(parser)
+    data = add_data_args(parser)
+    data.add_argument("--dataset", type=str, required=True,
+                      help="training rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
+    data.add_argument("--output_key", type=str, default="output", help="field holding the response")
+    data.add_argument("--multiturn", action="store_true",
+                      help="--input_key holds whole conversations; train on every assistant turn "
+                           "(needs --apply_chat_template)")
+    data.add_argument("--input_template", type=str, default=None,
+                      help="format string for plain-text prompts, e.g. 'Question: {}\\nAnswer: '")
+    data.add_argument("--max_len", type=int, default=2048,
+                      help="most tokens per sample (prompt + response); longer responses are cut")
+    add_eval_args(parser)
+    add_optimizer_args(parser)
+    add_logging_args(parser)
+    add_checkpoint_args(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
+                   "learning_rate")
+    if args.multiturn and not args.apply_chat_template:
+        parser.error("--multiturn needs --apply_chat_template (assistant turns are found through the template)")
+    if not 0.0 <= args.eval_split < 1.0:
+        parser.error(f"--eval_split must be in [0, 1), got {args.eval_split}")
+    if args.eval_split and args.eval_dataset:
+        parser.error("pass either --eval_dataset or --eval_split, not both")
+    return args
+
+
+def load_tokenizer(path: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_datasets(args, tokenizer, strategy):
+    """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
+    from lightrft.datasets import SFTDataset, split_train_eval
+
+    def sft(path, max_samples=None):
+        return SFTDataset(path, tokenizer, input_key=args.input_key,
+                          output_key=None if args.multiturn else args.output_key,
+                          apply_chat_template=args.apply_chat_template, max_len=args.max_len,
+                          on_bad_row=args.on_bad_row, input_template=args.input_template, max_samples=max_samples)
+
+    train_set = sft(args.dataset, args.max_samples)
+    if train_set.skipped:
+        strategy.print(train_set.skip_report.summary())
+    eval_set = None
+    if args.eval_dataset:
+        eval_set = sft(args.eval_dataset)
+    elif args.eval_split:
+        train_set, eval_set = split_train_eval(train_set, args.eval_split, seed=args.seed)
+    return train_set, eval_set
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Builds everything from parsed flags and runs SFT; returns the last logged metrics."""
+    from lightrft.cli.train_ppo import build_scheduler
+    from lightrft.models import ActorLanguage
+    from lightrft.strategy import get_strategy
+    from lightrft.trainer.sft_trainer import SFTTrainer
+    from lightrft.utils.trackers import MetricsTracker
+
+    strategy = get_strategy(args)
+    strategy.setup_distributed()
+    tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
+    with strategy.zero3_init_context():
+        model = ActorLanguage(args.pretrain, bf16=args.bf16, attn_implementation=args.attn_implementation,
+                              lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                              target_modules=args.target_modules, trust_remote_code=args.trust_remote_code,
+                              gradient_checkpointing=args.gradient_checkpointing)
+
+    train_set, eval_set = build_datasets(args, tokenizer, strategy)
+    base = train_set.dataset if hasattr(train_set, "indices") else train_set
+    collate = base.packing_collate_fn if args.packing_samples else base.collate_fn
+    dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
+    total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)
+
+    optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
+                                      weight_decay=args.l2)
+    scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
+    model, optim, scheduler = strategy.prepare((model, optim, scheduler))
+
+    tracker = MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
+                             wandb_project=args.wandb_project, wandb_org=args.wandb_org,
+                             wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+    trainer = SFTTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
+                         eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
+                         save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt)
+    if args.load_checkpoint:
+        trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
+    trainer.fit(args, dataloader)
+    if trainer.stop_reason is None:
+        trainer.export_hf(args.save_path)
+    tracker.close()
+    logs = trainer.last_logs
+    if strategy.is_rank_0():
+        summary = {k: round(v, 6) for k, v in logs.items() if isinstance(v, float)}
+        print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
+                          "save_path": os.path.abspath(args.save_path), **summary}), flush=True)
+    strategy.close()
+    return logs
+
+
+def main(argv=None) -> None:
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,231 @@
+"""SFTTrainer: supervised fine-tuning with the loss on response tokens only.
+
+One optimizer step takes `accumulated_gradient` micro-batches on every rank. Its loss is the
+token-mean negative log-likelihood over all response tokens of the step, on all ranks:
+
+    L = -(1 / N) sum_{ranks, micro-batches, i, t} m_it log p(y_it | y_<it),   N = sum m_it
+
+Each micro-batch contributes its NLL sum divided by the global N (all-reduced before the first
+backward), scaled by world_size * GAS because DeepSpeed averages gradients over ranks and divides
+by the accumulation steps (see `lightrft.algorithms.aggregation`). So the update does not depend on
+how the step is split over ranks and micro-batches, or on packing versus padding.
+"""
+
+import itertools
+import math
+import time
+from typing import Iterator, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
+from lightrft.datasets.sft_dataset import SFTBatch
+from lightrft.datasets.sharding import eval_shard_batches
+from lightrft.trainer.checkpoint import check_resume_options, gather_rng_states, restore_rank_rng_state
+from lightrft.trainer.ppo_trainer import PreemptionFlag
+
+# Options that define an SFT experiment: resuming with a different value is an error.
+SFT_PINNED_OPTIONS = ("pretrain", "dataset", "input_key", "output_key", "apply_chat_template", "max_len",
+                      "packing_samples", "train_batch_size", "micro_train_batch_size", "max_epochs", "seed",
+                      "lora_rank", "learning_rate", "eval_split")
+
+
+class SupervisedTrainer:
+    """The loop shared by the SFT and reward-model trainers: optimizer steps over groups of GAS
+    micro-batches, epochs resumable mid-way, evaluation, logs, checkpoints and preemption.
+
+    Subclasses implement `training_step(micro_batches) -> metrics` and `evaluate() -> metrics`.
+    `train_dataloader` comes from `strategy.setup_dataloader`; `eval_dataset` (optional) is
+    evaluated every `eval_steps` steps and at the end. `tracker` is a `MetricsTracker` or None."""
+
+    progress_desc = "steps"
+
+    def __init__(self, strategy, model, optim, scheduler, tokenizer, *, max_epochs: int = 1,
+                 eval_dataset: Optional[Sequence] = None, eval_collate_fn=None, tracker=None,
+                 save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False,
+                 pinned_options: Sequence[str] = SFT_PINNED_OPTIONS):
+        self.strategy = strategy
+        self.model = model
+        self.optim = optim
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_epochs = max_epochs
+        self.eval_dataset = eval_dataset
+        self.eval_collate_fn = eval_collate_fn
+        self.tracker = tracker
+        self.save_hf_ckpt = save_hf_ckpt
+        self.disable_ds_ckpt = disable_ds_ckpt
+        self.pinned_options = pinned_options
+        self.global_step = 0
+        self.consumed_samples = 0  # samples trained on, over all ranks
+        self.last_logs: dict[str, float] = {}
+        self.preemption = PreemptionFlag()
+        self.stop_reason: Optional[str] = None
+
+    # ====================================================================================== fit
+    def fit(self, args, train_dataloader) -> None:
+        """Runs `max_epochs` passes over the data, resuming after `self.consumed_samples`."""
+        self.args = args
+        steps_per_epoch = len(train_dataloader.dataset) // args.train_batch_size
+        if steps_per_epoch == 0:
+            raise ValueError(f"the training set has {len(train_dataloader.dataset)} samples, fewer than "
+                             f"--train_batch_size {args.train_batch_size}; lower --train_batch_size")
+        total_steps = steps_per_epoch * self.max_epochs
+        self.preemption.install()
+        bar = tqdm(total=total_steps, initial=self.global_step, desc=self.progress_desc,
+                   disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
+        try:
+            for step_batches in self._step_groups(train_dataloader, steps_per_epoch):
+                # 1. One optimizer step over GAS micro-batches.
+                started = time.time()
+                logs = self.training_step(step_batches)
+                self.global_step += 1
+                self.consumed_samples += args.train_batch_size
+                logs["perf/step_time"] = time.time() - started
+                logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * args.train_batch_size)
+                bar.update(1)
+                bar.set_postfix(loss=f"{logs['train/loss']:.4f}")
+                # 2. Logs, evaluation, checkpoints; stop early on preemption.
+                self.save_logs_and_checkpoints(args, logs, is_last=self.global_step == total_steps)
+                if self._preempted():
+                    self.stop_reason = "preempted"
+                    self.save_checkpoint(args)
+                    break
+        finally:
+            bar.close()
+            self.preemption.restore()
+
+    def _step_groups(self, dataloader, steps_per_epoch: int) -> Iterator[list]:
+        """Lists of GAS micro-batches, one per optimizer step, from where `consumed_samples` left off."""
+        per_epoch = steps_per_epoch * self.args.train_batch_size
+        start_epoch, consumed_in_epoch = divmod(self.consumed_samples, per_epoch)
+        grad_accum = self.strategy.accumulated_gradient
+        for epoch in range(start_epoch, self.max_epochs):
+            skipped = consumed_in_epoch if epoch == start_epoch else 0
+            dataloader.sampler.set_epoch(epoch, consumed_samples=skipped)
+            micro_batches = iter(dataloader)
+            for _ in range(steps_per_epoch - skipped // self.args.train_batch_size):
+                yield list(itertools.islice(micro_batches, grad_accum))
+
+    def training_step(self, micro_batches: list) -> dict[str, float]:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def eval_batches(self):
+        """(batch, keep) pairs of the evaluation set for this rank (see `eval_shard_batches`)."""
+        return eval_shard_batches(self.eval_dataset, self.eval_collate_fn, self.args.micro_train_batch_size,
+                                  self.strategy.rank, self.strategy.world_size)
+
+    # ======================================================================= logs and checkpoints
+    def save_logs_and_checkpoints(self, args, logs: dict, is_last: bool = False) -> None:
+        eval_steps = getattr(args, "eval_steps", -1)
+        if self.eval_dataset is not None and ((eval_steps > 0 and self.global_step % eval_steps == 0) or is_last):
+            logs.update(self.evaluate())
+        if self.tracker is not None and (self.global_step % max(args.logging_steps, 1) == 0 or is_last):
+            self.tracker.log(logs, step=self.global_step)
+        self.last_logs = logs
+        if (args.save_steps > 0 and self.global_step % args.save_steps == 0) or is_last:
+            self.save_checkpoint(args)
+
+    def client_state(self) -> dict:
+        return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
+                "rng": gather_rng_states(), "options": self._options(self.args)}
+
+    def _options(self, args) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k in self.pinned_options if hasattr(args, k) for v in [getattr(args, k)]}
+
+    def save_checkpoint(self, args) -> None:
+        """A resumable checkpoint (weights, optimizer, scheduler, counters, RNG of every rank) under
+        `--ckpt_path`, and a Hugging Face export next to it with `--save_hf_ckpt`."""
+        tag = f"global_step{self.global_step}"
+        if not self.disable_ds_ckpt:
+            self.strategy.save_ckpt(self.model, args.ckpt_path, tag, args.max_ckpt_num,
+                                    client_state=self.client_state())
+        if self.save_hf_ckpt:
+            self.export_hf(f"{args.ckpt_path}/{tag}_hf")
+
+    def export_hf(self, output_dir: str) -> None:
+        """Writes the Hugging Face model inside the wrapper (`.model`: a causal LM, a value model
+        with its head and reward statistics, or a PEFT model, merged on export) to `output_dir`."""
+        self.strategy.save_model(self.strategy.unwrap_model(self.model).model, self.tokenizer, output_dir)
+
+    def load_checkpoint(self, args, required: bool = True) -> int:
+        """Restores the newest complete checkpoint under `--ckpt_path`; returns the consumed samples
+        (0 when there is none and `required` is False)."""
+        path, state = self.strategy.load_ckpt(self.model, args.ckpt_path)
+        if path is None:
+            if required:
+                raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {args.ckpt_path}; pass "
+                                        "--load_checkpoint if_present to start fresh when none exists")
+            return 0
+        self.args = args
+        check_resume_options(state.get("options", {}), self._options(args), path)
+        self.global_step = state["global_step"]
+        self.consumed_samples = state["consumed_samples"]
+        restore_rank_rng_state(state["rng"])
+        self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} samples consumed")
+        return self.consumed_samples
+
+    def _preempted(self) -> bool:
+        """True on every rank once any rank got SIGTERM/SIGUSR1 (one all-reduce per step)."""
+        flag = torch.tensor([1.0 if self.preemption.raised else 0.0], device=self.strategy.device)
+        return self.strategy.all_reduce(flag, op="max").item() > 0
+
+
+class SFTTrainer(SupervisedTrainer):
+    """Trains `model` (an `ActorLanguage` prepared by the strategy) on an `SFTDataset`: the loss is
+    the global token-mean NLL of the response tokens (module docstring). Micro-batches are
+    `SFTBatch`, padded or packed."""
+
+    progress_desc = "SFT steps"
+
+    def training_step(self, micro_batches: list[SFTBatch]) -> dict[str, float]:
+        """Forward/backward of every micro-batch, then one optimizer step. Returns step metrics,
+        reduced over ranks once."""
+        self.model.train()
+        device = self.strategy.device
+        local_tokens = sum(batch.loss_mask.sum() for batch in micro_batches).float()
+        global_tokens = self.strategy.all_reduce(local_tokens.to(device), op="sum")
+        scale = dp_loss_scale(self.strategy.world_size, len(micro_batches))
+        step_loss = torch.zeros((), device=device)
+        for batch in micro_batches:
+            loss = self.batch_loss(batch, global_tokens)
+            self.strategy.backward(loss * scale, self.model, self.optim)
+            self.strategy.optimizer_step(self.optim, self.model, self.scheduler)
+            step_loss += loss.detach()
+        # The parts sum to this rank's share of the global token-mean; the ranks' shares sum to it.
+        total_loss = self.strategy.all_reduce(step_loss, op="sum")
+        return {"train/loss": total_loss.item(), "train/tokens": global_tokens.item(),
+                "train/lr": self.scheduler.get_last_lr()[0]}
+
+    def response_log_probs(self, batch: SFTBatch) -> torch.Tensor:
+        """Log-probs of tokens 1.. of every sample, in the layout of `batch.loss_mask`. Shape: (B, A)"""
+        device = self.strategy.device
+        return self.model(batch.input_ids.to(device), batch.num_actions,
+                          attention_mask=batch.attention_mask.to(device), packed_seq_lens=batch.packed_seq_lens)
+
+    def batch_loss(self, batch: SFTBatch, num_tokens) -> torch.Tensor:
+        """The response-token NLL of `batch` summed and divided by `num_tokens`. Shape: scalar."""
+        log_probs = self.response_log_probs(batch)  # (B, A)
+        return aggregate_loss(-log_probs, batch.loss_mask.to(log_probs.device), "token-mean",
+                              global_num_tokens=num_tokens)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Token-mean NLL of the response tokens over the whole evaluation set (each sample counted
+        once over all ranks), and its exp, the perplexity."""
+        self.model.eval()
+        device = self.strategy.device
+        nll, tokens = torch.zeros((), device=device), torch.zeros((), device=device)
+        for batch, keep in self.eval_batches():
+            mask = batch.loss_mask.to(device) & keep.to(device).unsqueeze(1)  # (B, A): fillers count nothing
+            nll -= (self.response_log_probs(batch) * mask).sum()
+            tokens += mask.sum()
+        total = self.strategy.all_reduce(torch.stack([nll, tokens]), op="sum")
+        self.model.train()
+        loss = (total[0] / total[1].clamp(min=1)).item()
+        return {"eval/loss": loss, "eval/ppl": math.exp(loss), "eval/tokens": total[1].item()}
