@@ -60,20 +60,26 @@ class CheckpointSaveError(RuntimeError):
 # Test hook
 
 
-def fault_point(stage: str, directory: Path | None = None) -> None:
-    """Fails here when `LIGHTRFT_CKPT_FAULT` names `stage` (a test hook; see the module docstring)."""
+def fault_spec() -> tuple[str, str] | None:
+    """The (stage, mode) named by `LIGHTRFT_CKPT_FAULT`, None when unset; ValueError when malformed."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
-        return
+        return None
     name, _, mode = spec.partition(":")
     if name not in FAULT_STAGES or mode not in ("", "exit", "raise"):
         raise ValueError(f"{FAULT_ENV}={spec!r}: expected <stage>[:exit|:raise] with stage one of "
                          f"{', '.join(FAULT_STAGES)}")
-    if name != stage:
+    return name, mode or "exit"
+
+
+def fault_point(stage: str, directory: Path | None = None) -> None:
+    """Fails here when `LIGHTRFT_CKPT_FAULT` names `stage` (a test hook; see the module docstring)."""
+    spec = fault_spec()
+    if spec is None or spec[0] != stage:
         return
     if stage == "mid-shard" and directory is not None:
         _tear_largest_file(directory)
-    if mode == "raise":
+    if spec[1] == "raise":
         raise OSError(errno.EIO, f"{FAULT_ENV}: injected failure at stage {stage}", str(directory))
     sys.stdout.write(f"{FAULT_ENV}: exiting at stage {stage}\n")
     sys.stdout.flush()
@@ -367,6 +373,7 @@ def save_checkpoint_dir(
     """
     save_dir = Path(save_dir)
     validate_tag(tag)
+    fault_spec()
     if max_num < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_num}")
     tmp = save_dir / (TMP_PREFIX + tag)

@@ -1,0 +1,238 @@
+"""The crash-consistent checkpoint protocol on real files, without DeepSpeed: kills (os._exit) and
+injected errors at every stage leave the previous checkpoint loadable and the partial one ignored."""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.strategy import checkpoint_io as cio
+from tests.conftest import REPO_ROOT, subprocess_env
+
+CHILD = """
+import sys
+from pathlib import Path
+from lightrft.strategy.checkpoint_io import save_checkpoint_dir
+from tests.strategy.test_checkpoint_io import write_for
+save_checkpoint_dir(sys.argv[1], sys.argv[2], write_for(sys.argv[2]), max_num=int(sys.argv[3]))
+print("finished")
+"""
+
+
+def write_for(tag: str):
+    """A shard writer whose files identify the tag: two files in two folders, and client state."""
+    def write(tmp: Path) -> None:
+        (tmp / "model").mkdir()
+        (tmp / "model" / "shard_0.bin").write_bytes(tag.encode() * 4000)
+        (tmp / "optim.bin").write_bytes(tag.encode() * 100)
+        cio.save_client_state(tmp, 0, {"tag": tag, "step": len(tag), "rng": torch.arange(3)})
+    return write
+
+
+def saved_tag(ckpt_dir: Path) -> str:
+    return cio.load_client_state(ckpt_dir, 0)["tag"]
+
+
+def save(save_dir, tag, max_num=2):
+    return cio.save_checkpoint_dir(save_dir, tag, write_for(tag), max_num=max_num)
+
+
+def complete_tags(save_dir):
+    return [p.name for _, p in cio.list_complete(save_dir)]
+
+
+def test_save_writes_marker_pointer_and_no_leftovers(tmp_path):
+    final = save(tmp_path, "step1")
+    assert final == tmp_path / "step1"
+    marker = cio.read_marker(final)
+    assert marker["tag"] == "step1" and marker["seq"] == 1
+    # the marker lists every file with its size: 5 bytes x 4000, 5 x 100, and the client state
+    assert marker["files"]["model/shard_0.bin"] == 20000 and marker["files"]["optim.bin"] == 500
+    assert "client_state/rank_0.pt" in marker["files"]
+    assert (tmp_path / "latest").read_text().strip() == "step1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1"]
+    assert cio.resolve_checkpoint(tmp_path) == final
+    state = cio.load_client_state(final, 0)
+    assert state["step"] == 5 and torch.equal(state["rng"], torch.arange(3))
+
+
+def test_max_num_keeps_newest_complete_and_sequence_orders(tmp_path):
+    for i in range(1, 6):
+        save(tmp_path, f"s{i}", max_num=3)
+    assert complete_tags(tmp_path) == ["s3", "s4", "s5"]
+    assert [seq for seq, _ in cio.list_complete(tmp_path)] == [3, 4, 5]
+    assert cio.find_latest_complete(tmp_path) == tmp_path / "s5"
+    # an incomplete folder that looks like a checkpoint is neither counted nor deleted
+    (tmp_path / "s9").mkdir()
+    save(tmp_path, "s6", max_num=3)
+    assert complete_tags(tmp_path) == ["s4", "s5", "s6"]
+    assert (tmp_path / "s9").is_dir()
+
+
+def test_overwriting_a_tag_replaces_it_whole(tmp_path):
+    save(tmp_path, "a")
+    save(tmp_path, "a", max_num=1)
+    assert complete_tags(tmp_path) == ["a"]
+    assert cio.read_marker(tmp_path / "a")["seq"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]
+
+
+def run_child(save_dir, tag, fault, max_num=2):
+    env = subprocess_env(**{cio.FAULT_ENV: fault})
+    return subprocess.run([sys.executable, "-c", CHILD, str(save_dir), tag, str(max_num)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("stage", cio.FAULT_STAGES)
+def test_kill_at_each_stage_keeps_a_loadable_checkpoint(tmp_path, stage):
+    save(tmp_path, "a")
+    save(tmp_path, "b")
+    proc = run_child(tmp_path, "c", stage)
+    assert proc.returncode == 137, proc.stderr
+    assert f"exiting at stage {stage}" in proc.stdout and "finished" not in proc.stdout
+    resolved = cio.resolve_checkpoint(tmp_path)
+    if stage in ("mid-shard", "before-marker", "before-rename"):
+        # the partial folder never became visible: the previous checkpoint is the one loaded
+        assert (tmp_path / ".tmp-c").is_dir() and not (tmp_path / "c").exists()
+        assert complete_tags(tmp_path) == ["a", "b"]
+        assert resolved == tmp_path / "b"
+    elif stage == "before-pointer":
+        # c is complete, but `latest` still names b: the pointer decides
+        assert complete_tags(tmp_path) == ["a", "b", "c"]
+        assert resolved == tmp_path / "b"
+    else:
+        # during-cleanup: c is committed; "a" was being removed and is no longer a candidate
+        assert (tmp_path / ".trash-a").is_dir()
+        assert complete_tags(tmp_path) == ["b", "c"]
+        assert resolved == tmp_path / "c"
+    assert saved_tag(resolved) == resolved.name
+    # the next save succeeds and clears what the crash left behind
+    save(tmp_path, "d")
+    assert complete_tags(tmp_path) == ["c", "d"] if stage in ("before-pointer", "during-cleanup") else ["b", "d"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "d"
+
+
+def test_torn_mid_shard_file_is_truncated_by_the_hook(tmp_path):
+    save(tmp_path, "a")
+    run_child(tmp_path, "b", "mid-shard")
+    assert (tmp_path / ".tmp-b" / "model" / "shard_0.bin").stat().st_size == 4000 // 2
+
+
+@pytest.mark.parametrize("stage", ["mid-shard", "before-marker", "before-rename", "before-pointer"])
+def test_injected_error_raises_naming_the_path_and_keeps_previous(tmp_path, monkeypatch, stage):
+    save(tmp_path, "a")
+    monkeypatch.setenv(cio.FAULT_ENV, f"{stage}:raise")
+    with pytest.raises(cio.CheckpointSaveError) as err:
+        save(tmp_path, "b")
+    assert str(tmp_path / "b") in str(err.value) and "injected failure" in str(err.value)
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "a"
+    assert (tmp_path / "latest").read_text().strip() == "a"
+    assert saved_tag(tmp_path / "a") == "a"
+
+
+def test_failed_cleanup_only_warns(tmp_path, monkeypatch):
+    save(tmp_path, "a", max_num=1)
+    monkeypatch.setenv(cio.FAULT_ENV, "during-cleanup:raise")
+    with pytest.warns(RuntimeWarning, match="is complete, but removing old checkpoints"):
+        save(tmp_path, "b", max_num=1)
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "b"
+
+
+def test_failing_writer_leaves_previous_intact(tmp_path):
+    save(tmp_path, "a")
+
+    def disk_full(tmp: Path) -> None:
+        (tmp / "half.bin").write_bytes(b"x" * 10)
+        raise OSError(28, "No space left on device", str(tmp / "half.bin"))
+
+    with pytest.raises(cio.CheckpointSaveError) as err:
+        cio.save_checkpoint_dir(tmp_path, "b", disk_full)
+    assert str(tmp_path / "b") in str(err.value) and "No space left on device" in str(err.value)
+    assert complete_tags(tmp_path) == ["a"] and cio.resolve_checkpoint(tmp_path) == tmp_path / "a"
+
+
+def test_failure_on_another_rank_raises_here_too(tmp_path):
+    # all_ok is the collective "did every rank succeed"; here another rank reports a failure.
+    with pytest.raises(cio.CheckpointSaveError, match="failed on another rank"):
+        cio.save_checkpoint_dir(tmp_path, "a", write_for("a"), all_ok=lambda ok: False)
+    assert cio.resolve_checkpoint(tmp_path) is None
+
+
+def test_unwritable_save_dir_names_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(cio.CheckpointSaveError, match=str(blocker / ".tmp-a")):
+        save(blocker, "a")
+
+
+def test_resolve_falls_back_when_pointer_is_missing_or_stale(tmp_path):
+    assert cio.resolve_checkpoint(tmp_path) is None
+    assert cio.resolve_checkpoint(tmp_path / "missing") is None
+    save(tmp_path, "a", max_num=5)
+    save(tmp_path, "b", max_num=5)
+    (tmp_path / "latest").unlink()
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "b"
+    (tmp_path / "latest").write_text("gone\n")
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "b"
+    # a file that lost bytes after the marker was written makes the checkpoint incomplete
+    os.truncate(tmp_path / "b" / "optim.bin", 10)
+    (tmp_path / "latest").write_text("b\n")
+    assert not cio.is_complete(tmp_path / "b")
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / "a"
+    # a marker that is not valid JSON counts as missing
+    (tmp_path / "a" / cio.MARKER_NAME).write_text("{")
+    assert cio.resolve_checkpoint(tmp_path) is None
+
+
+def test_explicit_tag_must_be_complete(tmp_path):
+    save(tmp_path, "a")
+    (tmp_path / ".tmp-b").mkdir()
+    assert cio.resolve_checkpoint(tmp_path, "a") == tmp_path / "a"
+    with pytest.raises(FileNotFoundError) as err:
+        cio.resolve_checkpoint(tmp_path, "b")
+    assert str(tmp_path / "b") in str(err.value) and "['a']" in str(err.value)
+
+
+def test_crash_during_tag_overwrite_keeps_the_old_copy(tmp_path):
+    save(tmp_path, "a")
+    # a crash between parking the old copy and renaming the new one in leaves only `.old-a`
+    os.rename(tmp_path / "a", tmp_path / ".old-a")
+    assert cio.resolve_checkpoint(tmp_path) == tmp_path / ".old-a"
+    assert cio.resolve_checkpoint(tmp_path, "a") == tmp_path / ".old-a"
+    save(tmp_path, "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]
+
+
+@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "two words", "x\n"])
+def test_bad_tags_are_rejected(tmp_path, tag):
+    with pytest.raises(ValueError, match="checkpoint tag"):
+        save(tmp_path, tag)
+
+
+def test_bad_max_num_and_fault_spec(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--max_ckpt_num"):
+        save(tmp_path, "a", max_num=0)
+    monkeypatch.setenv(cio.FAULT_ENV, "halfway")
+    with pytest.raises(ValueError, match="expected <stage>"):
+        save(tmp_path, "a")
+
+
+class Opaque:
+    pass
+
+
+def test_client_state_load_refuses_arbitrary_objects(tmp_path):
+    cio.save_client_state(tmp_path, 0, {"obj": Opaque()})
+    with pytest.raises(pickle.UnpicklingError):
+        cio.load_client_state(tmp_path, 0)
+
+
+def test_client_state_falls_back_to_rank_0(tmp_path):
+    cio.save_client_state(tmp_path, 0, {"consumed": 12})
+    assert cio.load_client_state(tmp_path, 3) == {"consumed": 12}
+    assert cio.load_client_state(tmp_path / "none", 0) == {}
