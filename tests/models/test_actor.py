@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, masking_utils
 
 from lightrft.models import ActorLanguage
 from lightrft.models.hf_utils import VARLEN_SDPA, positions_from_attention_mask
+from lightrft.utils.tiny import build_char_tokenizer
 
 from .conftest import make_batch
 
@@ -204,3 +205,17 @@ def test_bad_packed_arguments_are_explained(tiny_dirs, batch):
         actor(batch.packed_ids, 2, packed_seq_lens=batch.packed_seq_lens)
     with pytest.raises(ValueError, match=r"num_actions must be an int in \[1, T - 1\]"):
         actor(batch.sequences, batch.sequences.size(1), attention_mask=batch.attention_mask)
+
+
+def test_generation_with_the_default_attention_equals_sdpa(tiny_dirs):
+    """The rollout engine generates with `actor.model`; the packing-aware attention must behave as
+    plain SDPA there (left-padded prompts, KV cache)."""
+    prompts = build_char_tokenizer()(["hello there", "hi"], return_tensors="pt", padding=True)
+    outputs = [
+        ActorLanguage(tiny_dirs["llama"], attn_implementation=attn).model.generate(
+            **prompts, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        for attn in (VARLEN_SDPA, "sdpa")
+    ]
+    assert outputs[0].shape == (2, prompts["input_ids"].size(1) + 6)
+    assert torch.equal(outputs[0], outputs[1])
