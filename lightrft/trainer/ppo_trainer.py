@@ -369,7 +369,8 @@ class PPOTrainer:
                              packed_seq_lens=experience.packed_seq_lens)
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
                                             action_mask=experience.action_mask, global_num_tokens=counts["tokens"],
-                                            global_num_seqs=counts["seqs"], return_metrics=True)
+                                            global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len,
+                                            return_metrics=True)
         self.strategy.backward(loss * self.loss_scale(), self.critic, self.critic_optim)
         self.strategy.optimizer_step(self.critic_optim, self.critic, self.critic_scheduler)
         metrics = {"critic_loss": loss.detach(), **metrics}

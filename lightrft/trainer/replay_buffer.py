@@ -2,6 +2,7 @@
 
 import torch
 
+from lightrft.algorithms.masked import masked_whiten
 from lightrft.trainer.experience import Experience, Sample, collate_samples, split_experience
 
 
@@ -42,7 +43,7 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
 
     def normalize(self, key: str, strategy, eps: float = 1e-8) -> None:
         """Whitens `key` (e.g. "advantages") over the action tokens of every rank's buffer:
-        x <- (x - mean) / (std + eps), mean and std over the global batch (one all-reduce)."""
+        x <- (x - mean) / sqrt(var + eps), mean and var over the global batch (one all-reduce)."""
         values = torch.cat([item.per_action[key] for item in self.items]).double()
         stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
         stats = strategy.all_reduce(stats, op="sum")
@@ -51,10 +52,9 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
             return
         mean = total / count
         var = max(total_sq / count - mean * mean, 0.0)
-        std = var ** 0.5
         for item in self.items:
-            item.per_action[key] = ((item.per_action[key].double() - mean) / (std + eps)).to(
-                item.per_action[key].dtype)
+            value = item.per_action[key]
+            item.per_action[key] = masked_whiten(value.double(), None, eps=eps, mean=mean, var=var).to(value.dtype)
 
     def mean_info(self, strategy) -> dict[str, float]:
         """Mean of every info field over all ranks' samples (one all-reduce)."""
