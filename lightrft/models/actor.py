@@ -129,11 +129,12 @@ class ActorLanguage(nn.Module):
         if num_actions is None:
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, None)
+        num_actions = int(num_actions)
         # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
         output = self.model(**kwargs, logits_to_keep=num_actions + 1)
         output.logits = output.logits[:, :-1]  # (B, A, V)
         log_probs = log_probs_from_logits(output.logits, sequences[:, -num_actions:], self.temperature)  # (B, A)
-        if return_entropy:
+        if return_output and return_entropy:
             output["entropy"] = entropy_from_logits(output.logits, self.temperature)  # (B, A)
         return (log_probs, output) if return_output else log_probs
 
@@ -146,7 +147,7 @@ class ActorLanguage(nn.Module):
         output = self.model(**kwargs, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
-        if return_entropy:
+        if return_output and return_entropy:
             output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
         return (log_probs, output) if return_output else log_probs
 

@@ -69,7 +69,7 @@ class Critic(nn.Module):
         kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is None:
-            return values[:, -num_actions - 1 : -1].float()  # (B, A)
+            return values[:, -int(num_actions) - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         return index.to_rows(values[0, index.predict_positions].float())  # (N, A)
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
@@ -170,8 +171,6 @@ def backbone_class(config: PretrainedConfig, path: str | None, trust_remote_code
         return MODEL_MAPPING[type(config)]
     auto_map = getattr(config, "auto_map", None) or {}
     if trust_remote_code and "AutoModel" in auto_map and path is not None:
-        from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
         return get_class_from_dynamic_module(auto_map["AutoModel"], path)
     raise ValueError(
         f"no AutoModel backbone is known for model_type {config.model_type!r}; "
@@ -222,8 +221,6 @@ def load_value_model(
     backbone folder, head freshly initialised). A folder saved with a different `value_head_prefix`
     is an error rather than a silently fresh head.
     """
-    from transformers import AutoConfig
-
     path = resolve_pretrained(pretrain, flag)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     saved_prefix = getattr(config, "value_head_prefix", None)

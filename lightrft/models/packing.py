@@ -12,6 +12,7 @@ packed batch never waits on the accelerator.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -41,12 +42,12 @@ def check_seq_lens(seq_lens: Sequence[int], total: int) -> list[int]:
 def check_num_actions(num_actions, sequences: torch.Tensor, packed_seq_lens: Sequence[int] | None) -> None:
     """Padded batches take one int A in [1, T - 1]; packed rows take one count per sequence."""
     if packed_seq_lens is None:
-        if isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions < sequences.size(1):
+        if isinstance(num_actions, bool) or not isinstance(num_actions, Integral) or not 0 < num_actions < sequences.size(1):
             raise ValueError(
                 f"num_actions must be an int in [1, T - 1] for a padded batch of length T={sequences.size(1)}, "
                 f"got {num_actions!r}"
             )
-    elif isinstance(num_actions, int) or len(num_actions) != len(packed_seq_lens):
+    elif isinstance(num_actions, Integral) or len(num_actions) != len(packed_seq_lens):
         raise ValueError(
             f"a packed row of {len(packed_seq_lens)} sequences needs num_actions as a list of "
             f"{len(packed_seq_lens)} counts, got {num_actions!r}"
