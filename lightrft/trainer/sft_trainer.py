@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
-from lightrft.trainer.checkpoint import check_resume_options, gather_rng_states, restore_rank_rng_state
+from lightrft.trainer.checkpoint import capture_rng_state, check_resume_options, restore_rng_state
 from lightrft.trainer.ppo_trainer import PreemptionFlag
 
 # Options that define an SFT experiment: resuming with a different value is an error.
@@ -132,7 +132,7 @@ class SupervisedTrainer:
 
     def client_state(self) -> dict:
         return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
-                "rng": gather_rng_states(), "options": self._options(self.args)}
+                "rng": capture_rng_state(), "options": self._options(self.args)}
 
     def _options(self, args) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v
@@ -166,7 +166,7 @@ class SupervisedTrainer:
         check_resume_options(state.get("options", {}), self._options(args), path)
         self.global_step = state["global_step"]
         self.consumed_samples = state["consumed_samples"]
-        restore_rank_rng_state(state["rng"])
+        restore_rng_state(state["rng"])  # each rank saved and loads its own client state
         self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} samples consumed")
         return self.consumed_samples
 
