@@ -9,7 +9,9 @@ expansion) raises `ShellSyntaxError`, so a recipe cannot silently be checked wro
 """
 
 import argparse
+import contextlib
 import importlib
+import io
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -240,6 +242,8 @@ def check_cli_command(command: CliCommand, validate: bool = True) -> list[str]:
     try:
         if hasattr(module, "validate_args"):
             module.validate_args(parser, args)
+        elif hasattr(module, "parse_args"):
+            _run_parse_args(module, command.argv)
         if hasattr(module, "check_world_size"):
             module.check_world_size(args, command.world_size)
         if hasattr(args, "train_batch_size") and hasattr(args, "micro_train_batch_size"):
@@ -249,6 +253,19 @@ def check_cli_command(command: CliCommand, validate: bool = True) -> list[str]:
     except (CliCheckError, ValueError) as err:
         problems.append(f"{where} ({command.world_size} ranks): {err}")
     return problems
+
+
+def _run_parse_args(module, argv: list[str]) -> None:
+    """Runs a CLI's own `parse_args(argv)` (parsing plus its start-up checks), turning its
+    print-and-exit on a bad combination into `CliCheckError` with the printed message."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            module.parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            message = stderr.getvalue().strip().splitlines()
+            raise CliCheckError(message[-1] if message else f"parse_args exited with {exit_.code}") from None
 
 
 def parse_cli_command(command: CliCommand) -> argparse.Namespace:
