@@ -180,18 +180,21 @@ def train(args: argparse.Namespace) -> dict:
 
     model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,
                         trust_remote_code=args.trust_remote_code)
-    actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                          lora_dropout=args.lora_dropout, target_modules=args.target_modules,
-                          gradient_checkpointing=args.gradient_checkpointing, temperature=args.temperature,
-                          **model_kwargs)
-    critic = (Critic(args.critic_pretrain, value_head_prefix=args.value_head_prefix, **model_kwargs)
-              if args.critic_pretrain else None)
-    reward_models = [RewardModel(path.strip(), value_head_prefix=args.value_head_prefix,
-                                 normalize_reward=args.normalize_reward, **model_kwargs)
-                     for path in (args.reward_pretrain or "").split(",") if path.strip()]
-    needs_reference = args.init_kl_coef > 0
-    initial_model = ActorLanguage(args.pretrain, temperature=args.temperature, **model_kwargs) if needs_reference else None
-    ema_model = ActorLanguage(args.pretrain, **model_kwargs) if args.enable_ema else None
+    # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
+    with strategy.zero3_init_context():
+        actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                              lora_dropout=args.lora_dropout, target_modules=args.target_modules,
+                              gradient_checkpointing=args.gradient_checkpointing, temperature=args.temperature,
+                              **model_kwargs)
+        critic = (Critic(args.critic_pretrain, value_head_prefix=args.value_head_prefix, **model_kwargs)
+                  if args.critic_pretrain else None)
+        reward_models = [RewardModel(path.strip(), value_head_prefix=args.value_head_prefix,
+                                     normalize_reward=args.normalize_reward, **model_kwargs)
+                         for path in (args.reward_pretrain or "").split(",") if path.strip()]
+        needs_reference = args.init_kl_coef > 0
+        initial_model = (ActorLanguage(args.pretrain, temperature=args.temperature, **model_kwargs)
+                         if needs_reference else None)
+        ema_model = ActorLanguage(args.pretrain, **model_kwargs) if args.enable_ema else None
 
     tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
     tokenizer.padding_side = "left"
@@ -293,7 +296,7 @@ def train(args: argparse.Namespace) -> dict:
         summary = {k: round(v, 4) for k, v in logs.items() if isinstance(v, float)}
         print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
                           "save_path": os.path.abspath(args.save_path), **summary}))
-    strategy.destroy()
+    strategy.close()
     return logs
 
 

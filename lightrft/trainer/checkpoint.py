@@ -40,27 +40,6 @@ def restore_rng_state(state: Mapping) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def gather_rng_states() -> list:
-    """Every rank's RNG state, indexed by rank (a list of one element without a process group)."""
-    state = capture_rng_state()
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [state]
-    states = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(states, state)
-    return states
-
-
-def restore_rank_rng_state(states: list) -> None:
-    """Restores this rank's entry of a list made by `gather_rng_states`; the world size must match."""
-    rank, world = 0, 1
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if len(states) != world:
-        raise ValueError(f"the checkpoint holds RNG states of {len(states)} ranks but this run has {world}; "
-                         "resume with the same number of ranks for an exact continuation")
-    restore_rng_state(states[rank])
-
-
 def check_resume_options(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> None:
     """Raises if an option that changes the experiment differs from the checkpoint's.
 

@@ -22,8 +22,7 @@ from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, comp
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.trainer.callbacks import CallbackList
-from lightrft.trainer.checkpoint import (check_resume_options, gather_rng_states,
-                                         restore_rank_rng_state)
+from lightrft.trainer.checkpoint import capture_rng_state, check_resume_options, restore_rng_state
 from lightrft.trainer.experience import Experience
 from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
@@ -409,7 +408,7 @@ class PPOTrainer:
 
     def client_state(self) -> dict:
         return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
-                "kl_ctl": self.kl_ctl.state_dict(), "rng": gather_rng_states(),
+                "kl_ctl": self.kl_ctl.state_dict(), "rng": capture_rng_state(),
                 "rollout_calls": self.experience_maker.calls, "counters": dict(self.counters),
                 "options": {k: self._plain(getattr(self.args, k)) for k in PINNED_OPTIONS if hasattr(self.args, k)}}
 
@@ -445,16 +444,17 @@ class PPOTrainer:
                              {k: self._plain(getattr(args, k)) for k in PINNED_OPTIONS if hasattr(args, k)}, path)
         if self.critic is not None:
             tag = f"global_step{state['global_step']}"
-            critic_path, _ = self.strategy.load_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag=tag)
-            if critic_path is None:
-                raise FileNotFoundError(f"the actor checkpoint {path} has no matching critic checkpoint {tag} under "
-                                        f"{args.ckpt_path}/_critic")
+            try:
+                self.strategy.load_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag=tag)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"the actor checkpoint {path} has no matching complete critic checkpoint "
+                                        f"{tag} under {args.ckpt_path}/_critic: {err}") from err
         self.global_step = state["global_step"]
         self.consumed_samples = state["consumed_samples"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.experience_maker.calls = state.get("rollout_calls", 0)
         self.counters.update(state.get("counters", {}))
-        restore_rank_rng_state(state["rng"])
+        restore_rng_state(state["rng"])
         self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} prompts consumed")
         return self.consumed_samples
 
