@@ -1,0 +1,98 @@
+"""What a reward source is, what it returns, and the checks every source applies to its scores."""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class RewardSourceError(RuntimeError):
+    """A reward source could not score a batch. The message names the source (file, URL with
+    credentials removed, or rule name) and the cause."""
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """Scores B samples given as text.
+
+    `queries[i]` is the full text of sample i (prompt followed by response), `prompts[i]` its
+    prompt and `labels[i]` its reference answer or other per-row data (None when the dataset has
+    no label column). Returns the rewards, Shape: (B,) float32.
+
+    A `RemoteRewardClient` built with `on_failure="drop"` returns a `RewardResult` instead, so
+    that code unaware of dropped samples fails loudly rather than training on placeholders.
+    """
+
+    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> torch.Tensor:
+        ...
+
+
+@dataclass
+class RewardResult:
+    """Rewards with a validity mask, from sources that may drop samples.
+
+    `rewards[i]` is 0.0 wherever `valid[i]` is False: the value is a placeholder, never a reward.
+    The caller decides what to do with invalid samples (the experience maker zeroes their
+    advantages). `extra_logs` carries per-sample values a reward file returned for logging.
+    """
+
+    rewards: torch.Tensor  # (B,) float32, 0.0 where not valid
+    valid: torch.Tensor  # (B,) bool
+    extra_logs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (B,) float32
+
+    @property
+    def num_dropped(self) -> int:
+        return int((~self.valid).sum())
+
+
+def as_reward_result(output: torch.Tensor | RewardResult) -> RewardResult:
+    """A `RewardResult` for the output of any reward source (a plain tensor is all valid)."""
+    if isinstance(output, RewardResult):
+        return output
+    rewards = torch.as_tensor(output, dtype=torch.float32).reshape(-1)
+    return RewardResult(rewards, torch.ones(rewards.shape[0], dtype=torch.bool))
+
+
+def to_reward_tensor(values: Any, expected: int, source: str) -> torch.Tensor:
+    """Converts a list, array or tensor of scores into a float32 CPU tensor of shape (expected,),
+    raising a `RewardSourceError` naming `source` when the count is wrong, an entry is not a
+    number, or a score is NaN or infinite."""
+    try:
+        if isinstance(values, torch.Tensor):
+            tensor = values.detach().to(device="cpu", dtype=torch.float32)
+        else:
+            if any(isinstance(v, (bool, str, bytes)) or v is None for v in _flat(values)):
+                raise TypeError("entries must be numbers")
+            tensor = torch.as_tensor(values, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise RewardSourceError(f"{source}: rewards must be numbers (a list or a tensor), got "
+                                f"{_preview(values)} ({err})") from None
+    if tensor.numel() != expected or tensor.dim() > 2 or (tensor.dim() == 2 and tensor.shape[1] != 1):
+        raise RewardSourceError(f"{source}: expected {expected} rewards (one per query), got shape "
+                                f"{tuple(tensor.shape)}")
+    tensor = tensor.reshape(expected)
+    bad = (~torch.isfinite(tensor)).nonzero().flatten().tolist()
+    if bad:
+        raise RewardSourceError(f"{source}: rewards at positions {bad[:10]} are NaN or infinite "
+                                f"({[tensor[i].item() for i in bad[:10]]})")
+    return tensor
+
+
+def _flat(values: Any):
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            yield from _flat(v)
+    else:
+        yield values
+
+
+def _preview(values: Any, limit: int = 80) -> str:
+    text = repr(values)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_finite_number(value: Any) -> bool:
+    """True for an int or float (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
