@@ -158,13 +158,8 @@ class ActorLanguage(nn.Module):
         """The plain Hugging Face causal LM to export: without LoRA the model itself; with LoRA a
         copy with the adapters merged into the base weights (W + alpha/r * B A), which loads with
         `AutoModelForCausalLM` anywhere. The copy costs one extra set of weights in memory; with
-        ZeRO-3 call it inside a parameter-gathering context."""
+        ZeRO-3 call it inside a parameter-gathering context. `DeepspeedStrategy.save_model`
+        exports `.model` itself (gathering and merging), so the wrapper needs no save method."""
         if self.lora_rank == 0:
             return self.model
         return copy.deepcopy(self.model).merge_and_unload()
-
-    def save_pretrained(self, output_dir: str | os.PathLike, tokenizer=None) -> None:
-        """Writes a Hugging Face folder (safetensors, LoRA merged) and the tokenizer if given."""
-        self.merged_model().save_pretrained(output_dir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(output_dir)

@@ -5,7 +5,12 @@ import os
 import torch
 from torch import nn
 
-from lightrft.models.hf_utils import enable_gradient_checkpointing, value_forward_kwargs, value_model_from
+from lightrft.models.hf_utils import (
+    enable_gradient_checkpointing,
+    strip_prefix,
+    value_forward_kwargs,
+    value_model_from,
+)
 from lightrft.models.packing import check_num_actions, packed_action_index
 
 
@@ -76,9 +81,14 @@ class Critic(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)
 
-    def save_pretrained(self, output_dir: str | os.PathLike, tokenizer=None) -> None:
+    def save_pretrained(
+        self, output_dir: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None, tokenizer=None
+    ) -> None:
         """Writes a Hugging Face folder: config.json (with `value_head_prefix`) and safetensors
-        weights of backbone and head; loads back with `Critic(output_dir)`."""
-        self.model.save_pretrained(output_dir)
+        weights of backbone and head; loads back with `Critic(output_dir)`.
+        `state_dict`, if given, is keyed like this wrapper's own `state_dict()` (entries under
+        `model.`), as `DeepspeedStrategy.save_model` passes the weights gathered from ZeRO-3."""
+        inner = None if state_dict is None else strip_prefix(state_dict, "model.")
+        self.model.save_pretrained(output_dir, state_dict=inner)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)

@@ -287,3 +287,8 @@ def value_forward_kwargs(
     if packed_seq_lens is None:
         return padded_forward_kwargs(sequences, attention_mask)
     return packed_forward_kwargs(sequences, packed_seq_lens, model.config._attn_implementation)
+
+
+def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under `prefix`, with the prefix removed (a wrapper's state dict -> its model's)."""
+    return {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}

@@ -178,7 +178,7 @@ def test_lora_trains_only_adapters_and_exports_a_plain_model(tiny_dirs, batch, t
     assert any("lora_B" in n for n in changed)  # B starts at 0 and must move for the adapter to act
 
     trained = actor(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask).detach()
-    actor.save_pretrained(tmp_path / "merged")
+    actor.merged_model().save_pretrained(tmp_path / "merged")
     after_export = actor(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask).detach()
     torch.testing.assert_close(after_export, trained, atol=0, rtol=0)  # export did not touch the live model
 

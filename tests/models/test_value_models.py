@@ -89,6 +89,19 @@ def test_critic_save_load_round_trip(tiny_dirs, batch, tmp_path):
         Critic(tmp_path / "critic")
 
 
+def test_critic_saves_a_given_state_dict(tiny_dirs, batch, tmp_path):
+    """DeepspeedStrategy.save_model passes the weights gathered from ZeRO-3, keyed like the
+    wrapper's state_dict; those are written, not the live (possibly sharded) parameters."""
+    critic = Critic(tiny_dirs["qwen2"])
+    set_head(critic, seed=5)
+    state = {name: tensor.clone() for name, tensor in critic.state_dict().items()}
+    state["model.score.weight"].zero_()
+    critic.save_pretrained(tmp_path / "gathered", state_dict=state)
+    loaded = Critic(tmp_path / "gathered")
+    assert loaded(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask).abs().max() == 0
+    assert critic(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask).abs().max() > 0.1
+
+
 @pytest.fixture
 def reward_dir(tiny_dirs, tmp_path):
     rm = RewardModel(tiny_dirs["qwen2"], init_value_head=True)
