@@ -11,6 +11,7 @@ from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_log
 from lightrft.models.hf_utils import (
     default_attn_implementation,
     enable_gradient_checkpointing,
+    explain_load_errors,
     model_dtype,
     packed_forward_kwargs,
     padded_forward_kwargs,
@@ -66,16 +67,19 @@ class ActorLanguage(nn.Module):
             if hasattr(model, "set_attn_implementation"):
                 model.set_attn_implementation(attn_implementation or default_attn_implementation())
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                resolve_pretrained(pretrain_or_model, "--pretrain"),
-                dtype=model_dtype(bf16),
-                attn_implementation=attn_implementation or default_attn_implementation(),
-                trust_remote_code=trust_remote_code,
-            )
+            path = resolve_pretrained(pretrain_or_model, "--pretrain")
+            with explain_load_errors(path, "--pretrain"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    path,
+                    dtype=model_dtype(bf16),
+                    attn_implementation=attn_implementation or default_attn_implementation(),
+                    trust_remote_code=trust_remote_code,
+                )
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.lora_rank = lora_rank
         if lora_rank > 0:
+            # peft is imported only when LoRA is asked for: it takes seconds to import.
             from peft import LoraConfig, TaskType, get_peft_model
 
             lora_config = LoraConfig(

@@ -21,6 +21,7 @@ Which attention runs where (details in docs/packing.md):
 import importlib.util
 import os
 import re
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -42,16 +43,31 @@ HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_pretrained(path: str | os.PathLike, flag: str) -> str:
     """Returns `path` as a string if it is an existing folder or a Hugging Face Hub id ("org/name",
     resolved later by transformers from the local cache or the Hub); otherwise raises an error that
-    names the path and the command-line flag it came from."""
+    names the path and the command-line flag it came from. "org/name" whose "org" is a local
+    folder is taken as a missing local path, not a Hub id."""
     path_str = os.fspath(path)
     if Path(path_str).expanduser().exists():
         return str(Path(path_str).expanduser())
-    if HUB_REPO_ID.match(path_str):
+    if HUB_REPO_ID.match(path_str) and not Path(path_str).parent.is_dir():
         return path_str
     raise FileNotFoundError(
         f"{flag} {path_str!r}: no such model folder. Pass a Hugging Face model folder "
         "(with config.json and weights) or a Hub id like 'Qwen/Qwen2.5-0.5B-Instruct'."
     )
+
+
+@contextmanager
+def explain_load_errors(path: str, flag: str):
+    """Re-raises transformers' loading errors (missing or invalid files, an unreachable Hub) with
+    the flag and path in front, keeping the error type."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        error_type = OSError if isinstance(err, OSError) else ValueError
+        raise error_type(
+            f"{flag} {path!r} could not be loaded: {err} Pass a Hugging Face model folder (config.json and "
+            "weights), or a Hub id that is in the local cache or reachable."
+        ) from err
 
 
 def model_dtype(bf16: bool) -> torch.dtype:
@@ -222,7 +238,8 @@ def load_value_model(
     is an error rather than a silently fresh head.
     """
     path = resolve_pretrained(pretrain, flag)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with explain_load_errors(path, flag):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     saved_prefix = getattr(config, "value_head_prefix", None)
     if saved_prefix is not None and saved_prefix != value_head_prefix:
         raise ValueError(
@@ -230,14 +247,15 @@ def load_value_model(
             f"for; pass --value_head_prefix {saved_prefix}"
         )
     cls = value_model_class(backbone_class(config, path, trust_remote_code), value_head_prefix)
-    model, info = cls.from_pretrained(
-        path,
-        config=config,
-        dtype=model_dtype(bf16),
-        attn_implementation=attn_implementation or default_attn_implementation(),
-        trust_remote_code=trust_remote_code,
-        output_loading_info=True,
-    )
+    with explain_load_errors(path, flag):
+        model, info = cls.from_pretrained(
+            path,
+            config=config,
+            dtype=model_dtype(bf16),
+            attn_implementation=attn_implementation or default_attn_implementation(),
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
     head_loaded = not any(key.startswith(f"{value_head_prefix}.") for key in info["missing_keys"])
     model.config.value_head_prefix = value_head_prefix
     return model, head_loaded

@@ -219,3 +219,9 @@ def test_generation_with_the_default_attention_equals_sdpa(tiny_dirs):
     ]
     assert outputs[0].shape == (2, prompts["input_ids"].size(1) + 6)
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_folder_without_weights_names_the_flag(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"--pretrain '.*empty' could not be loaded: Unrecognized model"):
+        ActorLanguage(tmp_path / "empty")
