@@ -161,3 +161,12 @@ def test_command_line_rejects_bad_flags(tmp_path):
                            "--batch_size", "0"], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--batch_size must be positive, got 0" in proc.stderr
+
+
+def test_remote_reward_client_of_train_ppo_reads_the_server(server, direct_scores):
+    from lightrft.rewards.remote import RemoteRewardClient
+
+    client = RemoteRewardClient(server + "/get_reward", timeout=30, max_retries=0)
+    rewards = client(TEXTS, ["p"] * len(TEXTS), [None] * len(TEXTS))
+    assert rewards.dtype == torch.float32
+    assert rewards.tolist() == pytest.approx(direct_scores, abs=1e-5)
