@@ -71,8 +71,8 @@ class PromptDataset(Dataset):
         raise DatasetRowError(self.source, index, self.input_key,
                               f"the prompt is {len(ids)} tokens after tokenization, over --prompt_max_len "
                               f"{self.prompt_max_len}",
-                              "raise --prompt_max_len, skip such rows with --on_bad_row skip, or keep their last "
-                              "tokens with --truncate_long_prompts", kind="over-long")
+                              "raise --prompt_max_len or skip such rows with --on_bad_row skip (in code, "
+                              "truncate_long_prompts=True keeps their last tokens)", kind="over-long")
 
     def __len__(self) -> int:
         return len(self.items)
