@@ -199,6 +199,9 @@ class DeepspeedStrategy:
         `(model, optimizer, scheduler)` -> `(engine, optimizer, scheduler)` trained with the train
         config; a model alone -> a frozen engine with the eval config (sharded under ZeRO-3,
         whole otherwise); None stays None. One argument returns one result, several a list."""
+        if not is_dist_initialized():
+            raise RuntimeError("DeepspeedStrategy.prepare needs the process group: call strategy.setup_distributed() "
+                               "first (before building the models, so they are seeded alike on every rank)")
         results = []
         for item in models_or_triples:
             if item is None:
