@@ -98,7 +98,8 @@ class RemoteRewardClient:
                  on_failure: str = "error", batch_size: int | None = 256, max_backoff: float = 10.0,
                  headers: dict[str, str] | None = None):
         if on_failure not in ON_FAILURE_POLICIES:
-            raise ValueError(f"on_failure must be one of {ON_FAILURE_POLICIES} (--reward_on_failure), got {on_failure!r}")
+            raise ValueError(f"on_failure must be one of {ON_FAILURE_POLICIES} (--reward_on_failure), "
+                             f"got {on_failure!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be positive (--reward_timeout), got {timeout}")
         if max_retries < 0:
@@ -179,7 +180,8 @@ class RemoteRewardClient:
         try:
             body = json.dumps(payload).encode()
         except (TypeError, ValueError) as err:
-            raise RewardSourceError(f"reward server {self.url}: labels and prompts must be JSON-serialisable ({err})") from None
+            raise RewardSourceError(f"reward server {self.url}: labels and prompts must be JSON-serialisable "
+                                    f"({err})") from None
         answer = self._post_with_retries(body)
         try:
             data = json.loads(answer)
@@ -211,7 +213,8 @@ class RemoteRewardClient:
             except urllib.error.HTTPError as err:
                 detail = _snippet(_read_error_body(err))
                 if err.code < 500 and err.code != RETRYABLE_STATUS:
-                    raise _ChunkFailure(f"HTTP {err.code} {err.reason}: {detail} (client errors are not retried)") from None
+                    raise _ChunkFailure(f"HTTP {err.code} {err.reason}: {detail} "
+                                        "(client errors are not retried)") from None
                 cause = f"HTTP {err.code} {err.reason}: {detail}"
             except TimeoutError:
                 cause = f"no answer within timeout={self.timeout}s"

@@ -18,7 +18,8 @@ def overlong_penalty(response_lengths: torch.Tensor, max_len: int, buffer_len: i
     Shape: (B,) -> (B,) float32, values in [-penalty_factor, 0].
     """
     if not 0 < buffer_len <= max_len:
-        raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}] (--overlong_buffer_len), got {buffer_len}")
+        raise ValueError(f"overlong buffer_len must be in (0, max_len={max_len}] (--overlong_buffer_len), "
+                         f"got {buffer_len}")
     if penalty_factor < 0:
         raise ValueError(f"overlong penalty_factor must be >= 0 (--overlong_penalty_factor), got {penalty_factor}")
     lengths = response_lengths.to(torch.float32)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightrft.rollout.base import RolloutOutput, SamplingParams, validate_prompts
 from lightrft.rollout.sampling import sample_next_tokens
+from lightrft.utils.distributed import get_world_size
 
 
 class HFEngine:
@@ -76,7 +77,8 @@ class HFEngine:
 
         # Trim the columns no response of this rank reaches (synced ranks may decode further).
         num_actions = int(action_mask.sum(dim=-1).max().item())
-        tokens, log_probs, action_mask = tokens[:, :num_actions], log_probs[:, :num_actions], action_mask[:, :num_actions]
+        tokens, log_probs = tokens[:, :num_actions], log_probs[:, :num_actions]
+        action_mask = action_mask[:, :num_actions]
         return RolloutOutput(
             sequences=torch.cat([input_ids, tokens], dim=1),
             attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1),
@@ -123,7 +125,7 @@ class HFEngine:
     def _any_rank_unfinished(self, unfinished: torch.Tensor) -> bool:
         """Whether decoding must go on: on this rank, or on any rank when `synced_gpus` is set."""
         flag = unfinished.any().to(torch.int32)
-        if self.synced_gpus and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.synced_gpus and get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from lightrft.rollout.base import RolloutOutput, SamplingParams, validate_prompts
+from lightrft.utils.distributed import get_world_size
 
 VLLM_INSTALL_HINT = "pip install lightrft[vllm]"
 
@@ -63,7 +64,7 @@ class VLLMEngine:
         self._vllm = vllm
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
-        world_size = _world_size()
+        world_size = get_world_size()
         options = dict(
             model=model_path,
             tensor_parallel_size=1,
@@ -126,9 +127,3 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-
-
-def _world_size() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return 1

@@ -66,8 +66,9 @@ def test_list_return_and_make_reward_source(tmp_path):
 def test_two_files_with_the_same_name_stay_separate(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first = load_reward_func(write(tmp_path / "a", "reward.py", "def reward_func(q, p, l):\n    return [1.0] * len(q)\n"))
-    second = load_reward_func(write(tmp_path / "b", "reward.py", "def reward_func(q, p, l):\n    return [2.0] * len(q)\n"))
+    body = "def reward_func(q, p, l):\n    return [{}] * len(q)\n"
+    first = load_reward_func(write(tmp_path / "a", "reward.py", body.format(1.0)))
+    second = load_reward_func(write(tmp_path / "b", "reward.py", body.format(2.0)))
     assert first(QUERIES, PROMPTS, LABELS).tolist() == [1.0] * 3
     assert second(QUERIES, PROMPTS, LABELS).tolist() == [2.0] * 3
 

@@ -6,7 +6,14 @@ import importlib.util
 import pytest
 
 from lightrft.rollout import ROLLOUT_ENGINES, SamplingParams, VLLMEngine, make_rollout_engine
-from tests.rollout.contract import PROMPTS, EngineCase, RolloutEngineContract, build_contract_model, greedy_chain, response_of
+from tests.rollout.contract import (
+    PROMPTS,
+    EngineCase,
+    RolloutEngineContract,
+    build_contract_model,
+    greedy_chain,
+    response_of,
+)
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
