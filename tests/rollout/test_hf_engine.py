@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightrft.models import ActorLanguage
 from lightrft.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingParams
 from tests.conftest import read_json_lines, run_torchrun
 from tests.rollout.contract import (
@@ -101,6 +102,21 @@ def test_padding_does_not_change_a_prompt_samples(case):
         length = int(alone.response_lengths[0])
         torch.testing.assert_close(alone.rollout_log_probs[0, :length], batched.rollout_log_probs[row, :length],
                                    atol=1e-5, rtol=0)
+
+
+def test_rollout_log_probs_equal_the_actor_log_probs():
+    """The trainer's ActorLanguage, at the sampling temperature, computes the same log-probs for
+    the sampled tokens as the engine reported: rollout and old log-probs agree before training."""
+    tokenizer, model = build_contract_model()
+    actor = ActorLanguage(model, temperature=0.7)
+    engine = HFEngine(actor.model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    out = engine.generate(prompt_ids, SamplingParams(temperature=0.7, max_new_tokens=10, n=2, seed=3))
+    with torch.no_grad():
+        actor_log_probs = actor(out.sequences, out.num_actions, attention_mask=out.attention_mask)
+    assert actor_log_probs.shape == out.rollout_log_probs.shape
+    torch.testing.assert_close(out.rollout_log_probs[out.action_mask], actor_log_probs[out.action_mask],
+                               atol=1e-5, rtol=0)
 
 
 def test_from_token_lists_rebuilds_the_engine_output(case):
