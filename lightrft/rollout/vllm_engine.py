@@ -9,7 +9,12 @@ up and treats each rank as an independent data-parallel replica, and it runs its
 process, so `update_weights` hands tensors to the model by reference (nothing written to disk, no
 copies between processes). Weight loading goes through `LLM.collective_rpc`, which runs a
 function on the worker that holds the model and calls the model's own `load_weights` with
-Hugging Face parameter names.
+Hugging Face parameter names. These parts (external-launcher replicas, `logprobs_mode`,
+`collective_rpc` with a function) need vLLM 0.10 or newer.
+
+The trainer's side of a step: `wake_up()`, `update_weights(...)` with the new actor weights
+(gathered from ZeRO-3 shards a few at a time, so the whole model never sits in memory twice),
+`generate(...)`, then `sleep()` before the training passes.
 """
 
 import os
