@@ -17,8 +17,10 @@ import shlex
 from dataclasses import dataclass, field
 
 CLI_PACKAGE = "lightrft.cli."
+ELISION = "..."  # a word standing for flags left out of an example
 _ASSIGNMENT = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 
 
 class ShellSyntaxError(ValueError):
@@ -66,9 +68,13 @@ class CliCommand:
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
     """(first line number, text) of each logical line: backslash-newline continuations joined,
-    whole-line comments and blank lines dropped."""
-    result, pending, start = [], "", 0
+    whole-line comments, blank lines and here-document bodies (`<<'EOF'` ... `EOF`) dropped."""
+    result, pending, start, heredoc_end = [], "", 0, None
     for number, line in enumerate(text.splitlines(), start=1):
+        if heredoc_end is not None:
+            if line.strip() == heredoc_end:
+                heredoc_end = None
+            continue
         if not pending:
             start = number
             if line.lstrip().startswith("#"):
@@ -80,14 +86,18 @@ def logical_lines(text: str) -> list[tuple[int, str]]:
         pending = ""
         if joined.strip():
             result.append((start, joined))
+            heredoc = _HEREDOC.search(joined)
+            if heredoc:
+                heredoc_end = heredoc.group(2)
     if pending.strip():
         result.append((start, pending))
     return result
 
 
-def expand(text: str, env: dict[str, str], line: int = 0) -> str:
+def expand(text: str, env: dict[str, str], line: int = 0, unset: str | None = None) -> str:
     """Expands variables outside single quotes, as bash would for the subset described above.
-    An unset variable without a default is an error (the recipes set every variable they use)."""
+    An unset variable without a default is an error (the recipes set every variable they use),
+    or, when `unset` is given, becomes `unset.format(name=NAME)` (docs may use `$MODEL` freely)."""
     # "$@" (the script's own arguments) is no words at all when the script is read without any.
     text = re.sub(r'"\$[@*]"', "", text)
     out, i, quote = [], 0, None
@@ -116,12 +126,12 @@ def expand(text: str, env: dict[str, str], line: int = 0) -> str:
             out.append(ch)
             i += 1
             continue
-        value, i = _expand_dollar(text, i, env, line)
+        value, i = _expand_dollar(text, i, env, line, unset)
         out.append(value)
     return "".join(out)
 
 
-def _expand_dollar(text: str, i: int, env: dict[str, str], line: int) -> tuple[str, int]:
+def _expand_dollar(text: str, i: int, env: dict[str, str], line: int, unset: str | None) -> tuple[str, int]:
     """Expands the `$...` starting at text[i]; returns (value, index after it)."""
     rest = text[i + 1:]
     if rest.startswith("(("):
@@ -142,9 +152,11 @@ def _expand_dollar(text: str, i: int, env: dict[str, str], line: int) -> tuple[s
         name, op, default = match.groups()
         value = env.get(name)
         if op == ":-" and not value:
-            value = expand(default, env, line)
+            value = expand(default, env, line, unset)
         elif op == "-" and value is None:
-            value = expand(default, env, line)
+            value = expand(default, env, line, unset)
+        if value is None and unset is not None:
+            value = unset.format(name=name)
         if value is None:
             raise ShellSyntaxError(f"line {line}: ${name} is not set and has no default")
         return value, i + 2 + end
@@ -152,6 +164,8 @@ def _expand_dollar(text: str, i: int, env: dict[str, str], line: int) -> tuple[s
     if match is None:
         return "$", i + 1
     name = match.group(0)
+    if name not in env and unset is not None:
+        return unset.format(name=name), i + 1 + len(name)
     if name not in env:
         raise ShellSyntaxError(f"line {line}: ${name} is not set and has no default")
     return env[name], i + 1 + len(name)
@@ -168,15 +182,16 @@ def _is_operator(word: str) -> bool:
     return bool(word) and all(ch in "|&;<>()" for ch in word)
 
 
-def extract_cli_commands(text: str, env: dict[str, str] | None = None) -> list[CliCommand]:
+def extract_cli_commands(text: str, env: dict[str, str] | None = None, unset: str | None = None) -> list[CliCommand]:
     """Every `... -m lightrft.cli.NAME args` command in `text`, with variables expanded.
 
     `env` holds variables set before the text runs (the caller's environment): `NAME=${NAME:-x}`
-    keeps a value given there, as in bash."""
+    keeps a value given there, as in bash. `unset` is the stand-in for unset variables (see
+    `expand`); without it they are an error."""
     env = dict(env or {})
     commands = []
     for line, raw in logical_lines(text):
-        expanded = expand(raw, env, line)
+        expanded = expand(raw, env, line, unset)
         words = split_words(expanded)
         assignment = _ASSIGNMENT.match(expanded.strip())
         if assignment and len(words) == 1 + expanded.strip().startswith("export "):
@@ -224,14 +239,23 @@ def load_cli_parser(module_name: str) -> tuple[object, argparse.ArgumentParser]:
 def check_cli_command(command: CliCommand, validate: bool = True) -> list[str]:
     """Problems with `command` as its CLI would see them: a flag the parser does not have, a value
     it rejects, or a combination its `validate_args` (and, for torchrun launches, its world-size
-    and gradient-accumulation checks) refuses. An empty list means the command is accepted."""
+    and gradient-accumulation checks) refuses. An empty list means the command is accepted.
+    A command with a `...` word is an elided example: only its flags and their values are checked."""
     where = f"line {command.line}: python -m {command.module}"
     try:
         module, parser = load_cli_parser(command.module)
     except ModuleNotFoundError as err:
         return [f"{where}: no such CLI module ({err})"]
+    argv = command.argv
+    if ELISION in argv:
+        # An elided example (`train_ppo ... --remote_rm_url URL`): the flags shown must exist and
+        # take the values shown; the missing ones cannot be judged, so neither can the combination.
+        argv = [word for word in argv if word != ELISION]
+        for action in parser._actions:  # argparse has no public way to relax `required`
+            action.required = False
+        validate = False
     try:
-        args, unknown = parser.parse_known_args(command.argv)
+        args, unknown = parser.parse_known_args(argv)
     except CliCheckError as err:
         return [f"{where}: {err}"]
     if unknown:

@@ -252,3 +252,13 @@ def test_reader_refuses_shell_it_cannot_expand():
         extract_cli_commands("torchrun -m lightrft.cli.train_ppo --rollout_batch_size $((8 * 16))")
     with pytest.raises(ShellSyntaxError, match=r"\$UNSET_NAME is not set"):
         extract_cli_commands("torchrun -m lightrft.cli.train_ppo --pretrain $UNSET_NAME")
+
+
+def test_checker_reads_elided_examples_flag_by_flag():
+    """`train_ppo ... --flag value` in prose: the flags shown must exist, the rest cannot be judged."""
+    elided = "torchrun ... -m lightrft.cli.train_ppo ... --remote_rm_url http://127.0.0.1:5000/get_reward"
+    assert check_cli_command(one_command(elided)) == []
+    (problem,) = check_cli_command(one_command(elided + " --remote_rm_uri x"))
+    assert "--remote_rm_uri" in problem
+    (problem,) = check_cli_command(one_command(elided + " --rollout_engine sglang"))
+    assert "--rollout_engine" in problem and "sglang" in problem
