@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from lightrft.cli.serve_rm import RewardScorer, build_server
+from lightrft.cli.serve_rm import RewardScorer, build_server, main
 from lightrft.models import RewardModel
 from lightrft.utils.tiny import save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env
@@ -156,11 +156,10 @@ def test_command_line_server_with_normalisation(rm_dir, direct_scores):
     assert proc.returncode == 0
 
 
-def test_command_line_rejects_bad_flags(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lightrft.cli.serve_rm", "--reward_pretrain", str(tmp_path),
-                           "--batch_size", "0"], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2 and "--batch_size must be positive, got 0" in proc.stderr
+def test_command_line_rejects_bad_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--reward_pretrain", str(tmp_path), "--batch_size", "0"])
+    assert info.value.code == 2 and "--batch_size must be positive, got 0" in capsys.readouterr().err
 
 
 def test_remote_reward_client_of_train_ppo_reads_the_server(server, direct_scores):
