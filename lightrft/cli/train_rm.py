@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def build_datasets(args, tokenizer, strategy):
+def build_datasets(args, tokenizer):
     """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
     from lightrft.datasets import PreferenceDataset, split_train_eval
 
@@ -69,8 +69,6 @@ def build_datasets(args, tokenizer, strategy):
                                  max_samples=max_samples)
 
     train_set = pairs(args.dataset, args.max_samples)
-    if train_set.skipped:
-        strategy.print(train_set.skip_report.summary())
     eval_set = None
     if args.eval_dataset:
         eval_set = pairs(args.eval_dataset)
@@ -97,7 +95,7 @@ def train(args: argparse.Namespace) -> dict:
                             trust_remote_code=args.trust_remote_code,
                             gradient_checkpointing=args.gradient_checkpointing)
 
-    train_set, eval_set = build_datasets(args, tokenizer, strategy)
+    train_set, eval_set = build_datasets(args, tokenizer)
     collate = (train_set.dataset if hasattr(train_set, "indices") else train_set).collate_fn
     dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
     total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)

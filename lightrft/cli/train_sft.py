@@ -86,7 +86,7 @@ def load_tokenizer(path: str, trust_remote_code: bool):
     return tokenizer
 
 
-def build_datasets(args, tokenizer, strategy):
+def build_datasets(args, tokenizer):
     """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
     from lightrft.datasets import SFTDataset, split_train_eval
 
@@ -97,8 +97,6 @@ def build_datasets(args, tokenizer, strategy):
                           on_bad_row=args.on_bad_row, input_template=args.input_template, max_samples=max_samples)
 
     train_set = sft(args.dataset, args.max_samples)
-    if train_set.skipped:
-        strategy.print(train_set.skip_report.summary())
     eval_set = None
     if args.eval_dataset:
         eval_set = sft(args.eval_dataset)
@@ -124,7 +122,7 @@ def train(args: argparse.Namespace) -> dict:
                               target_modules=args.target_modules, trust_remote_code=args.trust_remote_code,
                               gradient_checkpointing=args.gradient_checkpointing)
 
-    train_set, eval_set = build_datasets(args, tokenizer, strategy)
+    train_set, eval_set = build_datasets(args, tokenizer)
     base = train_set.dataset if hasattr(train_set, "indices") else train_set
     collate = base.packing_collate_fn if args.packing_samples else base.collate_fn
     dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)

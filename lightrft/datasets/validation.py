@@ -2,13 +2,15 @@
 
 A dataset builder runs each row through `process_rows`. A row that fails raises `DatasetRowError`;
 with `on_bad_row="error"` (the default) that stops the run, with `"skip"` the row is dropped and
-counted in a `SkipReport`, whose summary is logged once per dataset.
+counted in a `SkipReport`, whose summary is logged (on rank 0) once per dataset.
 """
 
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+from lightrft.utils.distributed import is_rank_0
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ def process_rows(rows: Iterable[Any], fn: Callable[[int, Any], T], source: str,
             report.errors.append(error)
             continue
         kept.append(index)
-    if report.skipped:
+    if report.skipped and is_rank_0():  # every rank builds the dataset; one summary is enough
         logger.warning(report.summary())
     if not outputs:
         raise ValueError(f"{source}: no usable rows ({report.skipped} of {report.total} were skipped); first "

@@ -113,3 +113,10 @@ def test_messages_without_chat_template_are_a_row_error(tokenizers):
     rows = [{"input": [{"role": "user", "content": "hi"}]}]
     with pytest.raises(DatasetRowError, match=r"row 0, field 'input': expected a string, got list"):
         PromptDataset(rows, tokenizers["default"])
+
+
+def test_skip_summary_is_logged_once(tokenizers, caplog):
+    with caplog.at_level("WARNING", logger="lightrft.datasets.validation"):
+        dataset = PromptDataset(CORPUS / "empty_prompt.jsonl", tokenizers["default"], on_bad_row="skip")
+    assert [r.getMessage() for r in caplog.records] == [dataset.skip_report.summary()]
+    assert "skipped 1 of 4 rows (--on_bad_row skip): 1 x 'input' empty; rows 2" in caplog.records[0].getMessage()
