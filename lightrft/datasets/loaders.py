@@ -44,14 +44,16 @@ def load_rows(path: str | Path, flag: str = "--dataset", split: str | None = Non
 
 def resolve_rows(rows_or_path: str | Path | Sequence[dict], source_name: str | None = None,
                  max_samples: int | None = None) -> tuple[Sequence[dict], str]:
-    """The rows of a dataset argument (a path for `load_rows`, or rows already in memory) and the
-    source name used in error messages, cut to the first `max_samples` rows when given."""
+    """The rows of a dataset argument (a path for `load_rows`, or rows already in memory: a list of
+    dicts or a `datasets.Dataset`) and the source name used in error messages, cut to the first
+    `max_samples` rows when given."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"--max_samples must be positive, got {max_samples}")
     if isinstance(rows_or_path, (str, Path)):
         rows, source = load_rows(rows_or_path), source_name or str(rows_or_path)
     else:
-        rows, source = rows_or_path, source_name or "<rows>"
+        # list() also turns a `datasets.Dataset` into its rows (slicing one would give columns).
+        rows, source = list(rows_or_path), source_name or "<rows>"
     return (rows if max_samples is None else rows[:max_samples]), source
 
 

@@ -106,3 +106,10 @@ def test_corrupt_jsonl_line_reports_row_and_line(tmp_path):
         load_rows(path)
     assert (info.value.row, info.value.field) == (1, "<json>")
     assert "line 3 is not valid JSON" in str(info.value)
+
+
+def test_in_memory_datasets_dataset_and_max_samples():
+    from lightrft.datasets.loaders import resolve_rows
+
+    rows, source = resolve_rows(hf_datasets.Dataset.from_list(ROWS), max_samples=2)
+    assert (rows, source) == (ROWS[:2], "<rows>")
