@@ -55,7 +55,7 @@ def max_step_error(strategy, engine, reference_module, initial_params) -> tuple[
     error = scale = 0.0
     for name, param in reference_module.named_parameters():
         expected = initial_params[name] - param.grad
-        error = max(error, (after[name].detach() - expected).abs().max().item())
+        error = max(error, (after[name].detach().cpu() - expected).abs().max().item())
         scale = max(scale, param.grad.abs().max().item())
     return error, scale
 
