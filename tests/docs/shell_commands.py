@@ -220,6 +220,38 @@ def _commands_in_words(words: list[str], line: int, env: dict[str, str]) -> list
     return commands
 
 
+@dataclass
+class RecipeRun:
+    script: str  # "scripts/grpo_qwen2.5_7b.sh", as written
+    env: dict[str, str]  # NAME=value words before `bash`
+    args: list[str]  # the words after the script: extra flags for its command
+    line: int
+
+
+_RECIPE = re.compile(r"^scripts/[\w.+-]+\.sh$")
+
+
+def extract_recipe_runs(text: str, unset: str | None = None) -> list[RecipeRun]:
+    """Every `[NAME=value ...] bash scripts/X.sh [args]` in `text`."""
+    runs = []
+    for line, raw in logical_lines(text):
+        words = split_words(expand(raw, {}, line, unset))
+        for i, word in enumerate(words):
+            if not _RECIPE.match(word) or i == 0 or words[i - 1] != "bash":
+                continue
+            start = i - 1
+            while start > 0 and _ASSIGNMENT.match(words[start - 1]) and not _is_operator(words[start - 1]):
+                start -= 1
+            env = dict(w.split("=", 1) for w in words[start:i - 1])
+            args = []
+            for extra in words[i + 1:]:
+                if _is_operator(extra):
+                    break
+                args.append(extra)
+            runs.append(RecipeRun(word, env, args, line))
+    return runs
+
+
 def load_cli_parser(module_name: str) -> tuple[object, argparse.ArgumentParser]:
     """The CLI module and a fresh parser from its `build_parser()`, set to raise `CliCheckError`
     instead of exiting, and to accept only exact flag names (no abbreviations)."""

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import free_port, subprocess_env
 from tests.docs.markdown_blocks import FencedBlock, fenced_blocks
-from tests.docs.shell_commands import check_cli_command, extract_cli_commands
+from tests.docs.shell_commands import check_cli_command, extract_cli_commands, extract_recipe_runs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO_ROOT / "docs").glob("*.md"))
@@ -54,7 +54,15 @@ def doc_commands():
                 yield pytest.param(block, command, id=f"{path.name}:{block.line + command.line}")
 
 
+def doc_recipe_runs():
+    for path in DOCS:
+        for block in shell_blocks(path):
+            for run in extract_recipe_runs(block.body, unset=UNSET):
+                yield pytest.param(block, run, id=f"{path.name}:{block.line + run.line}:{Path(run.script).name}")
+
+
 DOC_COMMANDS = list(doc_commands())
+DOC_RECIPE_RUNS = list(doc_recipe_runs())
 PAGES_WITH_CPU_TESTS = [p for p in DOCS if cpu_test_blocks(p)]
 
 
@@ -95,6 +103,17 @@ def run_blocks(path: Path, workdir: Path, env: dict | None = None) -> list[str]:
 def test_doc_command_is_accepted_by_its_cli(block, command):
     problems = check_cli_command(command)
     assert problems == [], f"{block.where}: {problems}"
+
+
+@pytest.mark.parametrize("block, run", DOC_RECIPE_RUNS)
+def test_doc_recipe_run_is_accepted_by_its_cli(block, run):
+    """`[VAR=value] bash scripts/X.sh --extra flags`: the recipe's command with those variables and
+    the extra flags appended (where its `"$@"` puts them) passes its CLI's checks."""
+    script = REPO_ROOT / run.script
+    assert script.is_file(), f"{block.where}: {run.script} does not exist"
+    (command,) = extract_cli_commands(script.read_text(), run.env)
+    command.argv += run.args
+    assert check_cli_command(command) == [], block.where
 
 
 def test_docs_hold_cli_commands_and_cpu_tests():

@@ -82,16 +82,22 @@ def test_recipe_flags_are_accepted_by_the_cli(path, recipe_paths):
         assert check_cli_command(command) == []
 
 
-@pytest.mark.parametrize("path", [p for p in RECIPES if p.name.startswith(("grpo_", "ppo_"))], ids=lambda p: p.name)
-def test_recipe_header_states_the_numbers_the_command_uses(path):
-    (command,) = recipe_commands(path)
-    args = parse_cli_command(command)
+def header_finder(path: Path):
     header = header_text(path)
 
     def find(pattern: str) -> tuple:
         match = re.search(pattern, header)
         assert match, f"{path.name}: header has no line matching {pattern!r}"
         return tuple(int(g) if g.isdigit() else g for g in match.groups())
+
+    return header, find
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_header_states_hardware_memory_settings_and_accumulation(path):
+    (command,) = recipe_commands(path)
+    args = parse_cli_command(command)
+    header, find = header_finder(path)
 
     # Hardware: GPUs per node x nodes = world size, as launched.
     gpn, nodes, gpus = find(r"Hardware (\d+) GPUs per node x (\d+) nodes? = (\d+) GPUs")
@@ -102,39 +108,49 @@ def test_recipe_header_states_the_numbers_the_command_uses(path):
         for flag in ("--nnodes", "--node_rank", "--master_addr"):
             assert command.launcher_option(flag) is not None, f"multi-node recipe without torchrun {flag}"
 
-    # ZeRO stage and offload.
+    # ZeRO stage, offload, precision, packing.
     assert find(r"ZeRO stage (\d)") == (args.zero_stage,)
-    offload = re.search(r"offload: ([^;]*?)(?: Precision|$)", header).group(1)
+    offload = re.search(r"offload: (.*?) Precision", header).group(1)
     assert ("--adam_offload" in offload) == args.adam_offload, f"offload line {offload!r} vs --adam_offload"
     assert ("--zero3_param_offload" in offload) == args.zero3_param_offload, offload
     assert offload.startswith("none") == (not args.adam_offload and not args.zero3_param_offload), offload
+    assert find(r"Precision (bf16|fp32)") == ("bf16" if args.bf16 else "fp32",)
     assert ("gradient checkpointing" in header) == args.gradient_checkpointing
     assert find(r"Packing (on|off)") == ("on" if args.packing_samples else "off",)
+    if hasattr(args, "max_len"):
+        assert find(r"\bmax_len (\d+)") == (args.max_len,)
 
-    # Rollout engine.
+    # Gradient accumulation, recomputed here.
+    micro, world, per_forward, tbs, per_forward2, accumulation = find(
+        r"micro_train_batch_size (\d+) x (\d+) GPUs = (\d+) (?:samples|pairs) per forward: (\d+) / (\d+) = (\d+) "
+        r"gradient-accumulation steps")
+    assert micro == args.micro_train_batch_size and world == gpus and tbs == args.train_batch_size
+    assert per_forward == per_forward2 == micro * gpus
+    assert accumulation * per_forward == tbs
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if p.name.startswith(("grpo_", "ppo_"))], ids=lambda p: p.name)
+def test_rl_recipe_header_states_its_rollout_and_batches(path):
+    (command,) = recipe_commands(path)
+    args = parse_cli_command(command)
+    _, find = header_finder(path)
+
     (engine,) = find(r"Rollout (hf|vllm)\b")
     assert engine == args.rollout_engine
     if engine == "vllm":
         (util,) = find(r"--vllm_gpu_memory_utilization ([0-9.]+)")
         assert float(util) == args.vllm_gpu_memory_utilization
 
-    # Batch arithmetic, each product and quotient recomputed here.
     rbs, n, samples = find(r"rollout_batch_size (\d+) prompts x n_samples_per_prompt (\d+) = (\d+) samples per rollout")
     assert (rbs, n) == (args.rollout_batch_size, args.n_samples_per_prompt)
     assert samples == rbs * n
     rbs2, world, prompts_per_gpu, samples_per_gpu = find(r"\((\d+) / (\d+) GPUs = (\d+) prompts, (\d+) samples per GPU\)")
-    assert (rbs2, world) == (rbs, gpus)
+    assert (rbs2, world) == (rbs, command.world_size)
     assert prompts_per_gpu * world == rbs and samples_per_gpu == prompts_per_gpu * n
     tbs, samples2, tbs2, steps, epochs = find(
         r"train_batch_size (\d+): (\d+) / (\d+) = (\d+) optimizer steps per rollout \(max_epochs (\d+)\)")
     assert tbs == tbs2 == args.train_batch_size and samples2 == samples and epochs == args.max_epochs
     assert steps * tbs == samples
-    micro, world3, per_forward, tbs3, per_forward2, accumulation = find(
-        r"micro_train_batch_size (\d+) x (\d+) GPUs = (\d+) samples per forward: (\d+) / (\d+) = (\d+) "
-        r"gradient-accumulation steps")
-    assert micro == args.micro_train_batch_size and world3 == gpus and tbs3 == tbs
-    assert per_forward == per_forward2 == micro * gpus
-    assert accumulation * per_forward == tbs
     assert find(r"micro_rollout_batch_size (\d+) samples?") == (args.micro_rollout_batch_size,)
     assert find(r"prompt_max_len (\d+), generate_max_len (\d+)") == (args.prompt_max_len, args.generate_max_len)
 
@@ -262,3 +278,42 @@ def test_checker_reads_elided_examples_flag_by_flag():
     assert "--remote_rm_uri" in problem
     (problem,) = check_cli_command(one_command(elided + " --rollout_engine sglang"))
     assert "--rollout_engine" in problem and "sglang" in problem
+
+
+# ---------------------------------------------------------------- the table in docs/recipes.md
+def recipes_table() -> dict[str, list[str]]:
+    """Script name -> the cells of its row in docs/recipes.md's table."""
+    rows = {}
+    for line in (REPO_ROOT / "docs" / "recipes.md").read_text().splitlines():
+        match = re.match(r"\| \[`([\w.+-]+\.sh)`\]\(\.\./scripts/\1\) \|(.*)\|$", line)
+        if match:
+            assert match.group(1) not in rows, f"docs/recipes.md lists {match.group(1)} twice"
+            rows[match.group(1)] = [cell.strip() for cell in match.group(2).split("|")]
+    return rows
+
+
+def test_recipes_table_lists_every_script_once():
+    assert sorted(recipes_table()) == [p.name for p in RECIPES]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipes_table_row_matches_the_script(path):
+    method, model, hardware, zero, offload, rollout, batches = recipes_table()[path.name]
+    (command,) = recipe_commands(path)
+    args = parse_cli_command(command)
+    _, find = header_finder(path)
+    assert method.lower() == path.name.split("_")[0]
+    assert model == f"`{command.argv[command.argv.index('--pretrain') + 1]}`"
+    (gigabytes,) = find(r"GPUs, (\d+) GB each")
+    assert hardware == (f"{command.launcher_option('--nnodes', '1')} x {command.launcher_option('--nproc_per_node')}, "
+                        f"{gigabytes} GB")
+    assert zero == str(args.zero_stage)
+    offloaded = [name for name, on in (("Adam", args.adam_offload), ("params", args.zero3_param_offload)) if on]
+    assert offload == (" + ".join(offloaded) or "none")
+    assert rollout == getattr(args, "rollout_engine", "-")
+    if hasattr(args, "rollout_batch_size"):
+        samples = args.rollout_batch_size * args.n_samples_per_prompt
+        assert batches == (f"{args.rollout_batch_size} x {args.n_samples_per_prompt} = {samples} / "
+                           f"{args.train_batch_size}")
+    else:
+        assert batches == str(args.train_batch_size)
