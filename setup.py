@@ -23,7 +23,7 @@ setup(
     install_requires=read_requirements(),
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
-        "vllm": ["vllm>=0.8"],
+        "vllm": ["vllm>=0.10"],
         "flash-attn": ["flash-attn>=2.6"],
         "math": ["math-verify>=0.7"],
     },

@@ -50,8 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="quickstart_output", help="where models, checkpoints and logs go")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) for torchrun")
-    parser.add_argument("--sft_epochs", type=int, default=6, help="SFT passes: enough for a modest start")
-    parser.add_argument("--grpo_episodes", type=int, default=2, help="GRPO passes over the prompts")
+    parser.add_argument("--sft_epochs", type=int, default=20, help="SFT passes: enough for a modest start")
+    parser.add_argument("--grpo_episodes", type=int, default=8, help="GRPO passes over the prompts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -73,7 +73,7 @@ def main() -> None:
     torchrun("lightrft.cli.train_sft", args.nproc, [
         "--pretrain", str(base), "--dataset", str(train_file), "--output_key", "output",
         "--max_len", "16", "--max_epochs", str(args.sft_epochs), "--train_batch_size", "32",
-        "--micro_train_batch_size", "16", "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.0",
+        "--micro_train_batch_size", "16", "--learning_rate", "3e-3", "--lr_scheduler", "constant",
         "--save_path", str(out / "sft"), "--ckpt_path", str(out / "sft_ckpt"), *common,
     ], out / "logs" / "sft.log")
     before = greedy_accuracy(out / "sft", eval_rows)
@@ -85,10 +85,10 @@ def main() -> None:
         "--remote_rm_url", "math", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8",
         "--rollout_batch_size", "32", "--micro_rollout_batch_size", "64", "--train_batch_size", "128",
         "--micro_train_batch_size", "32", "--generate_max_len", "4", "--prompt_max_len", "16",
-        "--temperature", "1.0", "--actor_learning_rate", "2e-3", "--lr_warmup_ratio", "0.0",
+        "--temperature", "1.0", "--actor_learning_rate", "1e-3", "--lr_scheduler", "constant",
         "--init_kl_coef", "0", "--num_episodes", str(args.grpo_episodes), "--max_epochs", "1",
         "--eval_data", str(eval_file), "--save_path", str(out / "grpo"), "--ckpt_path", str(out / "grpo_ckpt"),
-        "--save_steps", "10", "--use_tensorboard", str(out / "logs" / "tensorboard"), *common,
+        "--eval_steps", "20", "--save_steps", "20", "--use_tensorboard", str(out / "logs" / "tensorboard"), *common,
     ], out / "logs" / "grpo.log")
     after = greedy_accuracy(out / "grpo", eval_rows)
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightrft.algorithms.advantages import AdvantageInputs, get_advantage_estimator
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean
+from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.trainer.experience import Experience
 
@@ -144,8 +145,10 @@ class NaiveExperienceMaker:
         return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
 
     @torch.no_grad()
-    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int) -> RewardBatch:
-        """Scores every sample with every reward source and combines them with `reward_fn`."""
+    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
+                        max_new_tokens: Optional[int] = None) -> RewardBatch:
+        """Scores every sample with every reward source and combines them with `reward_fn`.
+        `max_new_tokens` is the generation limit the overlong penalty measures against."""
         batch = rollout.sequences.size(0)
         columns, valid = [], torch.ones(batch, dtype=torch.bool)
         for model in self.reward_models:
@@ -169,9 +172,9 @@ class NaiveExperienceMaker:
         scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
         if self.overlong_buffer_len > 0:
-            from lightrft.rewards.shaping import overlong_penalty
-
-            scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), rollout.action_mask.size(1),
+            if max_new_tokens is None:
+                raise ValueError("overlong reward shaping needs the generation limit (--generate_max_len)")
+            scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), max_new_tokens,
                                                self.overlong_buffer_len, self.overlong_penalty_factor)
         return RewardBatch(scores=scores.float(), valid=valid)
 
@@ -201,7 +204,7 @@ class NaiveExperienceMaker:
                 model.eval()
         params = self.sampling_params(**generate_kwargs)
         rollout = self.generate(list(prompts), params)
-        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n)
+        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
         return self.experience_from_rollout(rollout, rewards, params.n)
 
     @torch.no_grad()
