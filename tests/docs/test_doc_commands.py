@@ -168,3 +168,4 @@ def test_cpu_test_blocks_run(path, tmp_path):
     outputs = run_blocks(path, tmp_path, env={"PORT": str(free_port())})
     if path.name in PAGE_CHECKS:
         PAGE_CHECKS[path.name](tmp_path, outputs)
+
