@@ -149,9 +149,9 @@ class SupervisedTrainer:
             self.export_hf(f"{args.ckpt_path}/{tag}_hf")
 
     def export_hf(self, output_dir: str) -> None:
-        """Writes the Hugging Face model inside the wrapper (`.model`: a causal LM, a value model
-        with its head and reward statistics, or a PEFT model, merged on export) to `output_dir`."""
-        self.strategy.save_model(self.strategy.unwrap_model(self.model).model, self.tokenizer, output_dir)
+        """Writes the model as a Hugging Face folder with the tokenizer (a causal LM with LoRA merged,
+        or a reward model with its head and reward statistics), gathered from ZeRO-3 when sharded."""
+        self.strategy.save_model(self.model, self.tokenizer, output_dir)
 
     def load_checkpoint(self, args, required: bool = True) -> int:
         """Restores the newest complete checkpoint under `--ckpt_path`; returns the consumed samples
