@@ -10,7 +10,11 @@ import json
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from torch import nn
 from torch.utils.data import Dataset
+from transformers import AutoModelForCausalLM
 
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
@@ -30,7 +34,7 @@ def global_batch(step: int) -> torch.Tensor:
     return 4 + (start + stride * torch.arange(SEQ_LEN)) % 96
 
 
-def train(strategy: DeepspeedStrategy, stage: int, out_dir: Path, emit) -> None:
+def train(strategy: DeepspeedStrategy, name: str, out_dir: Path, emit) -> None:
     """STEPS optimizer steps on the global batches; every rank takes its contiguous rows, split
     into micro-batches. Emits the per-step loss averaged over ranks and saves the final weights."""
     tokenizer = build_char_tokenizer()
@@ -53,13 +57,14 @@ def train(strategy: DeepspeedStrategy, stage: int, out_dir: Path, emit) -> None:
         losses.append(strategy.all_reduce({"loss": step_loss})["loss"])
     state = strategy.full_state_dict(engine)
     if strategy.is_rank_0():
-        torch.save(state, out_dir / f"weights_stage{stage}_world{strategy.world_size}.pt")
-    emit({"check": "train", "stage": stage, "world": strategy.world_size, "losses": losses,
-          "gas": strategy.accumulated_gradient, "lr": sched.get_last_lr()[0]})
-    if strategy.world_size > 1 and stage in (0, 3):
-        strategy.save_model(engine, tokenizer, out_dir / f"hf_stage{stage}")
+        torch.save(state, out_dir / f"weights_{name}_world{strategy.world_size}.pt")
+    emit({"check": "train", "name": name, "world": strategy.world_size, "losses": losses,
+          "gas": strategy.accumulated_gradient, "lr": sched.get_last_lr()[0],
+          "optimizer": type(optim.optimizer if hasattr(optim, "optimizer") else optim).__name__})
+    if strategy.world_size > 1 and name in ("stage0", "stage3"):
+        strategy.save_model(engine, tokenizer, out_dir / f"hf_{name}")
         # Saving again over an existing folder swaps it in whole.
-        strategy.save_model(engine, tokenizer, out_dir / f"hf_stage{stage}")
+        strategy.save_model(engine, tokenizer, out_dir / f"hf_{name}")
 
 
 def ema(strategy: DeepspeedStrategy, stage: int, out_dir: Path, emit) -> None:
@@ -97,6 +102,60 @@ class Range(Dataset):
 
     def __getitem__(self, i):
         return i
+
+
+class Wrapper(nn.Module):
+    """Holds the Hugging Face model as `.model`, as ActorLanguage does."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+class ValueHeadModel(nn.Module):
+    """A wrapper with a value head and its own `save_pretrained(output_dir, state_dict=...)`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.score = nn.Linear(model.config.hidden_size, 1, bias=False)
+
+    def save_pretrained(self, output_dir, state_dict=None):
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, Path(output_dir) / "model.safetensors")
+        (Path(output_dir) / "value_head.json").write_text(json.dumps({"keys": sorted(state_dict)}))
+
+
+def export(strategy: DeepspeedStrategy, source: Path, out_dir: Path, emit) -> None:
+    """ZeRO-3 only: loading under zero3_init_context comes partitioned; a LoRA model inside a
+    `.model` wrapper is exported merged; a value-head wrapper is exported through its own hook."""
+    with strategy.zero3_init_context():
+        model = AutoModelForCausalLM.from_pretrained(source)
+    emit({"check": "zero_init", "all_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
+          "local_numel": sum(p.ds_tensor.numel() for p in model.parameters()),
+          "full_numel": sum(p.ds_numel for p in model.parameters())})
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    actor = Wrapper(get_peft_model(model, lora))
+    optim = strategy.create_optimizer(actor, lr=2e-2)
+    engine, optim, _ = strategy.prepare((actor, optim, None))
+    for step in range(2):
+        for _ in range(strategy.accumulated_gradient):
+            strategy.backward(engine(global_batch(step)[:2]), engine, optim)
+            strategy.optimizer_step(optim, engine, None)
+    state = strategy.full_state_dict(engine)
+    if strategy.is_rank_0():
+        torch.save(state, out_dir / "peft_state.pt")
+    strategy.save_model(engine, build_char_tokenizer(), out_dir / "hf_peft")
+
+    value_model = ValueHeadModel(build_tiny_causal_lm(build_char_tokenizer(), seed=2))
+    frozen = strategy.prepare(value_model)
+    state = strategy.full_state_dict(frozen)
+    if strategy.is_rank_0():
+        torch.save(state, out_dir / "value_state.pt")
+    strategy.save_model(frozen, None, out_dir / "hf_value")
+    emit({"check": "export_done"})
 
 
 def collectives_and_data(strategy: DeepspeedStrategy, emit) -> None:
@@ -144,6 +203,8 @@ def main():
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--ema", action="store_true")
     parser.add_argument("--collectives", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="also ZeRO-2 with DeepSpeedCPUAdam")
+    parser.add_argument("--hf_source", help="a tiny HF folder for the ZeRO-3 export checks")
     args = parser.parse_args()
     out_dir = Path(args.out).parent
     base = StrategyConfig(seed=7, train_batch_size=GLOBAL_BATCH, micro_train_batch_size=args.micro, max_norm=1.0)
@@ -155,9 +216,14 @@ def main():
           "backend": torch.distributed.get_backend()})
     for stage in [int(s) for s in args.stages.split(",") if s]:
         staged = DeepspeedStrategy(dataclasses.replace(base, zero_stage=stage))
-        train(staged, stage, out_dir, emit)
+        train(staged, f"stage{stage}", out_dir, emit)
         if args.ema:
             ema(staged, stage, out_dir, emit)
+    if args.offload:
+        train(DeepspeedStrategy(dataclasses.replace(base, zero_stage=2, adam_offload=True)), "stage2offload",
+              out_dir, emit)
+    if args.hf_source:
+        export(DeepspeedStrategy(dataclasses.replace(base, zero_stage=3)), Path(args.hf_source), out_dir, emit)
     if args.collectives:
         collectives_and_data(strategy, emit)
     with open(f"{args.out}.rank{strategy.rank}", "w") as f:

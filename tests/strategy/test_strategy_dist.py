@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightrft.utils.tiny import save_tiny_model
+from safetensors.torch import load_file
 from tests.conftest import REPO_ROOT, read_json_lines, run_torchrun, subprocess_env
 
 HERE = Path(__file__).parent
@@ -20,9 +22,12 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two ranks (micro batch 2, GAS 1) and one plain process (micro batch 2, GAS 2) train on the
-    same global batches of 4 sequences."""
+    same global batches of 4 sequences. The two-rank launch also runs ZeRO-2 with optimizer offload,
+    EMA, collectives, data loading and the ZeRO-3 export checks."""
     out = tmp_path_factory.mktemp("strategy_train")
-    run_torchrun([HERE / "dist_train.py", "--out", out / "dist.jsonl", "--ema", "--collectives"], nproc=2)
+    save_tiny_model(out / "source", arch="qwen2", seed=3)
+    run_torchrun([HERE / "dist_train.py", "--out", out / "dist.jsonl", "--ema", "--collectives", "--offload",
+                  "--hf_source", out / "source"], nproc=2)
     single = subprocess.run([sys.executable, str(HERE / "dist_train.py"), "--out", str(out / "single.jsonl")],
                             cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     if single.returncode:
@@ -48,17 +53,18 @@ def test_environment_without_launcher_is_world_of_one(runs):
 @pytest.mark.parametrize("stage", STAGES)
 def test_loss_falls_and_matches_one_rank(runs, stage):
     out, records = runs
-    dist_run = by_check(records["dist"][0], "train", stage=stage)[0]
-    single_run = by_check(records["single"][0], "train", stage=stage)[0]
+    dist_run = by_check(records["dist"][0], "train", name=f"stage{stage}")[0]
+    single_run = by_check(records["single"][0], "train", name=f"stage{stage}")[0]
     # GAS = 4 / (2 x 2) on two ranks and 4 / (2 x 1) on one.
     assert (dist_run["gas"], single_run["gas"]) == (1, 2)
     losses = dist_run["losses"]
     assert losses[-1] < losses[0] - 0.3, losses
     assert losses == pytest.approx(single_run["losses"], rel=1e-5, abs=1e-5)
     # Both ranks report the same (all-reduced) losses.
-    assert by_check(records["dist"][1], "train", stage=stage)[0]["losses"] == losses
+    assert by_check(records["dist"][1], "train", name=f"stage{stage}")[0]["losses"] == losses
     # LambdaLR 1 / (1 + step) after 6 steps: 1e-2 / 7.
     assert dist_run["lr"] == pytest.approx(1e-2 / 7)
+    assert dist_run["optimizer"] == "AdamW"
     two = torch.load(out / f"weights_stage{stage}_world2.pt")
     one = torch.load(out / f"weights_stage{stage}_world1.pt")
     assert two.keys() == one.keys()
@@ -66,11 +72,15 @@ def test_loss_falls_and_matches_one_rank(runs, stage):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-def test_stages_agree_with_each_other(runs):
-    out, _ = runs
+def test_stages_and_optimizer_offload_agree(runs):
+    out, records = runs
+    offload = by_check(records["dist"][0], "train", name="stage2offload")[0]
+    assert offload["optimizer"] == "DeepSpeedCPUAdam"
+    assert offload["losses"] == pytest.approx(by_check(records["dist"][0], "train", name="stage0")[0]["losses"],
+                                              rel=1e-5, abs=1e-5)
     reference = torch.load(out / "weights_stage0_world2.pt")
-    for stage in (2, 3):
-        other = torch.load(out / f"weights_stage{stage}_world2.pt")
+    for name in ("stage2", "stage3", "stage2offload"):
+        other = torch.load(out / f"weights_{name}_world2.pt")
         for key in reference:
             torch.testing.assert_close(other[key], reference[key], rtol=1e-4, atol=1e-5, msg=key)
 
@@ -139,3 +149,45 @@ def test_non_dividing_batch_sizes_name_the_flags(runs):
     _, records = runs
     error = by_check(records["dist"][0], "bad_batch")[0]["error"]
     assert "--train_batch_size 6" in error and "--micro_train_batch_size 2" in error and "world size 2" in error
+
+
+def test_zero3_init_context_loads_partitioned(runs):
+    _, records = runs
+    for recs in records["dist"]:
+        loaded = by_check(recs, "zero_init")[0]
+        assert loaded["all_partitioned"]
+        # each of the two ranks holds half of every parameter (rounded up per parameter)
+        assert loaded["full_numel"] / 2 <= loaded["local_numel"] < loaded["full_numel"] / 2 + 100
+
+
+def test_lora_model_is_exported_merged(runs):
+    out, _ = runs
+    state = torch.load(out / "peft_state.pt")
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf_peft").state_dict()
+    prefix = "model.base_model.model."
+    scale = 8 / 4  # lora_alpha / r
+    merged_layers = 0
+    for key, tensor in exported.items():
+        module, leaf = key.rsplit(".", 1)
+        base_key = f"{prefix}{module}.base_layer.{leaf}"  # peft keeps the wrapped layer's own tensors here
+        base = state[base_key] if base_key in state else state[prefix + key]
+        lora_a = state.get(f"{prefix}{module}.lora_A.default.weight")
+        if lora_a is not None and leaf == "weight":
+            lora_b = state[f"{prefix}{module}.lora_B.default.weight"]
+            assert lora_b.abs().max() > 0  # the adapters trained, so merging changes the weight
+            # W' = W + (alpha / r) B A (Hu et al. 2021, LoRA eq. 3)
+            torch.testing.assert_close(tensor, base + scale * lora_b @ lora_a, rtol=1e-6, atol=1e-6, msg=key)
+            merged_layers += 1
+        else:
+            assert torch.equal(tensor, base), key
+    assert merged_layers == 4  # q_proj and v_proj in each of 2 layers
+
+
+def test_wrapper_with_own_save_pretrained_gets_gathered_weights(runs):
+    out, _ = runs
+    state = torch.load(out / "value_state.pt")
+    written = load_file(out / "hf_value" / "model.safetensors")
+    assert "score.weight" in written and written.keys() == state.keys()
+    for key in state:
+        assert torch.equal(written[key], state[key]), key
+    assert written["score.weight"].shape == (1, 64)
