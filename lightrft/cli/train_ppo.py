@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--freezing_actor_steps", type=int, default=-1, help="train only the critic for N steps")
     algo.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
     algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
+    algo.add_argument("--max_steps", type=int, default=-1,
+                      help="stop after N rollout steps with a checkpoint and the export (-1: run all episodes)")
     algo.add_argument("--actor_learning_rate", type=float, default=1e-6)
     algo.add_argument("--critic_learning_rate", type=float, default=9e-6)
     algo.add_argument("--lr_warmup_ratio", type=float, default=0.03)
@@ -286,7 +288,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader, pretrain_dataloader, consumed, updates_per_step, eval_dataloader=eval_dataloader)
-    if trainer.stop_reason is None:
+    if trainer.stop_reason != "preempted":
         strategy.save_model(ema_model or actor, tokenizer, args.save_path)
     logs = dict(getattr(trainer, "last_logs", {}))
     if eval_dataloader is not None:

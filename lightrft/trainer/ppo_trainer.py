@@ -214,8 +214,13 @@ class PPOTrainer:
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
                 if self.preempted():
                     self.stop_reason = "preempted"
-                    self.save_checkpoint(args, final=False)
+                elif 0 < getattr(args, "max_steps", -1) <= self.global_step:
+                    self.stop_reason = "max_steps"
+                if self.stop_reason is not None:
                     break
+            # However the loop ended, the last completed step is resumable.
+            if self.global_step > 0 and not self.saved_at_step(args, self.global_step):
+                self.save_checkpoint(args)
         finally:
             bar.close()
             self.preemption.restore()
@@ -403,8 +408,13 @@ class PPOTrainer:
         if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
             self.tracker.log(logs_dict, step=global_step)
         self.last_logs = logs_dict
-        if args.save_steps > 0 and global_step % args.save_steps == 0:
-            self.save_checkpoint(args, final=False)
+        if self.saved_at_step(args, global_step):
+            self.save_checkpoint(args)
+
+    @staticmethod
+    def saved_at_step(args, global_step: int) -> bool:
+        """Whether `save_logs_and_checkpoints` writes a checkpoint at this step (every --save_steps)."""
+        return args.save_steps > 0 and global_step % args.save_steps == 0
 
     def client_state(self) -> dict:
         return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
@@ -416,9 +426,9 @@ class PPOTrainer:
     def _plain(value):
         return list(value) if isinstance(value, tuple) else value
 
-    def save_checkpoint(self, args, final: bool = False) -> None:
+    def save_checkpoint(self, args) -> None:
         """Writes a resumable checkpoint (critic first, then actor, whose `latest` pointer marks the
-        step as resumable) and optionally a Hugging Face export of the actor."""
+        step as resumable) and, with `save_hf_ckpt`, a Hugging Face export of the actor."""
         tag = f"global_step{self.global_step}"
         state = self.client_state()
         if not self.disable_ds_ckpt:
@@ -427,7 +437,7 @@ class PPOTrainer:
                                         client_state={"global_step": self.global_step})
             self.strategy.save_ckpt(self.actor, f"{args.ckpt_path}/_actor", tag, args.max_ckpt_num,
                                     client_state=state)
-        if self.save_hf_ckpt or final:
+        if self.save_hf_ckpt:
             self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{args.ckpt_path}/{tag}_hf")
         self.callbacks.on_save(self, f"{args.ckpt_path}/_actor/{tag}")
 

@@ -1,0 +1,89 @@
+"""Pieces shared by the end-to-end tests: the toy task, an SFT-warmed tiny model, and readers for
+what a run leaves behind (TensorBoard scalars, the final JSON summary line)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.toy import arithmetic_splits, write_jsonl
+
+
+def sft_warm_start(output_dir: Path, rows: list[dict], steps: int, lr: float = 3e-3, seed: int = 0) -> Path:
+    """A tiny Qwen2 model trained on `rows` for `steps` plain-PyTorch SFT steps (response tokens
+    only), saved with its tokenizer. Few steps leave it partly right, so RL has room to improve."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, seed=seed)
+    encoded = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
+                tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = [encoded[i] for i in torch.randint(0, len(encoded), (32,), generator=generator)]
+        width = max(len(p) + len(o) for p, o in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, o) in enumerate(batch):
+            ids[i, :len(p) + len(o)] = torch.tensor(p + o)
+            mask[i, :len(p) + len(o)] = 1
+            labels[i, len(p):len(p) + len(o)] = torch.tensor(o)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory):
+    """Train/held-out addition data and an SFT-warmed model (about 30-40% held-out accuracy)."""
+    root = tmp_path_factory.mktemp("toy")
+    train_rows, eval_rows = arithmetic_splits(n_train=320, n_eval=80, seed=0, max_operand=20)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(1)
+        model = sft_warm_start(root / "sft", train_rows, steps=400)
+    return {"root": root, "train_rows": train_rows, "eval_rows": eval_rows, "model": model,
+            "train": write_jsonl(train_rows, root / "train.jsonl"), "eval": write_jsonl(eval_rows, root / "eval.jsonl")}
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series in a TensorBoard folder as {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def summary_line(stdout: str) -> dict:
+    """The JSON summary train_ppo prints on rank 0 as its last line starting with '{'."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{") and "stop_reason" in line]
+    assert lines, f"no summary line in the output:\n{stdout[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def grpo_flags(toy: dict, out: Path, **overrides) -> list[str]:
+    """train_ppo flags for a small GRPO run on the toy task; keyword overrides replace or add flags
+    (value None drops a flag, True makes a bare switch)."""
+    flags = {
+        "pretrain": toy["model"], "prompt_data": toy["train"], "label_key": "label", "input_key": "input",
+        "remote_rm_url": "math", "advantage_estimator": "group_norm", "n_samples_per_prompt": 8,
+        "rollout_batch_size": 32, "micro_rollout_batch_size": 64, "train_batch_size": 128,
+        "micro_train_batch_size": 32, "generate_max_len": 4, "prompt_max_len": 16, "init_kl_coef": 0,
+        "actor_learning_rate": 1e-3, "lr_scheduler": "constant", "num_episodes": 1, "zero_stage": 2,
+        "save_path": out / "model", "ckpt_path": out / "ckpt", "use_tensorboard": out / "tb", "seed": 0,
+    }
+    flags.update(overrides)
+    args = []
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        args.append(f"--{key}")
+        if value is not True:
+            args.append(str(value))
+    return args
