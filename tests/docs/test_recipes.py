@@ -76,6 +76,13 @@ def test_every_size_class_has_a_grpo_and_a_ppo_recipe():
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_is_an_executable_bash_script(path):
+    assert path.read_text().startswith("#!/usr/bin/env bash\n"), f"{path.name}: first line must be the bash shebang"
+    assert os.access(path, os.X_OK), f"{path.name} is not executable: chmod +x scripts/{path.name}"
+    assert "set -euo pipefail" in path.read_text(), f"{path.name}: stop on the first error (set -euo pipefail)"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_flags_are_accepted_by_the_cli(path, recipe_paths):
     text = path.read_text()
     for command in recipe_commands(path, substituted_env(text, recipe_paths)):
