@@ -30,7 +30,8 @@ def free_port() -> int:
 
 def subprocess_env(**extra: str) -> dict:
     """The environment for a child process: this checkout first on the path, one thread per rank,
-    no network for Hugging Face or W&B."""
+    no network for Hugging Face or W&B, and no GPU unless a test asks for one (the multi-rank CPU
+    tests would otherwise put rank 1 on a second GPU that a one-GPU machine does not have)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -39,6 +40,7 @@ def subprocess_env(**extra: str) -> dict:
     env["HF_DATASETS_OFFLINE"] = "1"
     env["WANDB_MODE"] = "offline"
     env["TOKENIZERS_PARALLELISM"] = "false"
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
     env.update(extra)
     return env
 

@@ -100,3 +100,13 @@ def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *n
         value = getattr(args, name)
         if value is not None and value <= 0:
             parser.error(f"--{name} must be positive, got {value}")
+
+
+def build_scheduler(optimizer, args, lr: float, total_steps: int):
+    """The learning-rate schedule named by --lr_scheduler, warmed up over --lr_warmup_ratio of
+    `total_steps`; cosine_with_min_lr decays to 10% of `lr`."""
+    from transformers import get_scheduler
+
+    kwargs = {"min_lr": lr * 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
+    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
+                         num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)

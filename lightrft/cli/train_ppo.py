@@ -13,7 +13,7 @@ import os
 import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, check_positive)
+                                 add_strategy_args, build_scheduler, check_positive)
 
 ADVANTAGE_CHOICES = ("gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "reinforce++")
 
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prompts: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
     data.add_argument("--label_key", type=str, default=None, help="field holding the reference answer")
     data.add_argument("--prompt_max_len", type=int, default=1024, help="most prompt tokens")
+    data.add_argument("--truncate_long_prompts", action="store_true",
+                      help="keep the last --prompt_max_len tokens of longer prompts instead of rejecting the row")
     data.add_argument("--eval_data", type=str, default=None, help="held-out prompts for eval/* metrics")
     data.add_argument("--eval_steps", type=int, default=-1, help="evaluate every N steps (-1: never during training)")
     data.add_argument("--eval_n_samples", type=int, default=1, help="k of pass@k in evaluation")
@@ -157,17 +159,8 @@ def check_world_size(args: argparse.Namespace, world_size: int) -> None:
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
-def build_scheduler(optimizer, args, lr: float, total_steps: int):
-    from transformers import get_scheduler
-
-    kwargs = {"min_lr": lr * 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
-    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
-
-
 def train(args: argparse.Namespace) -> dict:
     """Builds everything from parsed flags and runs PPO; returns the last logged metrics."""
-    import torch
     from transformers import AutoTokenizer
 
     from lightrft.datasets import PromptDataset, SFTDataset
@@ -205,7 +198,8 @@ def train(args: argparse.Namespace) -> dict:
 
     prompts = PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
                             apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
-                            on_bad_row=args.on_bad_row, max_samples=args.max_samples)
+                            on_bad_row=args.on_bad_row, max_samples=args.max_samples,
+                            truncate_long_prompts=args.truncate_long_prompts)
     per_rank = args.rollout_batch_size // strategy.world_size
     if len(prompts) < args.rollout_batch_size:
         raise ValueError(f"--prompt_data {args.prompt_data} has {len(prompts)} usable prompts, fewer than "
@@ -216,7 +210,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.eval_data:
         eval_set = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
                                  apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
-                                 on_bad_row=args.on_bad_row)
+                                 on_bad_row=args.on_bad_row, truncate_long_prompts=args.truncate_long_prompts)
         eval_dataloader = strategy.setup_dataloader(eval_set, max(1, args.micro_rollout_batch_size), shuffle=False,
                                                     collate_fn=eval_set.collate_fn, drop_last=False)
     pretrain_dataloader = None

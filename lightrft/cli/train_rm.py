@@ -15,7 +15,7 @@ import os
 import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, check_positive)
+                                 add_strategy_args, build_scheduler, check_positive)
 from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer
 
 
@@ -80,7 +80,6 @@ def build_datasets(args, tokenizer):
 def train(args: argparse.Namespace) -> dict:
     """Builds everything from parsed flags, trains the reward model and exports it; returns the
     last logged metrics with the reward statistics."""
-    from lightrft.cli.train_ppo import build_scheduler
     from lightrft.models import RewardModel
     from lightrft.strategy import get_strategy
     from lightrft.trainer.rm_trainer import RewardModelTrainer

@@ -15,7 +15,7 @@ import os
 import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, check_positive)
+                                 add_strategy_args, build_scheduler, check_positive)
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -107,7 +107,6 @@ def build_datasets(args, tokenizer):
 
 def train(args: argparse.Namespace) -> dict:
     """Builds everything from parsed flags and runs SFT; returns the last logged metrics."""
-    from lightrft.cli.train_ppo import build_scheduler
     from lightrft.models import ActorLanguage
     from lightrft.strategy import get_strategy
     from lightrft.trainer.sft_trainer import SFTTrainer

@@ -8,6 +8,8 @@ the strategy writes them crash-consistently as the checkpoint's client state.
 """
 
 import random
+import signal
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -55,3 +57,25 @@ def check_resume_options(saved: Mapping[str, Any], current: Mapping[str, Any], s
 def pinned_options(args: Any, names: tuple[str, ...]) -> dict:
     """The values of the named flags on `args` (missing ones skipped), for `check_resume_options`."""
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+class PreemptionFlag:
+    """Records SIGTERM / SIGUSR1 so the loop can save and exit at its next safe point."""
+
+    def __init__(self):
+        self.raised = False
+        self.received_at = None
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+        self.received_at = time.time()
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -6,10 +6,8 @@ update the KL controller, log, and save when due. `fit` reads top to bottom; eve
 is a small method meant to be overridden by research code.
 """
 
-import math
-import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -22,7 +20,7 @@ from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, comp
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.trainer.callbacks import CallbackList
-from lightrft.trainer.checkpoint import capture_rng_state, check_resume_options, restore_rng_state
+from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
 from lightrft.trainer.experience import Experience
 from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
@@ -58,28 +56,6 @@ class AlgorithmConfig:
 PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
                   "train_batch_size", "micro_train_batch_size", "policy_loss", "loss_agg_mode",
                   "kl_estimator", "use_kl_loss", "seed", "prompt_data", "max_epochs")
-
-
-class PreemptionFlag:
-    """Records SIGTERM / SIGUSR1 so the loop can save and exit at its next safe point."""
-
-    def __init__(self):
-        self.raised = False
-        self.received_at = None
-        self._previous = {}
-
-    def install(self):
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.raised = True
-        self.received_at = time.time()
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
 
 
 class PPOTrainer:
@@ -360,10 +336,12 @@ class PPOTrainer:
     def ptx_step(self) -> torch.Tensor:
         """One language-modelling micro-batch from the pretraining data, weighted by ptx_coef
         (InstructGPT's PPO-ptx objective)."""
-        input_ids, attention_mask, labels = (t.to(self.strategy.device) for t in next(self.pretrain_iter))
+        batch = next(self.pretrain_iter)
+        device = self.strategy.device
         module = self.strategy.unwrap_model(self.actor)
-        logits = module.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        ptx_loss = self.ptx_loss_fn(logits, labels)
+        logits = module.model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                              use_cache=False).logits
+        ptx_loss = self.ptx_loss_fn(logits, batch.labels.to(device))
         self.strategy.backward(self.ptx_coef * ptx_loss, self.actor, self.actor_optim)
         return ptx_loss.detach()
 

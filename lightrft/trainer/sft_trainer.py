@@ -22,8 +22,7 @@ from tqdm import tqdm
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
-from lightrft.trainer.checkpoint import capture_rng_state, check_resume_options, restore_rng_state
-from lightrft.trainer.ppo_trainer import PreemptionFlag
+from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
 
 # Options that define an SFT experiment: resuming with a different value is an error.
 SFT_PINNED_OPTIONS = ("pretrain", "dataset", "input_key", "output_key", "apply_chat_template", "max_len",
