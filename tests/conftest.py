@@ -46,15 +46,21 @@ def subprocess_env(**extra: str) -> dict:
 
 
 def run_torchrun(args, nproc: int = 2, timeout: int = 600, env: dict | None = None, check: bool = True,
-                 module: bool = False) -> subprocess.CompletedProcess:
+                 module: bool = False, gpu: bool = False) -> subprocess.CompletedProcess:
     """Runs `torchrun --nproc_per_node nproc [-m] args...` on 127.0.0.1 and returns the finished
-    process. With check=True a non-zero exit fails the test with the tail of the output."""
+    process. With check=True a non-zero exit fails the test with the tail of the output. GPUs are
+    hidden from the ranks unless `gpu=True`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     if module:
         cmd.append("-m")
     cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=subprocess_env(**(env or {})), capture_output=True,
+    child_env = subprocess_env(**(env or {}))
+    if gpu and "CUDA_VISIBLE_DEVICES" not in (env or {}):
+        child_env.pop("CUDA_VISIBLE_DEVICES", None)
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            child_env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited with {proc.returncode}\ncommand: {' '.join(cmd)}\n"
