@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from lightrft.strategy.ds_config import GRAD_ACCUM_DTYPES, check_zero_stage
 
 BACKENDS = ("nccl", "gloo")
+# Flag names that differ from the field they set (the flag keeps its OpenRLHF name).
+FLAG_ALIASES = {"dist_timeout_minutes": "dist_timeout"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ class StrategyConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "StrategyConfig":
-        """Reads the fields from same-named attributes of `args`; missing ones keep their defaults."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        """Reads each field from the same-named attribute of `args` (or its flag alias, e.g.
+        `--dist_timeout` for `dist_timeout_minutes`); missing ones keep their defaults."""
+        values = {}
+        for f in fields(cls):
+            for name in (f.name, FLAG_ALIASES.get(f.name)):
+                if name is not None and hasattr(args, name):
+                    values[f.name] = getattr(args, name)
+                    break
         return cls(**values)

@@ -46,7 +46,7 @@ def train_steps(strategy, engine, optim, sched, n: int) -> list[float]:
     for _ in range(n):
         total = 0.0
         for _ in range(strategy.accumulated_gradient):
-            ids = torch.randint(4, 100, (MICRO, 12))
+            ids = torch.randint(4, 100, (MICRO, 12)).to(strategy.device)
             loss = engine(input_ids=ids, labels=ids).loss
             strategy.backward(loss, engine, optim)
             strategy.optimizer_step(optim, engine, sched)

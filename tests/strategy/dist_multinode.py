@@ -23,11 +23,11 @@ def main():
     initial = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
     optim = strategy.create_optimizer(model, lr=1e-2)
     engine, optim, _ = strategy.prepare((model, optim, None))
-    ids = torch.randint(4, 100, (2, 12), generator=strategy.rank_generator())  # different data per node
+    ids = torch.randint(4, 100, (2, 12), generator=strategy.rank_generator()).to(strategy.device)  # per node
     loss = engine(input_ids=ids, labels=ids).loss
     strategy.backward(loss, engine, optim)
     strategy.optimizer_step(optim, engine, None)
-    weights = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    weights = torch.cat([p.detach().flatten() for p in engine.module.parameters()]).cpu()
     record = {
         "rank": strategy.rank, "world": strategy.world_size, "local_rank": strategy.local_rank,
         "group_rank": int(os.environ["GROUP_RANK"]), "loss": loss.item(),

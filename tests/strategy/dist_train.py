@@ -49,7 +49,7 @@ def train(strategy: DeepspeedStrategy, name: str, out_dir: Path, emit) -> None:
         rows = global_batch(step)[strategy.rank * per_rank:(strategy.rank + 1) * per_rank]
         step_loss = 0.0
         for start in range(0, per_rank, micro):
-            ids = rows[start:start + micro]
+            ids = rows[start:start + micro].to(strategy.device)
             loss = engine(input_ids=ids, labels=ids).loss
             strategy.backward(loss, engine, optim)
             strategy.optimizer_step(optim, engine, sched)
@@ -80,7 +80,7 @@ def ema(strategy: DeepspeedStrategy, stage: int, out_dir: Path, emit) -> None:
     engine, optim, _ = strategy.prepare((model, optim, None))
     ema_engine = strategy.prepare(ema_model)
     moved = []
-    ids = global_batch(0)[:1]
+    ids = global_batch(0)[:1].to(strategy.device)
     for _ in range(2):
         for _ in range(strategy.accumulated_gradient):
             strategy.backward(engine(input_ids=ids, labels=ids).loss, engine, optim)
@@ -142,7 +142,7 @@ def export(strategy: DeepspeedStrategy, source: Path, out_dir: Path, emit) -> No
     engine, optim, _ = strategy.prepare((actor, optim, None))
     for step in range(2):
         for _ in range(strategy.accumulated_gradient):
-            strategy.backward(engine(global_batch(step)[:2]), engine, optim)
+            strategy.backward(engine(global_batch(step)[:2].to(strategy.device)), engine, optim)
             strategy.optimizer_step(optim, engine, None)
     state = strategy.full_state_dict(engine)
     if strategy.is_rank_0():
@@ -155,7 +155,18 @@ def export(strategy: DeepspeedStrategy, source: Path, out_dir: Path, emit) -> No
     if strategy.is_rank_0():
         torch.save(state, out_dir / "value_state.pt")
     strategy.save_model(frozen, None, out_dir / "hf_value")
-    emit({"check": "export_done"})
+
+    # A failed export (the parent of the target is a file) raises on every rank, naming the target.
+    blocker = out_dir / "blocker"
+    if strategy.is_rank_0():
+        blocker.write_text("a file where a folder is expected")
+    strategy.barrier()
+    try:
+        strategy.save_model(frozen, None, blocker / "hf")
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    emit({"check": "export_error", "error": error, "memory": strategy.report_memory("after export")})
 
 
 def collectives_and_data(strategy: DeepspeedStrategy, emit) -> None:
@@ -205,9 +216,11 @@ def main():
     parser.add_argument("--collectives", action="store_true")
     parser.add_argument("--offload", action="store_true", help="also ZeRO-2 with DeepSpeedCPUAdam")
     parser.add_argument("--hf_source", help="a tiny HF folder for the ZeRO-3 export checks")
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     out_dir = Path(args.out).parent
-    base = StrategyConfig(seed=7, train_batch_size=GLOBAL_BATCH, micro_train_batch_size=args.micro, max_norm=1.0)
+    base = StrategyConfig(seed=7, train_batch_size=GLOBAL_BATCH, micro_train_batch_size=args.micro, max_norm=1.0,
+                          bf16=args.bf16)
     strategy = DeepspeedStrategy(base)
     strategy.setup_distributed()
     records = []

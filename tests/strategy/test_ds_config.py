@@ -99,10 +99,11 @@ def test_eval_config_shards_only_under_zero3_or_offload(stage, offload, expected
 
 def test_strategy_config_from_args_and_validation():
     args = argparse.Namespace(seed=3, zero_stage=3, bf16=True, train_batch_size=16, micro_train_batch_size=4,
-                              unrelated_flag="x")
+                              dist_timeout=5, unrelated_flag="x")
     config = StrategyConfig.from_args(args)
     assert (config.seed, config.zero_stage, config.bf16, config.train_batch_size, config.micro_train_batch_size) == \
         (3, 3, True, 16, 4)
+    assert config.dist_timeout_minutes == 5  # the --dist_timeout flag
     assert config.max_norm == 1.0 and config.adam_offload is False  # defaults for flags not given
     with pytest.raises(ValueError, match="--backend 'mpi'"):
         StrategyConfig(backend="mpi")

@@ -191,3 +191,36 @@ def test_wrapper_with_own_save_pretrained_gets_gathered_weights(runs):
     for key in state:
         assert torch.equal(written[key], state[key]), key
     assert written["score.weight"].shape == (1, 64)
+
+
+def test_failed_export_raises_on_every_rank_naming_the_target(runs):
+    out, records = runs
+    for recs in records["dist"]:
+        record = by_check(recs, "export_error")[0]
+        assert f"saving the Hugging Face model to {out / 'blocker' / 'hf'} failed" in record["error"]
+        assert record["memory"]["max_rss_gib"] > 0
+    assert (out / "blocker").is_file()
+
+
+def test_incomplete_launcher_environment_is_refused():
+    code = ("from lightrft.strategy import DeepspeedStrategy, StrategyConfig\n"
+            "DeepspeedStrategy(StrategyConfig()).setup_distributed()")
+    env = subprocess_env(RANK="0", WORLD_SIZE="2")
+    for key in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "incomplete launcher environment: LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set" in proc.stderr
+
+
+@pytest.mark.gpu
+def test_bf16_nccl_training_on_gpus(tmp_path):
+    """The same script on CUDA with NCCL and bf16, on up to two GPUs."""
+    nproc = min(2, torch.cuda.device_count())
+    run_torchrun([HERE / "dist_train.py", "--out", tmp_path / "gpu.jsonl", "--bf16", "--stages", "0,3"], nproc=nproc)
+    records = read_json_lines(tmp_path / "gpu.jsonl.rank0")
+    assert by_check(records, "env")[0]["backend"] == "nccl"
+    for stage in (0, 3):
+        losses = by_check(records, "train", name=f"stage{stage}")[0]["losses"]
+        assert losses[-1] < losses[0] - 0.3, losses
