@@ -97,10 +97,17 @@ class DeepspeedStrategy:
                                        timeout=timedelta(minutes=self.config.dist_timeout_minutes))
 
     def close(self) -> None:
-        """Leaves the process group cleanly: a barrier, so no rank exits while a peer still
-        exchanges data with it, then the group is destroyed. Without this, gloo's connection
-        threads can see the peer's sockets close during interpreter teardown and abort the
-        process (SIGABRT) after the work is done."""
+        """Leaves the process group cleanly; call it (or use `with strategy:`) at the end of
+        every script.
+
+        Why: ZeRO-3 gathers parameters with asynchronous collectives (prefetching included), which
+        gloo runs on its own worker threads. If such a collective is still finishing when the
+        interpreter shuts down, the worker thread releases the last reference to its output
+        tensor, which needs the GIL; a thread taking the GIL during finalisation is ended with
+        pthread_exit, whose unwinding through a C++ destructor calls std::terminate ("terminate
+        called without an active exception", SIGABRT) after all the work is done. The barrier
+        here (gloo's barrier waits for every earlier collective) lets that happen while Python is
+        alive; the group is then destroyed."""
         if is_dist_initialized():
             dist.barrier()
             deepspeed.comm.destroy_process_group()
@@ -108,8 +115,11 @@ class DeepspeedStrategy:
     def __enter__(self) -> "DeepspeedStrategy":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        # After an error on this rank a barrier could wait forever for peers that carry on; the
+        # launcher ends them instead.
+        if exc_type is None:
+            self.close()
 
     @property
     def rank(self) -> int:
