@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--overlong_buffer_len", type=int, default=0, help="DAPO overlong shaping buffer (0: off)")
     algo.add_argument("--overlong_penalty_factor", type=float, default=1.0, help="DAPO overlong penalty at the limit")
     algo.add_argument("--freezing_actor_steps", type=int, default=-1, help="train only the critic for N steps")
+    algo.add_argument("--max_nonfinite_steps", type=int, default=3,
+                      help="consecutive optimizer steps skipped for a non-finite loss or gradient before the "
+                           "run saves and stops")
     algo.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
     algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
     algo.add_argument("--max_steps", type=int, default=-1,
@@ -259,7 +262,8 @@ def train(args: argparse.Namespace) -> dict:
         entropy_coef=args.entropy_coef, aux_loss_coef=args.aux_loss_coef, gamma=args.gamma, lambd=args.lambd,
         dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=args.max_sampling_rounds,
         overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
-        freezing_actor_steps=args.freezing_actor_steps, norm_len=args.generate_max_len)
+        freezing_actor_steps=args.freezing_actor_steps, norm_len=args.generate_max_len,
+        max_nonfinite_steps=args.max_nonfinite_steps)
     remote = None
     if args.remote_rm_url:
         from lightrft.rewards import make_reward_source
@@ -275,7 +279,8 @@ def train(args: argparse.Namespace) -> dict:
         micro_rollout_batch_size=args.micro_rollout_batch_size, gradient_checkpointing=args.gradient_checkpointing,
         max_epochs=args.max_epochs, max_norm=args.max_norm, tokenizer=tokenizer, prompt_max_len=args.prompt_max_len,
         reward_sources=remote or (), packing_samples=args.packing_samples, save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt, algo=algo,
-        rollout_engine=rollout_engine, tracker=tracker, max_new_tokens=args.generate_max_len,
+        rollout_engine=rollout_engine, tracker=tracker, preemption_grace=args.preemption_grace,
+        max_new_tokens=args.generate_max_len,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
     consumed = 0
@@ -293,6 +298,8 @@ def train(args: argparse.Namespace) -> dict:
         print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
                           "save_path": os.path.abspath(args.save_path), **summary}))
     strategy.close()
+    if trainer.stop_reason == "nonfinite":
+        raise SystemExit(3)
     return logs
 
 

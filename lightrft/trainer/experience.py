@@ -41,6 +41,14 @@ class Experience:
     def batch_size(self) -> int:
         return self.action_mask.size(0)
 
+    @property
+    def loss_mask(self) -> Tensor:
+        """The action tokens the losses train on: `action_mask` without the samples marked invalid
+        (a failed reward source, or non-finite values). Shape: (B, A)."""
+        if "valid" not in self.info:
+            return self.action_mask
+        return self.action_mask & self.info["valid"].bool().unsqueeze(1)
+
     def to(self, device: torch.device | str) -> "Experience":
         moved = {}
         for f in fields(self):

@@ -23,6 +23,7 @@ from lightrft.algorithms.masked import masked_mean
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.trainer.experience import Experience
+from lightrft.utils.faults import fault_now
 
 
 @dataclass
@@ -107,6 +108,8 @@ class NaiveExperienceMaker:
         self.overlong_penalty_factor = overlong_penalty_factor
         self.seed = seed
         self.calls = 0
+        self.step = 0                  # the trainer's step being made (1-based), for fault hooks
+        self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
 
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -207,6 +210,18 @@ class NaiveExperienceMaker:
         rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
         return self.experience_from_rollout(rollout, rewards, params.n)
 
+    @staticmethod
+    def _finite_rows(mask: Tensor, *tensors: Optional[Tensor]) -> Tensor:
+        """Per sample: are all its action-token values finite in every given tensor? Shape: (B,)."""
+        ok = torch.ones(mask.size(0), dtype=torch.bool)
+        for t in tensors:
+            if t is not None:
+                ok &= (torch.isfinite(t) | ~mask).all(dim=1)
+        return ok
+
+    def _count_invalid(self, source: str, before: Tensor, after: Tensor) -> None:
+        self.nonfinite_counts[source] += int((before & ~after).sum())
+
     @torch.no_grad()
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
         action_mask = rollout.action_mask.bool()
@@ -215,6 +230,30 @@ class NaiveExperienceMaker:
         base_log_probs = (self._forward_all(self.initial_model, rollout, "reference")
                           if self.initial_model is not None else None)
         values = self._forward_all(self.critic, rollout, "critic") if self.critic is not None else None
+        scores = rewards.scores.clone()
+        if fault_now("nan-reward", self.step):
+            scores[0] = float("nan")
+        if fault_now("nan-logprob", self.step):
+            action_log_probs[0, 0] = float("nan")
+
+        # Non-finite rewards or log-probs make a sample invalid: it keeps its place in the batch
+        # (every rank must run the same number of micro-batches) but trains on nothing. A group
+        # estimator's baseline needs the whole group, so one bad sample invalidates its group.
+        valid = rewards.valid.clone()
+        checked = valid & torch.isfinite(scores)
+        self._count_invalid("reward", valid, checked)
+        valid = checked
+        checked = valid & self._finite_rows(action_mask, action_log_probs, base_log_probs, values,
+                                            rollout.rollout_log_probs)
+        self._count_invalid("logprob", valid, checked)
+        valid = checked
+        if self.estimator.group:
+            valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)
+        keep = valid.unsqueeze(1)
+        scores = torch.where(valid, scores, torch.zeros_like(scores))
+        action_log_probs, base_log_probs, values = (
+            None if t is None else torch.where(keep, t, torch.zeros_like(t))
+            for t in (action_log_probs, base_log_probs, values))
 
         kl = None
         if base_log_probs is not None:
@@ -223,26 +262,32 @@ class NaiveExperienceMaker:
         kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
         token_rewards = -kl_coef * (kl if kl is not None else torch.zeros_like(mask_f))
         last = (action_mask.sum(dim=1) - 1).clamp(min=0)                  # (B,) index of last action
-        token_rewards[torch.arange(len(last)), last] += rewards.scores
+        token_rewards[torch.arange(len(last)), last] += scores
         token_rewards = token_rewards * mask_f
 
         outputs = self.estimator.fn(AdvantageInputs(
-            action_mask=mask_f, scores=rewards.scores, token_rewards=token_rewards, values=values,
+            action_mask=mask_f, scores=scores, token_rewards=token_rewards, values=values,
             group_size=n, gamma=self.gamma, lambd=self.lambd))
-        # A sample whose reward source failed under the "drop" policy keeps its place (every rank
-        # must run the same number of micro-batches) but gets no advantage, so it moves nothing.
-        keep = rewards.valid.float().unsqueeze(1)
+        advantages, returns = outputs.advantages, outputs.returns
+        if fault_now("nan-advantage", self.step):
+            advantages[0, 0] = float("nan")
+        checked = valid & self._finite_rows(action_mask, advantages, returns)
+        self._count_invalid("advantage", valid, checked)
+        valid = checked
+        keep = valid.unsqueeze(1)
+        advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
+        returns = torch.where(keep, returns, torch.zeros_like(returns))
         info = {
-            "reward": rewards.scores,
+            "reward": scores,
             "response_length": mask_f.sum(dim=1),
             "total_length": rollout.attention_mask.float().sum(dim=1),
-            "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(rewards.scores),
-            "valid": rewards.valid.float(),
+            "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(scores),
+            "valid": valid.float(),
         }
         exp = Experience(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=action_mask,
             num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
-            advantages=outputs.advantages * keep, returns=outputs.returns,
-            base_action_log_probs=base_log_probs, rollout_log_probs=rollout.rollout_log_probs.float(),
+            advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
+            rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
             values=values, kl=kl, info=info)
         return [exp]

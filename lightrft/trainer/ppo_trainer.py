@@ -6,6 +6,7 @@ update the KL controller, log, and save when due. `fit` reads top to bottom; eve
 is a small method meant to be overridden by research code.
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -25,6 +26,7 @@ from lightrft.trainer.experience import Experience
 from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.utils.faults import fault_now, nan_gradient, send_sigterm
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = 1.0
     freezing_actor_steps: int = -1
     norm_len: Optional[int] = None          # length constant of seq-mean-token-sum-norm
+    max_nonfinite_steps: int = 3            # consecutive skipped steps before the run saves and stops
 
 
 # Options that define the experiment: resuming with a different value is an error.
@@ -79,6 +82,7 @@ class PPOTrainer:
                  save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False, *,
                  algo: Optional[AlgorithmConfig] = None, rollout_engine=None, reward_sources: Sequence = (),
                  packing_samples: bool = False, callbacks: Sequence = (), tracker=None,
+                 preemption_grace: float = 600.0,
                  eval_generate_kwargs: Optional[dict] = None, **generate_kwargs):
         self.strategy = strategy
         self.actor, self.critic = actor, critic
@@ -138,7 +142,10 @@ class PPOTrainer:
         self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
         self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
         self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
-        self.preemption = PreemptionFlag()
+        self.bad_steps_in_row = 0
+        self.bad_step_sources: list[str] = []
+        self.inject_nan = False        # fault hook: the first micro-batch of a step
+        self.preemption = PreemptionFlag(preemption_grace)
         self.stop_reason = None
 
     # ====================================================================================== fit
@@ -160,6 +167,9 @@ class PPOTrainer:
             while True:
                 # 1. Rollout: generate, score and forward (refilling dropped groups if asked).
                 started = time.time()
+                self.experience_maker.step = self.global_step + 1
+                if fault_now("sigterm-rollout", self.global_step + 1):
+                    send_sigterm()
                 experiences = self.make_experience(prompt_batches)
                 if experiences is None:
                     break
@@ -190,6 +200,12 @@ class PPOTrainer:
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
                 if self.preempted():
                     self.stop_reason = "preempted"
+                elif self.bad_steps_in_row >= self.algo.max_nonfinite_steps:
+                    self.stop_reason = "nonfinite"
+                    self.strategy.print(
+                        f"stopping: {self.bad_steps_in_row} optimizer steps in a row were skipped for non-finite "
+                        f"values ({', '.join(sorted(set(self.bad_step_sources)))}); the last good weights are "
+                        f"saved in {args.ckpt_path}. Lower the learning rate or check the reward source.")
                 elif 0 < getattr(args, "max_steps", -1) <= self.global_step:
                     self.stop_reason = "max_steps"
                 if self.stop_reason is not None:
@@ -263,17 +279,37 @@ class PPOTrainer:
             for start in range(0, len(micro_batches), grad_accum):
                 group = micro_batches[start:start + grad_accum]
                 counts = self.global_counts(group)
+                if start == 0 and epoch == 0 and fault_now("sigterm-train", global_steps + 1):
+                    send_sigterm()
+                self.inject_nan = start == 0 and epoch == 0
                 metrics = [self.training_step(exp, global_steps, counts) for exp in group]
                 step_metrics.append(self.reduce_step_metrics(metrics))
+                self.check_step_finite(step_metrics[-1])
                 self.callbacks.on_step_end(self, step_metrics[-1])
         if not step_metrics:
             return {}
         return {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
 
+    def check_step_finite(self, metrics: dict[str, float]) -> None:
+        """Counts an optimizer step whose loss or gradient norm was not finite. DeepSpeed's ZeRO
+        optimizers (stages 1-3) then skip the update; a streak of `max_nonfinite_steps` stops the run."""
+        sources = [name for name in ("train/nonfinite_policy_loss", "train/nonfinite_critic_loss")
+                   if metrics.get(name, 0.0) > 0]
+        for name, model in (("actor", self.actor), ("critic", self.critic)):
+            norm = getattr(model, "get_global_grad_norm", lambda: None)() if model is not None else None
+            if norm is not None and not math.isfinite(float(norm)):
+                sources.append(f"{name} gradient norm")
+        if sources:
+            self.counters["skipped_steps"] += 1
+            self.bad_steps_in_row += 1
+            self.bad_step_sources += [s.replace("train/nonfinite_", "") for s in sources]
+        else:
+            self.bad_steps_in_row = 0
+
     def global_counts(self, group: list[Experience]) -> dict[str, float]:
         """Action tokens and sequences of one optimizer step over all ranks (one all-reduce): the
         normalisers that make the loss independent of how the batch is split."""
-        local = torch.tensor([sum(float(e.action_mask.sum()) for e in group),
+        local = torch.tensor([sum(float(e.loss_mask.sum()) for e in group),
                               sum(float(e.batch_size) for e in group)], dtype=torch.float64)
         tokens, seqs = self.strategy.all_reduce(local, op="sum").tolist()
         return {"tokens": tokens, "seqs": seqs}
@@ -300,12 +336,19 @@ class PPOTrainer:
 
     def training_step_actor(self, experience: Experience, counts: dict) -> dict:
         self.actor.train()
-        mask = experience.action_mask
+        mask = experience.loss_mask
         log_probs, output = self._actor_forward(self.actor, experience, return_entropy=self.algo.entropy_coef != 0)
+        inject = self.inject_nan
+        if inject and fault_now("nan-grad", self.global_step + 1):
+            log_probs = nan_gradient(log_probs)
         agg = dict(global_num_tokens=counts["tokens"], global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len)
         policy_loss, metrics = self.actor_loss_fn(log_probs, experience.action_log_probs, experience.advantages,
                                                   action_mask=mask, rollout_log_probs=experience.rollout_log_probs,
                                                   return_metrics=True, **agg)
+        if inject and fault_now("nan-loss", self.global_step + 1):
+            policy_loss = policy_loss * float("nan")
+        self.inject_nan = False
+        metrics["nonfinite_policy_loss"] = (~torch.isfinite(policy_loss.detach())).float()
         loss = policy_loss
         if self.algo.use_kl_loss and experience.base_action_log_probs is not None:
             kl = compute_approx_kl(log_probs, experience.base_action_log_probs, mask,
@@ -350,12 +393,13 @@ class PPOTrainer:
         values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                              packed_seq_lens=experience.packed_seq_lens)
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
-                                            action_mask=experience.action_mask, global_num_tokens=counts["tokens"],
+                                            action_mask=experience.loss_mask, global_num_tokens=counts["tokens"],
                                             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len,
                                             return_metrics=True)
         self.strategy.backward(loss * self.loss_scale(), self.critic, self.critic_optim)
         self.strategy.optimizer_step(self.critic_optim, self.critic, self.critic_scheduler)
-        metrics = {"critic_loss": loss.detach(), **metrics}
+        metrics = {"critic_loss": loss.detach(), "nonfinite_critic_loss": (~torch.isfinite(loss.detach())).float(),
+                   **metrics}
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def reduce_step_metrics(self, micro_metrics: list[dict]) -> dict[str, float]:
@@ -380,7 +424,10 @@ class PPOTrainer:
     # ======================================================================= logs and checkpoints
     def save_logs_and_checkpoints(self, args, global_step: int, step_bar, logs_dict: dict,
                                   client_states: Optional[dict] = None, eval_dataloader=None) -> None:
-        logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()}}
+        nonfinite = self.experience_maker.nonfinite_counts
+        totals = self.strategy.all_reduce(torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]), op="sum")
+        logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()},
+                     **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals.tolist())}}
         if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
             logs_dict.update(self.evaluate(eval_dataloader))
         if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
@@ -398,6 +445,7 @@ class PPOTrainer:
         return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
                 "kl_ctl": self.kl_ctl.state_dict(), "rng": capture_rng_state(),
                 "rollout_calls": self.experience_maker.calls, "counters": dict(self.counters),
+                "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
                 "options": {k: self._plain(getattr(self.args, k)) for k in PINNED_OPTIONS if hasattr(self.args, k)}}
 
     @staticmethod
@@ -408,6 +456,8 @@ class PPOTrainer:
         """Writes a resumable checkpoint (critic first, then actor, whose `latest` pointer marks the
         step as resumable) and, with `save_hf_ckpt`, a Hugging Face export of the actor."""
         tag = f"global_step{self.global_step}"
+        if fault_now("sigterm-save", self.global_step):
+            send_sigterm()
         state = self.client_state()
         if not self.disable_ds_ckpt:
             if self.critic is not None:
@@ -442,6 +492,7 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.experience_maker.calls = state.get("rollout_calls", 0)
         self.counters.update(state.get("counters", {}))
+        self.experience_maker.nonfinite_counts.update(state.get("nonfinite_counts", {}))
         restore_rng_state(state["rng"])
         self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} prompts consumed")
         return self.consumed_samples

@@ -1,0 +1,95 @@
+"""Runs that survive: non-finite values and SIGTERM during a `train_ppo` run on two CPU ranks.
+
+Faults are injected on rank 0 through the LIGHTRFT_TRAIN_FAULT test hook (lightrft.utils.faults)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import run_torchrun
+from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+
+pytestmark = pytest.mark.dist
+
+SMALL = dict(rollout_batch_size=16, n_samples_per_prompt=4, train_batch_size=64, micro_train_batch_size=16,
+             micro_rollout_batch_size=32, max_samples=64, save_steps=1, max_ckpt_num=4)  # 4 steps, 1 update each
+
+
+def launch(toy, out: Path, fault: str | None = None, check: bool = True, **overrides):
+    env = {"LIGHTRFT_TRAIN_FAULT": fault} if fault else {}
+    flags = grpo_flags(toy, out, **{**SMALL, **overrides})
+    return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env, check=check)
+
+
+def actor_weights(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
+    """The actor's full weights in a checkpoint (ZeRO-2 keeps them whole in the model-states file)."""
+    files = list((ckpt / "_actor" / f"global_step{step}").rglob("mp_rank_00_model_states.pt"))
+    assert len(files) == 1, files
+    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(toy, tmp_path):
+    proc = launch(toy, tmp_path, fault="nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4")
+    summary = summary_line(proc.stdout)
+    assert summary["step"] == 4 and summary["stop_reason"] == "finished"
+    scalars = {tag: dict(series) for tag, series in tensorboard_scalars(tmp_path / "tb").items()}
+    # One bad sample per injected source, counted (cumulatively) where it happened; the run went on.
+    assert scalars["rollout/nonfinite_reward_samples"] == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    assert scalars["rollout/nonfinite_logprob_samples"] == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    assert scalars["rollout/nonfinite_advantage_samples"] == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}
+    # 64 samples a step. A bad reward or log-prob takes its whole group of 4 out of training (the
+    # group baseline needs every member); a bad advantage only its own sample.
+    assert scalars["rollout/valid"][1] == pytest.approx(1 - 4 / 64)
+    assert scalars["rollout/valid"][2] == pytest.approx(1 - 4 / 64)
+    assert scalars["rollout/valid"][3] == pytest.approx(1 - 1 / 64)
+    assert scalars["rollout/valid"][4] == pytest.approx(1.0)
+    # Steps 3 (NaN loss) and 4 (NaN gradient) are skipped: the weights do not move.
+    assert scalars["train/skipped_steps"] == {1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
+    ckpt = tmp_path / "ckpt"
+    w1, w2, w3, w4 = (actor_weights(ckpt, s) for s in (1, 2, 3, 4))
+    assert not same_weights(w1, w2)          # a normal step with NaN samples dropped still trains
+    assert same_weights(w2, w3) and same_weights(w3, w4)
+    assert all(torch.isfinite(t).all() for t in w4.values() if t.is_floating_point())
+
+
+def test_a_streak_of_non_finite_steps_saves_and_stops_with_the_source(toy, tmp_path):
+    proc = launch(toy, tmp_path, fault="nan-loss@1,nan-loss@2", max_nonfinite_steps=2, check=False)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "2 optimizer steps in a row were skipped for non-finite values" in output
+    assert "policy_loss" in output.split("skipped for non-finite values")[1].splitlines()[0]
+    assert (tmp_path / "ckpt" / "_actor" / "global_step2").is_dir()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(toy, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    summary = summary_line(launch(toy, out).stdout)
+    assert summary["step"] == 4
+    return out
+
+
+@pytest.mark.parametrize("moment", ["rollout", "train", "save"])
+def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(toy, tmp_path, uninterrupted, moment):
+    proc = launch(toy, tmp_path, fault=f"sigterm-{moment}@2")
+    assert proc.returncode == 0
+    summary = summary_line(proc.stdout)
+    assert summary["stop_reason"] == "preempted" and summary["step"] == 2
+    assert "received SIGTERM" in proc.stdout
+    assert (tmp_path / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
+
+    resumed = summary_line(launch(toy, tmp_path, load_checkpoint=True).stdout)
+    assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
+    full = {t: dict(s) for t, s in tensorboard_scalars(uninterrupted / "tb").items()}
+    again = {t: dict(s) for t, s in tensorboard_scalars(tmp_path / "tb").items()}
+    for tag in ("rollout/reward", "train/policy_loss"):
+        assert [again[tag][s] for s in (3, 4)] == [full[tag][s] for s in (3, 4)], tag
+    expected = load_file(uninterrupted / "model" / "model.safetensors")
+    got = load_file(tmp_path / "model" / "model.safetensors")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
