@@ -152,8 +152,9 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if samples % args.train_batch_size != 0:
         parser.error(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must be a "
                      f"multiple of --train_batch_size {args.train_batch_size}")
-    if args.rollout_engine == "vllm" and args.zero_stage == 3 and args.lora_rank > 0:
-        parser.error("--rollout_engine vllm with LoRA under --zero_stage 3 is not supported; use --zero_stage 2")
+    if args.rollout_engine == "vllm" and args.lora_rank > 0:
+        parser.error("--rollout_engine vllm does not take LoRA weights yet; use --rollout_engine hf with --lora_rank, "
+                     "or train all weights")
 
 
 def check_world_size(args: argparse.Namespace, world_size: int) -> None:

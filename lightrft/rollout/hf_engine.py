@@ -34,6 +34,9 @@ class HFEngine:
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree.
     """
 
+    # It decodes with the trainer's own module, so there are no weights to push after a step.
+    shares_live_weights = True
+
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False):
         if eos_token_id is None:

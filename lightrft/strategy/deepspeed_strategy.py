@@ -368,6 +368,18 @@ class DeepspeedStrategy:
             state[key] = copies[id(tensor)]
         return state if self.is_rank_0() else None
 
+    def iter_full_parameters(self, model: nn.Module, prefix: str = ""):
+        """Yields `(name, tensor)` for every parameter of the (unwrapped) model whose name starts
+        with `prefix` (stripped), whole on every rank: under ZeRO-3 each one is gathered just for
+        the time the caller holds it, so peak memory grows by one parameter. For pushing weights to a
+        colocated rollout engine without writing them to disk."""
+        module = self.unwrap_model(model)
+        for name, param in module.named_parameters():
+            if not name.startswith(prefix):
+                continue
+            with deepspeed.zero.GatheredParameters([param], enabled=_is_zero3_param(param)):
+                yield name[len(prefix):], param.data
+
     def save_model(self, model: nn.Module, tokenizer, output_dir: str | os.PathLike, **_) -> None:
         """Writes a Hugging Face folder (config, safetensors weights, tokenizer) that
         `AutoModelForCausalLM.from_pretrained` loads; see `lightrft.strategy.hf_export` for how

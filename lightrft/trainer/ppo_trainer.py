@@ -170,7 +170,9 @@ class PPOTrainer:
                 self.experience_maker.step = self.global_step + 1
                 if fault_now("sigterm-rollout", self.global_step + 1):
                     send_sigterm()
+                self.sync_rollout_weights()
                 experiences = self.make_experience(prompt_batches)
+                self.rollout_engine.sleep()
                 if experiences is None:
                     break
                 rollout_time = time.time() - started
@@ -254,6 +256,17 @@ class PPOTrainer:
         self.counters["dropped_groups"] += sum(e.batch_size for e in rest) // self.algo.n_samples_per_prompt
         self.counters["sampling_rounds"] += rounds
         return fill_to_size(kept, rest, target, self.algo.n_samples_per_prompt)
+
+    def sync_rollout_weights(self) -> None:
+        """Wakes a separate rollout engine (vLLM) and gives it the actor's current weights, one
+        parameter at a time (gathered from ZeRO-3, never written to disk). An engine that decodes
+        with the live module (HFEngine) needs nothing."""
+        self.rollout_engine.wake_up()
+        if getattr(self.rollout_engine, "shares_live_weights", False):
+            return
+        # One parameter per call: under ZeRO-3 a gathered tensor is only whole inside the iteration.
+        for name, tensor in self.strategy.iter_full_parameters(self.actor, prefix="model."):
+            self.rollout_engine.update_weights([(name, tensor)])
 
     def _any_rank_short(self, kept: list[Experience], target: int) -> bool:
         have = sum(e.batch_size for e in kept)
