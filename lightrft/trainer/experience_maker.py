@@ -11,6 +11,7 @@ The B = prompts x G samples of one prompt are contiguous rows, so group estimato
 see each group whole on one rank.
 """
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -110,6 +111,7 @@ class NaiveExperienceMaker:
         self.calls = 0
         self.step = 0                  # the trainer's step being made (1-based), for fault hooks
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
+        self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
 
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -206,9 +208,16 @@ class NaiveExperienceMaker:
             if model is not None:
                 model.eval()
         params = self.sampling_params(**generate_kwargs)
+        started = time.perf_counter()
         rollout = self.generate(list(prompts), params)
+        generated = time.perf_counter()
         rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
-        return self.experience_from_rollout(rollout, rewards, params.n)
+        scored = time.perf_counter()
+        experiences = self.experience_from_rollout(rollout, rewards, params.n)
+        self.timings["generate"] += generated - started
+        self.timings["reward"] += scored - generated
+        self.timings["experience"] += time.perf_counter() - scored
+        return experiences
 
     @staticmethod
     def _finite_rows(mask: Tensor, *tensors: Optional[Tensor]) -> Tensor:

@@ -168,6 +168,7 @@ class PPOTrainer:
                 # 1. Rollout: generate, score and forward (refilling dropped groups if asked).
                 started = time.time()
                 self.experience_maker.step = self.global_step + 1
+                self.experience_maker.timings = dict.fromkeys(self.experience_maker.timings, 0.0)
                 if fault_now("sigterm-rollout", self.global_step + 1):
                     send_sigterm()
                 self.sync_rollout_weights()
@@ -197,6 +198,7 @@ class PPOTrainer:
                 # 5. Logs, evaluation, checkpoints; stop early on preemption.
                 logs = {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value,
                         "perf/rollout_time": rollout_time, "perf/train_time": train_time,
+                        **{f"perf/{k}_time": v for k, v in self.experience_maker.timings.items()},
                         "perf/samples_per_sec": args.rollout_batch_size * self.algo.n_samples_per_prompt
                         / max(rollout_time + train_time, 1e-9)}
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
