@@ -22,7 +22,7 @@ import torch
 
 from lightrft.strategy import CheckpointSaveError, DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.checkpoint_io import FAULT_ENV
-from lightrft.strategy.seeding import load_rng_state_dict, rng_state_dict
+from lightrft.trainer.checkpoint import capture_rng_state, restore_rng_state
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
 
 MICRO = 2
@@ -57,12 +57,12 @@ def train_steps(strategy, engine, optim, sched, n: int) -> list[float]:
 
 def save(strategy, engine, root: Path, stage: int, tag: str, step: int, max_num: int = 3):
     return strategy.save_ckpt(engine, root / f"zero{stage}", tag, max_num=max_num,
-                              client_state={"step": step, "rank": strategy.rank, "rng": rng_state_dict()})
+                              client_state={"step": step, "rank": strategy.rank, "rng": capture_rng_state()})
 
 
 def resume(strategy, engine, root: Path, stage: int):
     path, client = strategy.load_ckpt(engine, root / f"zero{stage}")
-    load_rng_state_dict(client["rng"])
+    restore_rng_state(client["rng"])
     return path, client
 
 
