@@ -16,6 +16,10 @@ def add_strategy_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     group.add_argument("--adam_offload", action="store_true", help="keep Adam states on the CPU")
     group.add_argument("--zero3_param_offload", action="store_true",
                        help="with --zero_stage 3, keep parameters on the CPU between uses")
+    group.add_argument("--ref_reward_offload", action="store_true",
+                       help="keep the frozen reference and reward models' parameters on the CPU (ZeRO-3 offload)")
+    group.add_argument("--grad_accum_dtype", type=str, default=None, choices=["fp32", "bf16", "fp16"],
+                       help="dtype gradients are accumulated in (default: DeepSpeed's choice for the run dtype)")
     group.add_argument("--gradient_checkpointing", action="store_true",
                        help="recompute activations in the backward pass to save memory")
     group.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping norm")

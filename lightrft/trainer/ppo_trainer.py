@@ -442,7 +442,8 @@ class PPOTrainer:
         nonfinite = self.experience_maker.nonfinite_counts
         totals = self.strategy.all_reduce(torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]), op="sum")
         logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()},
-                     **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals.tolist())}}
+                     **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals.tolist())},
+                     **self.reward_source_metrics()}
         if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
             logs_dict.update(self.evaluate(eval_dataloader))
         if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
@@ -450,6 +451,18 @@ class PPOTrainer:
         self.last_logs = logs_dict
         if self.saved_at_step(args, global_step):
             self.save_checkpoint(args)
+
+    def reward_source_metrics(self) -> dict[str, float]:
+        """Request, retry, failure and drop counters of the HTTP reward sources (numbered in
+        --remote_rm_url order), summed over ranks."""
+        sources = self.experience_maker.reward_sources
+        names = [(i, k) for i, source in enumerate(sources) if hasattr(source, "stats")
+                 for k in sorted(source.stats.as_dict())]
+        if not names:
+            return {}
+        local = torch.tensor([float(sources[i].stats.as_dict()[k]) for i, k in names], dtype=torch.float64)
+        totals = self.strategy.all_reduce(local, op="sum").tolist()
+        return {f"rollout/reward_source{i}_{k}": v for (i, k), v in zip(names, totals)}
 
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:
@@ -475,9 +488,11 @@ class PPOTrainer:
             send_sigterm()
         state = self.client_state()
         if not self.disable_ds_ckpt:
-            if self.critic is not None:
-                self.strategy.save_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag, args.max_ckpt_num,
-                                        client_state={"global_step": self.global_step})
+            # The actor goes last: its `latest` pointer is what makes this step resumable.
+            for name, model in (("_critic", self.critic), ("_ema", self.ema_model)):
+                if model is not None:
+                    self.strategy.save_ckpt(model, f"{args.ckpt_path}/{name}", tag, args.max_ckpt_num,
+                                            client_state={"global_step": self.global_step})
             self.strategy.save_ckpt(self.actor, f"{args.ckpt_path}/_actor", tag, args.max_ckpt_num,
                                     client_state=state)
         if self.save_hf_ckpt:
@@ -495,13 +510,17 @@ class PPOTrainer:
             return 0
         check_resume_options(state.get("options", {}),
                              {k: self._plain(getattr(args, k)) for k in PINNED_OPTIONS if hasattr(args, k)}, path)
-        if self.critic is not None:
-            tag = f"global_step{state['global_step']}"
+        tag = f"global_step{state['global_step']}"
+        for name, model, optimizer_states in (("_critic", self.critic, True), ("_ema", self.ema_model, False)):
+            if model is None:
+                continue
             try:
-                self.strategy.load_ckpt(self.critic, f"{args.ckpt_path}/_critic", tag=tag)
+                self.strategy.load_ckpt(model, f"{args.ckpt_path}/{name}", tag=tag,
+                                        load_optimizer_states=optimizer_states,
+                                        load_lr_scheduler_states=optimizer_states)
             except FileNotFoundError as err:
-                raise FileNotFoundError(f"the actor checkpoint {path} has no matching complete critic checkpoint "
-                                        f"{tag} under {args.ckpt_path}/_critic: {err}") from err
+                raise FileNotFoundError(f"the actor checkpoint {path} has no matching complete checkpoint {tag} "
+                                        f"under {args.ckpt_path}/{name}: {err}") from err
         self.global_step = state["global_step"]
         self.consumed_samples = state["consumed_samples"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])

@@ -47,8 +47,12 @@ def test_packing_and_zero3_give_the_same_first_step(toy, tmp_path):
     assert abs(first_step(reference, "train/policy_loss")) > 1e-4
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path):
-    four = dict(max_samples=64, save_steps=-1)        # 64 prompts / 16 per step = 4 steps
+@pytest.mark.parametrize("zero_stage,episodes,per_episode", [(2, 1, 64), (3, 2, 32)],
+                         ids=["zero2-mid-episode", "zero3-at-episode-boundary"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, zero_stage, episodes, per_episode):
+    # 16 prompts a step: 4 steps in all, interrupted after step 2 (mid-episode, or exactly at the end
+    # of the first of two episodes).
+    four = dict(max_samples=per_episode, num_episodes=episodes, save_steps=-1, zero_stage=zero_stage)
     full_summary, full = run_ppo(toy, tmp_path / "full", **four)
     assert full_summary["step"] == 4
     run_ppo(toy, tmp_path / "part", max_steps=2, **four)
@@ -106,6 +110,9 @@ def test_reward_file_and_http_server_drive_a_run(toy, tmp_path):
         for prompt, label in zip(body["prompts"], body["labels"]):      # labels travel with their prompts
             a, b = prompt[:-1].split("+")
             assert label == str(int(a) + int(b))
+    # The server's counters reach the logs (source 1 in --remote_rm_url order), summed over ranks.
+    assert dict(scalars["rollout/reward_source1_requests"]) == {1: 2.0, 2: 4.0}
+    assert dict(scalars["rollout/reward_source1_retries"]) == {1: 0.0, 2: 0.0}
     # Reward = response length (file) + (prompt + response length) / 10 (server): both positive,
     # and at least the 1-character EOS-only response gives more than 0.5 per sample.
     assert all(value > 0.5 for _, value in scalars["rollout/reward"])
