@@ -85,5 +85,5 @@ def grpo_flags(toy: dict, out: Path, **overrides) -> list[str]:
             continue
         args.append(f"--{key}")
         if value is not True:
-            args.append(str(value))
+            args += str(value).split(" ") if isinstance(value, str) else [str(value)]
     return args
