@@ -2,7 +2,8 @@
 # PPO with a reward model and a critic, Llama-3.3-70B-Instruct as the actor: 8 nodes x 8 GPUs.
 #
 # Hardware   8 GPUs per node x 8 nodes = 64 GPUs, 80 GB each (A100/H100 80GB); host RAM >= 1024 GB per node
-# ZeRO       stage 3; offload: Adam states and parameters to CPU (--adam_offload --zero3_param_offload)
+# ZeRO       stage 3; offload: Adam states and parameters to CPU (--adam_offload --zero3_param_offload),
+#            the frozen reference and reward models too (--ref_reward_offload)
 # Precision  bf16, gradient checkpointing
 # Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
 # Rollout    hf: Hugging Face generate on the live ZeRO-3-sharded actor (see Memory for why not vllm)
@@ -51,7 +52,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --actor_learning_rate 2e-7 --critic_learning_rate 3e-6 --lr_warmup_ratio 0.03 \
     --init_kl_coef 0.01 --eps_clip 0.2 --value_clip 0.2 \
     --max_epochs 1 --num_episodes 1 \
-    --zero_stage 3 --bf16 --adam_offload --zero3_param_offload --gradient_checkpointing --packing_samples \
+    --zero_stage 3 --bf16 --adam_offload --zero3_param_offload --ref_reward_offload --gradient_checkpointing --packing_samples \
     --save_path "$SAVE_DIR/model" --ckpt_path "$SAVE_DIR/checkpoints" \
     --save_steps 20 --max_ckpt_num 3 --load_checkpoint if_present \
     --use_tensorboard "$SAVE_DIR/tensorboard" --logging_steps 1 \

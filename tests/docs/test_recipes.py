@@ -120,7 +120,10 @@ def test_recipe_header_states_hardware_memory_settings_and_accumulation(path):
     offload = re.search(r"offload: (.*?) Precision", header).group(1)
     assert ("--adam_offload" in offload) == args.adam_offload, f"offload line {offload!r} vs --adam_offload"
     assert ("--zero3_param_offload" in offload) == args.zero3_param_offload, offload
-    assert offload.startswith("none") == (not args.adam_offload and not args.zero3_param_offload), offload
+    frozen_offload = getattr(args, "ref_reward_offload", False)
+    assert ("--ref_reward_offload" in offload) == frozen_offload, offload
+    assert offload.startswith("none") == (not args.adam_offload and not args.zero3_param_offload
+                                          and not frozen_offload), offload
     assert find(r"Precision (bf16|fp32)") == ("bf16" if args.bf16 else "fp32",)
     assert ("gradient checkpointing" in header) == args.gradient_checkpointing
     assert find(r"Packing (on|off)") == ("on" if args.packing_samples else "off",)
@@ -315,7 +318,8 @@ def test_recipes_table_row_matches_the_script(path):
     assert hardware == (f"{command.launcher_option('--nnodes', '1')} x {command.launcher_option('--nproc_per_node')}, "
                         f"{gigabytes} GB")
     assert zero == str(args.zero_stage)
-    offloaded = [name for name, on in (("Adam", args.adam_offload), ("params", args.zero3_param_offload)) if on]
+    offloaded = [name for name, on in (("Adam", args.adam_offload), ("params", args.zero3_param_offload),
+                                       ("ref/RM", getattr(args, "ref_reward_offload", False))) if on]
     assert offload == (" + ".join(offloaded) or "none")
     assert rollout == getattr(args, "rollout_engine", "-")
     if hasattr(args, "rollout_batch_size"):
