@@ -68,9 +68,9 @@ def add_logging_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     group.add_argument("--use_wandb", type=str, default=None,
                        help="log to Weights & Biases: an API key, or 'offline' / 'online' to use the "
                             "environment's login (offline needs no network)")
-    group.add_argument("--wandb_project", type=str, default="lightrft")
-    group.add_argument("--wandb_org", type=str, default=None)
-    group.add_argument("--wandb_run_name", type=str, default=None)
+    group.add_argument("--wandb_project", type=str, default="lightrft", help="W&B project")
+    group.add_argument("--wandb_org", type=str, default=None, help="W&B entity (team or user)")
+    group.add_argument("--wandb_run_name", type=str, default=None, help="W&B run name (default: generated)")
     group.add_argument("--use_tensorboard", type=str, default=None,
                        help="write TensorBoard scalars under this folder")
     return group

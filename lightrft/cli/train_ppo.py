@@ -12,10 +12,12 @@ import json
 import os
 import sys
 
+from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from lightrft.algorithms.aggregation import LOSS_AGG_MODES
+from lightrft.algorithms.kl import KL_ESTIMATORS
+from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
                                  add_strategy_args, build_scheduler, check_positive)
-
-ADVANTAGE_CHOICES = ("gae", "group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "reinforce++")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,11 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5,
                          help="GPU memory fraction vLLM may take when awake")
 
+    # Choices come from the registries, so an estimator or loss registered before parsing is selectable.
     algo = parser.add_argument_group("algorithm", "advantages, losses, KL (formulas in docs/algorithms.md)")
-    algo.add_argument("--advantage_estimator", choices=ADVANTAGE_CHOICES, default="gae")
-    algo.add_argument("--policy_loss", choices=["ppo", "gspo", "cispo"], default="ppo")
-    algo.add_argument("--loss_agg_mode", default="token-mean",
-                      choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+    algo.add_argument("--advantage_estimator", choices=sorted(ADVANTAGE_ESTIMATORS), default="gae",
+                      help="how advantages are computed: gae needs a critic; group estimators need "
+                           "--n_samples_per_prompt > 1")
+    algo.add_argument("--policy_loss", choices=sorted(POLICY_LOSSES), default="ppo",
+                      help="ppo: clipped token ratio; gspo: sequence-level ratio; cispo: clipped IS weight x log-prob")
+    algo.add_argument("--loss_agg_mode", default="token-mean", choices=list(LOSS_AGG_MODES),
+                      help="how per-token losses become one number, normalised by global counts")
     algo.add_argument("--eps_clip", type=float, default=0.2, help="PPO ratio clip (both sides)")
     algo.add_argument("--eps_clip_low_high", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                       help="separate low/high ratio clip (DAPO clip-higher), overriding --eps_clip")
@@ -62,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed KL)")
     algo.add_argument("--kl_horizon", type=int, default=10000, help="adaptive KL horizon")
     algo.add_argument("--use_kl_loss", action="store_true", help="KL as a loss term (GRPO) instead of in the reward")
-    algo.add_argument("--kl_estimator", choices=["k1", "k2", "k3"], default="k1")
+    algo.add_argument("--kl_estimator", choices=sorted(KL_ESTIMATORS), default="k1",
+                      help="k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d the log-ratio to the reference")
     algo.add_argument("--gamma", type=float, default=1.0, help="discount factor")
     algo.add_argument("--lambd", type=float, default=0.95, help="GAE lambda")
     algo.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
@@ -81,11 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
     algo.add_argument("--max_steps", type=int, default=-1,
                       help="stop after N rollout steps with a checkpoint and the export (-1: run all episodes)")
-    algo.add_argument("--actor_learning_rate", type=float, default=1e-6)
-    algo.add_argument("--critic_learning_rate", type=float, default=9e-6)
-    algo.add_argument("--lr_warmup_ratio", type=float, default=0.03)
-    algo.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr")
-    algo.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    algo.add_argument("--actor_learning_rate", type=float, default=1e-6, help="peak learning rate of the actor")
+    algo.add_argument("--critic_learning_rate", type=float, default=9e-6, help="peak learning rate of the critic")
+    algo.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="fraction of updates spent warming up")
+    algo.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr",
+                      help="a transformers scheduler name (cosine_with_min_lr decays to 10%% of the peak)")
+    algo.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95), help="Adam beta1 and beta2")
     algo.add_argument("--l2", type=float, default=0.0, help="weight decay")
 
     data = add_data_args(parser)
@@ -163,8 +171,15 @@ def check_world_size(args: argparse.Namespace, world_size: int) -> None:
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
-def train(args: argparse.Namespace) -> dict:
-    """Builds everything from parsed flags and runs PPO; returns the last logged metrics."""
+def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
+    """Builds everything from parsed flags and runs PPO; returns the last logged metrics.
+
+    Research code can reuse this wiring: `trainer_cls` replaces `PPOTrainer` (a subclass) and
+    `callbacks` are `TrainerCallback` instances, e.g.
+
+        args = parse_args([...])
+        train(args, trainer_cls=MyTrainer, callbacks=[MyCallback()])
+    """
     from transformers import AutoTokenizer
 
     from lightrft.datasets import PromptDataset, SFTDataset
@@ -272,7 +287,7 @@ def train(args: argparse.Namespace) -> dict:
         remote = [make_reward_source(spec.strip(), timeout=args.reward_timeout, max_retries=args.reward_retries,
                                      on_failure=args.reward_on_failure)
                   for spec in args.remote_rm_url.split(",") if spec.strip()]
-    trainer = PPOTrainer(
+    trainer = (trainer_cls or PPOTrainer)(
         strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
         actor_scheduler, critic_scheduler, ema_beta=args.ema_beta, init_kl_coef=args.init_kl_coef,
         kl_target=args.kl_target, kl_horizon=args.kl_horizon, ptx_coef=args.ptx_coef,
@@ -280,7 +295,7 @@ def train(args: argparse.Namespace) -> dict:
         micro_rollout_batch_size=args.micro_rollout_batch_size, gradient_checkpointing=args.gradient_checkpointing,
         max_epochs=args.max_epochs, max_norm=args.max_norm, tokenizer=tokenizer, prompt_max_len=args.prompt_max_len,
         reward_sources=remote or (), packing_samples=args.packing_samples, save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt, algo=algo,
-        rollout_engine=rollout_engine, tracker=tracker, preemption_grace=args.preemption_grace,
+        rollout_engine=rollout_engine, tracker=tracker, preemption_grace=args.preemption_grace, callbacks=callbacks,
         max_new_tokens=args.generate_max_len,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 

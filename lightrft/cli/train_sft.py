@@ -21,11 +21,11 @@ from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("optimizer", "learning rate and schedule")
     group.add_argument("--max_epochs", type=int, default=1, help="passes over the training set")
-    group.add_argument("--learning_rate", type=float, default=5e-6)
+    group.add_argument("--learning_rate", type=float, default=5e-6, help="peak learning rate")
     group.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="fraction of steps spent warming up")
     group.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr",
                        help="a transformers scheduler name (cosine_with_min_lr decays to 10%% of the peak)")
-    group.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95))
+    group.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95), help="Adam beta1 and beta2")
     group.add_argument("--l2", type=float, default=0.0, help="weight decay")
     return group
 
