@@ -1,0 +1,463 @@
+"""GRPO step throughput: lightrft against TRL's GRPOTrainer on the same tiny workload.
+
+Both sides get the same workload and hardware:
+  model    a tiny Qwen2-shaped causal LM (hidden 64, 2 layers by default; --hidden/--layers for a
+           larger one), SFT-warmed briefly here so that some rewards are 1 and GRPO has signal;
+  task     small-number addition ("7+12=" -> "19"), 320 training prompts, 80 held out;
+  step     32 prompts x G = 8 samples = 256 samples generated (at most 4 new tokens each), scored
+           by the exact-answer `math` rule, then trained as 2 optimizer steps of 128 samples in
+           micro-batches of 32 (one pass, PPO clip 0.2, no KL, token-mean loss, group-normalised
+           advantages, AdamW lr 1e-3 constant, betas (0.9, 0.95), grad-norm clip 1.0, float32).
+Both get --threads CPU threads (default: --nproc). lightrft runs `torchrun -m
+lightrft.cli.train_ppo` on --nproc ranks (ZeRO-2) sharing them; its per-step `perf/*` scalars
+and the times they were written are read back from TensorBoard. TRL (when `trl` is importable)
+runs `GRPOTrainer` in one process with all the threads, timed per step with a trainer callback.
+`--nproc 1 --threads 2` compares one process against one process.
+Reported per side: samples/s (median over the steps after the first, which warms up), the split
+of a step into generation, reward, experience forwards and training, and held-out greedy
+accuracy before and after. TRL is only measured here, never a dependency of lightrft
+(`pip install trl` to include it).
+
+    python benchmarks/grpo_step.py [--steps 20] [--nproc 2] [--threads 2] [--hidden 64 --layers 2] [--json OUT]
+    python benchmarks/grpo_step.py --smoke        # 2 steps, short warm-up: checks that it runs
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
+from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, write_jsonl  # noqa: E402
+
+PHASES = ("generate", "reward", "experience", "train")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one benchmark step does, identical for both trainers."""
+    n_train: int = 320
+    n_eval: int = 80
+    max_operand: int = 20
+    prompts_per_step: int = 32      # rollout batch, over all ranks
+    group_size: int = 8             # G samples per prompt
+    train_batch: int = 128          # samples per optimizer step, over all ranks
+    micro_batch: int = 32           # samples per forward/backward
+    max_new_tokens: int = 4
+    prompt_max_len: int = 16
+    learning_rate: float = 1e-3
+    adam_betas: tuple = (0.9, 0.95)
+    eps_clip: float = 0.2
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        return self.samples_per_step // self.train_batch
+
+
+# ------------------------------------------------------------------------------------- workload
+def sft_warm_start(path: Path, rows: list[dict], hidden: int, layers: int, steps: int, seed: int) -> Path:
+    """A tiny Qwen2 model trained for `steps` SFT steps (batches of 32 rows, loss on the answer
+    and EOS only) and saved with its tokenizer. A short warm-up leaves it partly right."""
+    tokenizer = build_char_tokenizer()
+    heads = max(4, hidden // 64)
+    model = build_tiny_causal_lm(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                                 num_kv_heads=heads // 2, seed=seed)
+    pairs = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
+              tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = [pairs[i] for i in torch.randint(0, len(pairs), (32,), generator=generator).tolist()]
+        width = max(len(p) + len(o) for p, o in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)          # (32, T), right-padded
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        for i, (p, o) in enumerate(batch):
+            ids[i, :len(p) + len(o)] = torch.tensor(p + o)
+            mask[i, :len(p) + len(o)] = 1
+            labels[i, len(p):len(p) + len(o)] = torch.tensor(o)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prepare_workload(out: Path, work: Workload, args) -> dict:
+    """Writes the data files and the SFT-warmed starting model; measures its held-out accuracy."""
+    train_rows, eval_rows = arithmetic_splits(n_train=work.n_train, n_eval=work.n_eval, seed=args.seed,
+                                              max_operand=work.max_operand)
+    started = time.perf_counter()
+    model = sft_warm_start(out / "sft", train_rows, args.hidden, args.layers, args.sft_steps, args.seed)
+    print(f"SFT warm-up: {args.sft_steps} steps in {time.perf_counter() - started:.0f} s", flush=True)
+    return {"model": model, "train": write_jsonl(train_rows, out / "train.jsonl"),
+            "eval": write_jsonl(eval_rows, out / "eval.jsonl"), "train_rows": train_rows, "eval_rows": eval_rows,
+            "accuracy_before": greedy_accuracy(model, eval_rows, max_new_tokens=work.max_new_tokens)}
+
+
+def step_summary(steps: list[dict], samples_per_step: int) -> dict:
+    """Median samples/s and mean per-phase seconds over the steps after the first (the first pays
+    for one-off start-up work). `steps` holds one dict per step with `step_time` and PHASES."""
+    timed = steps[1:] if len(steps) > 1 else steps
+    step_time = statistics.mean(s["step_time"] for s in timed)
+    split = {p: statistics.mean(s[p] for s in timed) for p in PHASES}
+    split["other"] = max(step_time - sum(split.values()), 0.0)
+    return {"samples_per_sec": statistics.median(samples_per_step / s["step_time"] for s in timed),
+            "step_time": step_time, "split_seconds": split, "timed_steps": len(timed)}
+
+
+# ------------------------------------------------------------------------------------- lightrft
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def lightrft_flags(data: dict, work: Workload, out: Path, steps: int, seed: int) -> list[str]:
+    steps_per_episode = work.n_train // work.prompts_per_step
+    return [
+        "--pretrain", str(data["model"]), "--prompt_data", str(data["train"]), "--input_key", "input",
+        "--label_key", "label", "--remote_rm_url", "math", "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", str(work.group_size), "--rollout_batch_size", str(work.prompts_per_step),
+        "--micro_rollout_batch_size", "64", "--train_batch_size", str(work.train_batch),
+        "--micro_train_batch_size", str(work.micro_batch), "--generate_max_len", str(work.max_new_tokens),
+        "--prompt_max_len", str(work.prompt_max_len), "--temperature", str(work.temperature),
+        "--actor_learning_rate", str(work.learning_rate), "--lr_scheduler", "constant",
+        "--adam_betas", *map(str, work.adam_betas), "--eps_clip", str(work.eps_clip),
+        "--max_norm", str(work.max_grad_norm), "--loss_agg_mode", "token-mean", "--init_kl_coef", "0",
+        "--max_epochs", "1", "--num_episodes", str(math.ceil(steps / steps_per_episode)), "--max_steps", str(steps),
+        "--zero_stage", "2", "--seed", str(seed), "--disable_ds_ckpt", "--save_path", str(out / "model"),
+        "--ckpt_path", str(out / "ckpt"), "--use_tensorboard", str(out / "tb"),
+    ]
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """Every scalar series under `log_dir` as {tag: {step: (wall-clock time written, value)}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    series: dict[str, dict[int, tuple[float, float]]] = {}
+    for event_dir in sorted({p.parent for p in log_dir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(event_dir))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            series.setdefault(tag, {}).update({e.step: (e.wall_time, e.value) for e in acc.Scalars(tag)})
+    return series
+
+
+def lightrft_steps(scalars: dict) -> list[dict]:
+    """Per-step seconds from train_ppo's scalars. A step's wall time is the gap between the times
+    its logs and the previous step's were written (everything the loop did, as TRL's side is
+    timed); the first step, with nothing before it, counts its rollout + training time."""
+    def value(tag, step):
+        return scalars[tag][step][1]
+
+    step_ids = sorted(scalars["perf/train_time"])
+    written = [scalars["perf/train_time"][s][0] for s in step_ids]
+    steps = []
+    for i, s in enumerate(step_ids):
+        step_time = written[i] - written[i - 1] if i else value("perf/rollout_time", s) + value("perf/train_time", s)
+        steps.append({"step_time": step_time, "generate": value("perf/generate_time", s),
+                      "reward": value("perf/reward_time", s), "experience": value("perf/experience_time", s),
+                      "train": value("perf/train_time", s), "logged_samples_per_sec": value("perf/samples_per_sec", s),
+                      "reward_mean": value("rollout/reward", s)})
+    return steps
+
+
+def run_lightrft(data: dict, work: Workload, out: Path, args) -> dict:
+    """Runs train_ppo under torchrun and reads its per-step perf/* scalars."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "lightrft.cli.train_ppo",
+           *lightrft_flags(data, work, out, args.steps, args.seed)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.nproc), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    print(f"lightrft: torchrun --nproc_per_node {args.nproc} -m lightrft.cli.train_ppo, "
+          f"{args.threads // args.nproc} thread(s) per rank ({args.steps} steps)", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    (out / "train_ppo.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"lightrft train_ppo failed (exit {proc.returncode}); log {out / 'train_ppo.log'}:\n{tail}")
+    wall = time.perf_counter() - started
+
+    steps = lightrft_steps(tensorboard_scalars(out / "tb"))
+    if len(steps) != args.steps:
+        raise SystemExit(f"lightrft logged {len(steps)} steps, expected {args.steps}; log {out / 'train_ppo.log'}")
+    logged = [s["logged_samples_per_sec"] for s in steps[1:]]
+    return {"steps": len(steps), "wall_seconds": wall, "reward_first": steps[0]["reward_mean"],
+            "reward_last": steps[-1]["reward_mean"], "per_step": steps, **step_summary(steps, work.samples_per_step),
+            "logged_samples_per_sec": statistics.median(logged),
+            "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
+
+
+# ------------------------------------------------------------------------------------------ TRL
+def trl_available() -> str | None:
+    """TRL's version when it can be imported, else None."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl.__version__
+
+
+def run_trl(data: dict, work: Workload, out: Path, args) -> dict:
+    """Runs the TRL side in a fresh process (its own thread count, no state shared with this one)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model": str(data["model"]), "train": str(data["train"]), "eval": str(data["eval"]),
+              "out": str(out), "steps": args.steps, "threads": args.threads, "seed": args.seed,
+              "workload": dataclasses.asdict(work)}
+    (out / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    print(f"TRL: GRPOTrainer, one process, {args.threads} thread(s) ({args.steps} steps)", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl_worker", str(out / "config.json")],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+    (out / "trl.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        return {"error": f"TRL run failed (exit {proc.returncode}): {lines[-1] if lines else 'no output'}; "
+                         f"full log in {out / 'trl.log'}"}
+    result = json.loads((out / "result.json").read_text())
+    steps = result["per_step"]
+    return {**result, "wall_seconds": time.perf_counter() - started, "steps": len(steps),
+            **step_summary(steps, work.samples_per_step),
+            "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
+
+
+def trl_worker(config_path: str) -> None:
+    """The TRL side of the benchmark (runs in its own process, see `run_trl`)."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from lightrft.rewards import math_answer_reward
+
+    config = json.loads(Path(config_path).read_text())
+    work = Workload(**{**config["workload"], "adam_betas": tuple(config["workload"]["adam_betas"])})
+    out = Path(config["out"])
+    torch.set_num_threads(config["threads"])
+
+    rounds: list[dict] = []  # per generation round: seconds generating, scoring, and the rest of the experience
+
+    class TimedGRPOTrainer(trl.GRPOTrainer):
+        """GRPOTrainer that records, per generation round, the seconds spent generating, scoring
+        and computing the rest of the experience (old log-probs, advantages) in `rounds`."""
+
+        def _generate_and_score_completions(self, inputs):
+            rounds.append(dict.fromkeys(("generate", "reward"), 0.0))
+            started = time.perf_counter()
+            result = super()._generate_and_score_completions(inputs)
+            current = rounds[-1]
+            current["experience"] = time.perf_counter() - started - current["generate"] - current["reward"]
+            return result
+
+        def _generate(self, prompts):
+            started = time.perf_counter()
+            result = super()._generate(prompts)
+            rounds[-1]["generate"] += time.perf_counter() - started
+            return result
+
+        def _calculate_rewards(self, *a, **kw):
+            started = time.perf_counter()
+            result = super()._calculate_rewards(*a, **kw)
+            rounds[-1]["reward"] += time.perf_counter() - started
+            return result
+
+    class StepClock(TrainerCallback):
+        """Wall-clock time at the start of training and at the end of every optimizer step."""
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_train_begin(self, *a, **kw):
+            self.marks = [time.perf_counter()]
+
+        def on_step_end(self, *a, **kw):
+            self.marks.append(time.perf_counter())
+
+    mean_rewards: list[float] = []  # one entry per generation round: the reward function scores a whole round
+
+    def exact_answer_reward(prompts, completions, label, **kwargs) -> list[float]:
+        """The `math` rule lightrft's run uses: 1.0 when the final answer equals the label."""
+        if len(completions) != work.samples_per_step:
+            raise SystemExit(f"TRL scored {len(completions)} completions in one round, expected "
+                             f"{work.samples_per_step}: the configuration no longer matches the workload")
+        rewards = math_answer_reward(list(completions), list(label))
+        mean_rewards.append(float(rewards.mean()))
+        return rewards.tolist()
+
+    rows = [json.loads(line) for line in Path(config["train"]).read_text().splitlines()]
+    dataset = datasets.Dataset.from_list([{"prompt": r["input"], "label": r["label"]} for r in rows])
+    grpo_config = trl.GRPOConfig(
+        output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        disable_tqdm=True, logging_steps=10**6, seed=config["seed"], activation_checkpointing=False,
+        # one optimizer step = train_batch samples in micro-batches of micro_batch ...
+        per_device_train_batch_size=work.micro_batch,
+        gradient_accumulation_steps=work.train_batch // work.micro_batch,
+        # ... and one generation round = prompts_per_step x G samples, reused for no second pass.
+        generation_batch_size=work.samples_per_step, num_generations=work.group_size, num_iterations=1,
+        max_completion_length=work.max_new_tokens, temperature=work.temperature, top_p=1.0, top_k=0,
+        max_steps=config["steps"] * work.optimizer_steps_per_step, learning_rate=work.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", adam_beta1=work.adam_betas[0],
+        adam_beta2=work.adam_betas[1], weight_decay=0.0, max_grad_norm=work.max_grad_norm,
+        beta=0.0, epsilon=work.eps_clip, loss_type="dapo", scale_rewards="group", use_vllm=False,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(config["model"])
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(config["model"], dtype=torch.float32)
+    clock = StepClock()
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=exact_answer_reward, args=grpo_config,
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    if getattr(trainer.model, "is_activation_checkpointing", False):
+        raise SystemExit("TRL turned on activation checkpointing; the comparison needs it off on both sides")
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    tokenizer.save_pretrained(out / "model")
+
+    per_opt = work.optimizer_steps_per_step
+    marks = clock.marks
+    if len(rounds) != config["steps"] or len(marks) != config["steps"] * per_opt + 1:
+        raise SystemExit(f"TRL ran {len(rounds)} generation rounds and {len(marks) - 1} optimizer steps, expected "
+                         f"{config['steps']} and {config['steps'] * per_opt}")
+    per_step = []
+    for k, phases in enumerate(rounds):
+        step_time = marks[(k + 1) * per_opt] - marks[k * per_opt]  # `per_opt` optimizer steps per round
+        per_step.append({"step_time": step_time, **phases,
+                         "train": step_time - sum(phases.values())})
+    (out / "result.json").write_text(json.dumps({
+        "version": trl.__version__, "threads": torch.get_num_threads(), "per_step": per_step,
+        "reward_first": mean_rewards[0], "reward_last": mean_rewards[-1]}))
+
+
+# -------------------------------------------------------------------------------------- report
+def print_report(result: dict) -> None:
+    sides = [("lightrft", result["lightrft"])]
+    trl_result = result.get("trl")
+    if trl_result and "error" not in trl_result:
+        sides.append((f"TRL {trl_result['version']}", trl_result))
+    before = result["accuracy_before"]
+    width = 100
+    print("\n" + "=" * width)
+    print(f"GRPO step benchmark  {result['date']}  {result['machine']}, 1-min load average "
+          f"{result['load_average']['start']:.1f} at start, {result['load_average']['end']:.1f} at end")
+    print(f"model: qwen2 hidden {result['hidden']}, {result['layers']} layers; {result['samples_per_step']} samples "
+          f"per step ({result['workload']['prompts_per_step']} prompts x G={result['workload']['group_size']}), "
+          f"{result['workload']['train_batch']} per optimizer step, {result['steps']} steps")
+    print(f"lightrft: {result['nproc']} rank(s) x {result['threads'] // result['nproc']} thread(s); "
+          f"TRL: 1 process x {result['threads']} thread(s)")
+    print("seconds per step (share of the step), mean over the steps after the first")
+    print("-" * width)
+    print(f"{'':<14}{'samples/s':>10}{'step s':>8} " + "".join(f"{p:>13}" for p in (*PHASES, "other")))
+    for name, side in sides:
+        split = side["split_seconds"]
+        cells = "".join(f"{split[p]:>6.2f} ({split[p] / side['step_time']:>3.0%})" for p in (*PHASES, "other"))
+        print(f"{name:<14}{side['samples_per_sec']:>10.1f}{side['step_time']:>8.2f} {cells}")
+    print("-" * width)
+    print(f"{'':<14}{'held-out greedy accuracy':>28}{'train reward (first -> last step)':>38}")
+    for name, side in sides:
+        print(f"{name:<14}{before:>16.1%} -> {side['accuracy_after']:<8.1%}"
+              f"{side['reward_first']:>28.3f} -> {side['reward_last']:.3f}")
+    if trl_result is None:
+        print("TRL: not measured (`trl` is not importable; `pip install trl` to compare)")
+    elif "error" in trl_result:
+        print(f"TRL: {trl_result['error']}")
+    else:
+        print(f"lightrft / TRL samples/s: {result['ratio']:.2f}x")
+    print(f"(lightrft's own perf/samples_per_sec, rollout + training time only: "
+          f"{result['lightrft']['logged_samples_per_sec']:.1f})")
+    print("=" * width)
+
+
+def machine_description() -> str:
+    cpu = "unknown CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps (rollout rounds) per side")
+    parser.add_argument("--nproc", type=int, default=2, help="lightrft ranks (processes)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads per side (default: --nproc): lightrft's ranks share them evenly, TRL's "
+                             "single process gets them all")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Qwen2 model (e.g. 256)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny model (e.g. 4)")
+    parser.add_argument("--sft_steps", type=int, default=400, help="SFT warm-up steps before GRPO")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip_trl", action="store_true", help="measure lightrft only")
+    parser.add_argument("--smoke", action="store_true", help="2 steps, 40 SFT steps: checks the script end to end")
+    parser.add_argument("--output_dir", default=None, help="keep models and logs here (default: a temporary folder)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    parser.add_argument("--trl_worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(args.trl_worker)
+        return
+    if args.smoke:
+        args.steps, args.sft_steps = 2, 40
+    if args.steps < 2:
+        parser.error("--steps must be >= 2: the first step is a warm-up and is not timed")
+    args.threads = args.threads or args.nproc
+    if args.threads % args.nproc != 0:
+        parser.error(f"--threads {args.threads} must be a multiple of --nproc {args.nproc} so every lightrft rank "
+                     "gets the same number of threads")
+    torch.set_num_threads(args.threads)
+
+    load_start = os.getloadavg()[0]  # other processes on the machine slow both sides; it is reported
+    work = Workload()
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="grpo_step_")).resolve()
+    if args.output_dir and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        data = prepare_workload(out, work, args)
+        print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}", flush=True)
+        result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                  "machine": machine_description(), "threads": args.threads, "hidden": args.hidden, "layers": args.layers,
+                  "steps": args.steps, "nproc": args.nproc, "samples_per_step": work.samples_per_step,
+                  "workload": dataclasses.asdict(work), "accuracy_before": data["accuracy_before"],
+                  "lightrft": run_lightrft(data, work, out / "lightrft", args)}
+        if not args.skip_trl:
+            version = trl_available()
+            result["trl"] = run_trl(data, work, out / "trl", args) if version else None
+            if result["trl"] and "error" not in result["trl"]:
+                result["ratio"] = result["lightrft"]["samples_per_sec"] / result["trl"]["samples_per_sec"]
+        result["load_average"] = {"start": load_start, "end": os.getloadavg()[0]}
+        print_report(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    finally:
+        if not args.output_dir:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
