@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--output_dir", default="quickstart_output", help="where models, checkpoints and logs go")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) for torchrun")
     parser.add_argument("--sft_epochs", type=int, default=20, help="SFT passes: enough for a modest start")
-    parser.add_argument("--grpo_episodes", type=int, default=8, help="GRPO passes over the prompts")
+    parser.add_argument("--grpo_episodes", type=int, default=30, help="GRPO passes over the prompts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -85,7 +85,8 @@ def main() -> None:
         "--remote_rm_url", "math", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "8",
         "--rollout_batch_size", "32", "--micro_rollout_batch_size", "64", "--train_batch_size", "128",
         "--micro_train_batch_size", "32", "--generate_max_len", "4", "--prompt_max_len", "16",
-        "--temperature", "1.0", "--actor_learning_rate", "1e-3", "--lr_scheduler", "constant",
+        "--temperature", "1.0", "--actor_learning_rate", "1e-3", "--lr_scheduler", "cosine_with_min_lr",
+        "--lr_warmup_ratio", "0.0",
         "--init_kl_coef", "0", "--num_episodes", str(args.grpo_episodes), "--max_epochs", "1",
         "--eval_data", str(eval_file), "--save_path", str(out / "grpo"), "--ckpt_path", str(out / "grpo_ckpt"),
         "--eval_steps", "20", "--save_steps", "20", "--use_tensorboard", str(out / "logs" / "tensorboard"), *common,
