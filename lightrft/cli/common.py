@@ -5,6 +5,8 @@ once. The names follow OpenRLHF where a flag exists there, so recipes port uncha
 """
 
 import argparse
+import json
+import os
 
 
 def add_strategy_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -114,3 +116,21 @@ def build_scheduler(optimizer, args, lr: float, total_steps: int):
     kwargs = {"min_lr": lr * 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
     return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
                          num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
+
+
+def make_tracker(args, strategy):
+    """The W&B / TensorBoard tracker the logging flags ask for (writes on rank 0 only)."""
+    from lightrft.utils.trackers import MetricsTracker
+
+    return MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
+                          wandb_project=args.wandb_project, wandb_org=args.wandb_org,
+                          wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+
+
+def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, digits: int = 6) -> None:
+    """The one JSON line a training command ends with on rank 0: why it stopped, the step, where the
+    model went, and the last logged metrics."""
+    if strategy.is_rank_0():
+        summary = {k: round(v, digits) for k, v in logs.items() if isinstance(v, float)}
+        print(json.dumps({"stop_reason": stop_reason or "finished", "step": step,
+                          "save_path": os.path.abspath(save_path), **summary}), flush=True)

@@ -8,8 +8,6 @@ strategy and hands explicit arguments to `PPOTrainer`. `--help` lists every flag
 """
 
 import argparse
-import json
-import os
 import sys
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -17,7 +15,8 @@ from lightrft.algorithms.aggregation import LOSS_AGG_MODES
 from lightrft.algorithms.kl import KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, build_scheduler, check_positive)
+                                 add_strategy_args, build_scheduler, check_positive, make_tracker,
+                                 print_summary)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +185,6 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
     from lightrft.models import ActorLanguage, Critic, RewardModel
     from lightrft.strategy import get_strategy
     from lightrft.trainer.ppo_trainer import AlgorithmConfig, PPOTrainer
-    from lightrft.utils.trackers import MetricsTracker
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
@@ -268,9 +266,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
                                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
-    tracker = MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
-                             wandb_project=args.wandb_project, wandb_org=args.wandb_org,
-                             wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+    tracker = make_tracker(args, strategy)
     algo = AlgorithmConfig(
         advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
         policy_loss=args.policy_loss, loss_agg_mode=args.loss_agg_mode, eps_clip_low_high=args.eps_clip_low_high,
@@ -309,10 +305,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
     if eval_dataloader is not None:
         logs.update(trainer.evaluate(eval_dataloader))
     tracker.close()
-    if strategy.is_rank_0():
-        summary = {k: round(v, 4) for k, v in logs.items() if isinstance(v, float)}
-        print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
-                          "save_path": os.path.abspath(args.save_path), **summary}))
+    print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4)
     strategy.close()
     if trainer.stop_reason == "nonfinite":
         raise SystemExit(3)

@@ -10,12 +10,11 @@ whose assistant turns are all trained. Evaluation loss comes from `--eval_datase
 """
 
 import argparse
-import json
-import os
 import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, build_scheduler, check_positive)
+                                 add_strategy_args, build_scheduler, check_positive, make_tracker,
+                                 print_summary)
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -110,7 +109,6 @@ def train(args: argparse.Namespace) -> dict:
     from lightrft.models import ActorLanguage
     from lightrft.strategy import get_strategy
     from lightrft.trainer.sft_trainer import SFTTrainer
-    from lightrft.utils.trackers import MetricsTracker
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
@@ -132,9 +130,7 @@ def train(args: argparse.Namespace) -> dict:
     scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
     model, optim, scheduler = strategy.prepare((model, optim, scheduler))
 
-    tracker = MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
-                             wandb_project=args.wandb_project, wandb_org=args.wandb_org,
-                             wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
+    tracker = make_tracker(args, strategy)
     trainer = SFTTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
                          eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
                          save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt)
@@ -145,10 +141,7 @@ def train(args: argparse.Namespace) -> dict:
         trainer.export_hf(args.save_path)
     tracker.close()
     logs = trainer.last_logs
-    if strategy.is_rank_0():
-        summary = {k: round(v, 6) for k, v in logs.items() if isinstance(v, float)}
-        print(json.dumps({"stop_reason": trainer.stop_reason or "finished", "step": trainer.global_step,
-                          "save_path": os.path.abspath(args.save_path), **summary}), flush=True)
+    print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=6)
     strategy.close()
     return logs
 

@@ -57,3 +57,36 @@ def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: in
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             correct += sum(text.strip() == row["output"] for text, row in zip(texts, chunk))
     return correct / len(rows)
+
+
+def sft_warm_start(output_dir: str | Path, rows: list[dict], steps: int, lr: float = 3e-3, seed: int = 0) -> Path:
+    """A tiny Qwen2 model trained on `rows` for `steps` plain-PyTorch SFT steps (response tokens
+    only), saved with its tokenizer. Few steps leave it partly right, so RL has room to improve."""
+    import torch
+
+    from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, seed=seed)
+    encoded = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
+                tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = [encoded[i] for i in torch.randint(0, len(encoded), (32,), generator=generator)]
+        width = max(len(p) + len(o) for p, o in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, (p, o) in enumerate(batch):
+            ids[i, :len(p) + len(o)] = torch.tensor(p + o)
+            mask[i, :len(p) + len(o)] = 1
+            labels[i, len(p):len(p) + len(o)] = torch.tensor(o)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    output_dir = Path(output_dir)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir

@@ -7,36 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
-
-
-def sft_warm_start(output_dir: Path, rows: list[dict], steps: int, lr: float = 3e-3, seed: int = 0) -> Path:
-    """A tiny Qwen2 model trained on `rows` for `steps` plain-PyTorch SFT steps (response tokens
-    only), saved with its tokenizer. Few steps leave it partly right, so RL has room to improve."""
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, seed=seed)
-    encoded = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
-                tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        batch = [encoded[i] for i in torch.randint(0, len(encoded), (32,), generator=generator)]
-        width = max(len(p) + len(o) for p, o in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, (p, o) in enumerate(batch):
-            ids[i, :len(p) + len(o)] = torch.tensor(p + o)
-            mask[i, :len(p) + len(o)] = 1
-            labels[i, len(p):len(p) + len(o)] = torch.tensor(o)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    return output_dir
+from lightrft.utils.toy import arithmetic_splits, sft_warm_start, write_jsonl
 
 
 @pytest.fixture(scope="session")
