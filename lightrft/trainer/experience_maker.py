@@ -108,7 +108,8 @@ class NaiveExperienceMaker:
         self.overlong_buffer_len = overlong_buffer_len
         self.overlong_penalty_factor = overlong_penalty_factor
         self.seed = seed
-        self.calls = 0
+        self.calls = 0                 # training rollouts so far (the seed stream of sampling)
+        self.eval_calls = 0
         self.step = 0                  # the trainer's step being made (1-based), for fault hooks
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
@@ -128,10 +129,16 @@ class NaiveExperienceMaker:
         parts = [self.engine.generate(prompt_ids[i:i + chunk], params) for i in range(0, len(prompt_ids), chunk)]
         return concat_rollouts(parts, self.tokenizer.pad_token_id)
 
-    def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
-        """SamplingParams from generate kwargs; the seed differs per rank and per call."""
-        self.calls += 1
-        seed = self.seed + 1_000_003 * self.strategy.rank + self.calls
+    def sampling_params(self, n: Optional[int] = None, evaluation: bool = False, **generate_kwargs) -> SamplingParams:
+        """SamplingParams from generate kwargs. The seed differs per rank and per call; evaluation
+        draws from its own seed stream, so evaluating never changes what training samples next."""
+        if evaluation:
+            self.eval_calls += 1
+            call = 10**9 + self.eval_calls
+        else:
+            self.calls += 1
+            call = self.calls
+        seed = self.seed + 1_000_003 * self.strategy.rank + call
         return SamplingParams(temperature=generate_kwargs.get("temperature", 1.0),
                               top_p=generate_kwargs.get("top_p", 1.0), top_k=generate_kwargs.get("top_k", 0),
                               max_new_tokens=generate_kwargs.get("max_new_tokens", 64),

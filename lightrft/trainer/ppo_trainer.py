@@ -20,6 +20,7 @@ from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
+from lightrft.strategy.checkpoint_io import CheckpointSaveError
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
 from lightrft.trainer.experience import Experience
@@ -141,7 +142,7 @@ class PPOTrainer:
                                                pad_token_id=tokenizer.pad_token_id)
         self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
         self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
-        self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
+        self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0, "failed_saves": 0}
         self.bad_steps_in_row = 0
         self.bad_step_sources: list[str] = []
         self.inject_nan = False        # fault hook: the first micro-batch of a step
@@ -439,6 +440,9 @@ class PPOTrainer:
     # ======================================================================= logs and checkpoints
     def save_logs_and_checkpoints(self, args, global_step: int, step_bar, logs_dict: dict,
                                   client_states: Optional[dict] = None, eval_dataloader=None) -> None:
+        # Save first, so this step's logs already count a save that failed.
+        if self.saved_at_step(args, global_step):
+            self.save_checkpoint(args)
         nonfinite = self.experience_maker.nonfinite_counts
         totals = self.strategy.all_reduce(torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]), op="sum")
         logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()},
@@ -449,8 +453,6 @@ class PPOTrainer:
         if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
             self.tracker.log(logs_dict, step=global_step)
         self.last_logs = logs_dict
-        if self.saved_at_step(args, global_step):
-            self.save_checkpoint(args)
 
     def reward_source_metrics(self) -> dict[str, float]:
         """Request, retry, failure and drop counters of the HTTP reward sources (numbered in
@@ -488,13 +490,21 @@ class PPOTrainer:
             send_sigterm()
         state = self.client_state()
         if not self.disable_ds_ckpt:
-            # The actor goes last: its `latest` pointer is what makes this step resumable.
-            for name, model in (("_critic", self.critic), ("_ema", self.ema_model)):
-                if model is not None:
-                    self.strategy.save_ckpt(model, f"{args.ckpt_path}/{name}", tag, args.max_ckpt_num,
-                                            client_state={"global_step": self.global_step})
-            self.strategy.save_ckpt(self.actor, f"{args.ckpt_path}/_actor", tag, args.max_ckpt_num,
-                                    client_state=state)
+            try:
+                # The actor goes last: its `latest` pointer is what makes this step resumable.
+                for name, model in (("_critic", self.critic), ("_ema", self.ema_model)):
+                    if model is not None:
+                        self.strategy.save_ckpt(model, f"{args.ckpt_path}/{name}", tag, args.max_ckpt_num,
+                                                client_state={"global_step": self.global_step})
+                self.strategy.save_ckpt(self.actor, f"{args.ckpt_path}/_actor", tag, args.max_ckpt_num,
+                                        client_state=state)
+            except CheckpointSaveError as err:
+                # The earlier checkpoints are intact; a full disk may clear up before the next save.
+                self.counters["failed_saves"] += 1
+                self.strategy.print(f"checkpoint {tag} was not saved: {err}. The previous checkpoints in "
+                                    f"{args.ckpt_path} are intact; training continues (failed saves so far: "
+                                    f"{self.counters['failed_saves']})")
+                return
         if self.save_hf_ckpt:
             self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{args.ckpt_path}/{tag}_hf")
         self.callbacks.on_save(self, f"{args.ckpt_path}/_actor/{tag}")
@@ -545,14 +555,15 @@ class PPOTrainer:
         greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
         for prompts, labels in eval_dataloader:
             prompts, labels = list(prompts), list(labels)
-            greedy = maker.sampling_params(n=1, **{**self.generate_kwargs, **self.eval_generate_kwargs,
-                                                   "temperature": 0.0})
+            greedy = maker.sampling_params(n=1, evaluation=True, **{**self.generate_kwargs,
+                                                                    **self.eval_generate_kwargs, "temperature": 0.0})
             rollout = maker.generate(prompts, greedy)
             rewards = maker.compute_rewards(rollout, prompts, labels, 1).scores
             greedy_sum += rewards.sum().item()
             greedy_n += rewards.numel()
             if k > 1:
-                params = maker.sampling_params(n=k, **{**self.generate_kwargs, **self.eval_generate_kwargs})
+                params = maker.sampling_params(n=k, evaluation=True, **{**self.generate_kwargs,
+                                                                        **self.eval_generate_kwargs})
                 rollout = maker.generate(prompts, params)
                 scores = maker.compute_rewards(rollout, prompts, labels, k).scores.view(-1, k)
                 pass_sum += (scores > 0).any(dim=1).float().sum().item()

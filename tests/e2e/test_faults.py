@@ -93,3 +93,17 @@ def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(to
     expected = load_file(uninterrupted / "model" / "model.safetensors")
     got = load_file(tmp_path / "model" / "model.safetensors")
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, tmp_path):
+    launch(toy, tmp_path, max_steps=2)                                    # checkpoints at steps 1 and 2
+    env = {"LIGHTRFT_CKPT_FAULT": "mid-shard:raise"}                      # every later save fails mid-write
+    flags = grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True, "max_steps": 3})
+    proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env)
+    summary = summary_line(proc.stdout)
+    assert summary["step"] == 3 and summary["train/failed_saves"] == 1.0
+    message = [line for line in proc.stdout.splitlines() if "checkpoint global_step3 was not saved" in line]
+    assert message and str(tmp_path / "ckpt") in message[0] and "injected failure" in message[0]
+    assert (tmp_path / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
+    resumed = launch(toy, tmp_path, load_checkpoint=True, max_steps=3)
+    assert "resumed from" in resumed.stdout and "global_step2: step 2" in resumed.stdout
