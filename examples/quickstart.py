@@ -13,6 +13,7 @@ Runs on a CPU-only laptop in a few minutes, with nothing downloaded:
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,9 @@ from lightrft.utils.tiny import save_tiny_model  # noqa: E402
 from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, write_jsonl  # noqa: E402
 
 
+PROGRESS = re.compile(r"^(SFT steps|PPO steps):\s+(\d+)%")
+
+
 def torchrun(module: str, nproc: int, flags: list[str], log_path: Path) -> None:
     """Runs `torchrun -m module flags` on 127.0.0.1, streaming its progress to the terminal and
     keeping the full output in `log_path`."""
@@ -37,11 +41,20 @@ def torchrun(module: str, nproc: int, flags: list[str], log_path: Path) -> None:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=REPO_ROOT)
+        shown = {}
         for line in proc.stdout:
             log.write(line)
-            if "it/s" in line or "s/it" in line or line.startswith("{") or "Error" in line:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+            bar = PROGRESS.search(line)
+            if bar:
+                # Progress bars: one line per 10% of each bar, not every refresh.
+                name, percent = bar.group(1), int(bar.group(2)) // 10
+                if shown.get(name) == percent:
+                    continue
+                shown[name] = percent
+            elif not (line.startswith("{") or "Error" in line or "resumed" in line):
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
         if proc.wait() != 0:
             raise SystemExit(f"{module} failed with exit code {proc.returncode}; full output in {log_path}")
 

@@ -10,6 +10,7 @@ weights while loading (transformers' `HfDeepSpeedConfig` switched on for the dur
 
 import contextlib
 import os
+import warnings
 import resource
 import socket
 from datetime import timedelta
@@ -36,6 +37,11 @@ REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.R
 # Sub-folder of a checkpoint that holds DeepSpeed's own files (model and optimizer shards).
 DS_SUBDIR = "deepspeed"
 
+
+# DeepSpeed calls torch collectives that torch now marks deprecated; the warning is not actionable
+# for users and would repeat on every rank at every step.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
+                        category=FutureWarning)
 
 def _free_port() -> int:
     with socket.socket() as sock:
