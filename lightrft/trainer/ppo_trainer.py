@@ -196,23 +196,10 @@ class PPOTrainer:
                 self.global_step += 1
                 bar.update(1)
                 bar.set_postfix(reward=f"{rollout_logs.get('rollout/reward', float('nan')):.3f}")
-                # 5. Logs, evaluation, checkpoints; stop early on preemption.
-                logs = {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value,
-                        "perf/rollout_time": rollout_time, "perf/train_time": train_time,
-                        **{f"perf/{k}_time": v for k, v in self.experience_maker.timings.items()},
-                        "perf/samples_per_sec": args.rollout_batch_size * self.algo.n_samples_per_prompt
-                        / max(rollout_time + train_time, 1e-9)}
+                # 5. Logs, evaluation, checkpoints; stop early on preemption, failures or --max_steps.
+                logs = {**rollout_logs, **train_logs, **self.perf_metrics(args, rollout_time, train_time)}
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
-                if self.preempted():
-                    self.stop_reason = "preempted"
-                elif self.bad_steps_in_row >= self.algo.max_nonfinite_steps:
-                    self.stop_reason = "nonfinite"
-                    self.strategy.print(
-                        f"stopping: {self.bad_steps_in_row} optimizer steps in a row were skipped for non-finite "
-                        f"values ({', '.join(sorted(set(self.bad_step_sources)))}); the last good weights are "
-                        f"saved in {args.ckpt_path}. Lower the learning rate or check the reward source.")
-                elif 0 < getattr(args, "max_steps", -1) <= self.global_step:
-                    self.stop_reason = "max_steps"
+                self.stop_reason = self.stop_reason_now(args)
                 if self.stop_reason is not None:
                     break
             # However the loop ended, the last completed step is resumable.
@@ -222,6 +209,27 @@ class PPOTrainer:
             bar.close()
             self.preemption.restore()
         self.callbacks.on_train_end(self)
+
+    def perf_metrics(self, args, rollout_time: float, train_time: float) -> dict[str, float]:
+        samples = args.rollout_batch_size * self.algo.n_samples_per_prompt
+        return {"train/kl_coef": self.kl_ctl.value, "perf/rollout_time": rollout_time, "perf/train_time": train_time,
+                **{f"perf/{k}_time": v for k, v in self.experience_maker.timings.items()},
+                "perf/samples_per_sec": samples / max(rollout_time + train_time, 1e-9)}
+
+    def stop_reason_now(self, args) -> Optional[str]:
+        """Why the run stops after this step, if it does: a signal on any rank, too many skipped
+        steps in a row, or --max_steps reached."""
+        if self.preempted():
+            return "preempted"
+        if self.bad_steps_in_row >= self.algo.max_nonfinite_steps:
+            self.strategy.print(
+                f"stopping: {self.bad_steps_in_row} optimizer steps in a row were skipped for non-finite values "
+                f"({', '.join(sorted(set(self.bad_step_sources)))}); the last good weights are saved in "
+                f"{args.ckpt_path}. Lower the learning rate or check the reward source.")
+            return "nonfinite"
+        if 0 < getattr(args, "max_steps", -1) <= self.global_step:
+            return "max_steps"
+        return None
 
     # ============================================================================ rollout phase
     def _prompt_batches(self, args, dataloader, batches_per_episode: int):
