@@ -97,6 +97,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                        help="skip DeepSpeed optimizer state in checkpoints (not resumable exactly)")
     group.add_argument("--preemption_grace", type=float, default=600.0,
                        help="seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit")
+    group.add_argument("--max_nonfinite_steps", type=int, default=3,
+                       help="consecutive optimizer steps skipped for a non-finite loss or gradient before the "
+                            "run saves and stops")
     return group
 
 

@@ -80,9 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--overlong_buffer_len", type=int, default=0, help="DAPO overlong shaping buffer (0: off)")
     algo.add_argument("--overlong_penalty_factor", type=float, default=1.0, help="DAPO overlong penalty at the limit")
     algo.add_argument("--freezing_actor_steps", type=int, default=-1, help="train only the critic for N steps")
-    algo.add_argument("--max_nonfinite_steps", type=int, default=3,
-                      help="consecutive optimizer steps skipped for a non-finite loss or gradient before the "
-                           "run saves and stops")
     algo.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
     algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
     algo.add_argument("--max_steps", type=int, default=-1,

@@ -105,7 +105,9 @@ def train(args: argparse.Namespace) -> dict:
     tracker = make_tracker(args, strategy)
     trainer = RewardModelTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
                                  eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
-                                 save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt)
+                                 save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
+                                 preemption_grace=args.preemption_grace,
+                                 max_nonfinite_steps=args.max_nonfinite_steps)
     if args.load_checkpoint:
         trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader)
@@ -119,6 +121,8 @@ def train(args: argparse.Namespace) -> dict:
     tracker.close()
     print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=6)
     strategy.close()
+    if trainer.stop_reason == "nonfinite":
+        raise SystemExit(3)
     return logs
 
 

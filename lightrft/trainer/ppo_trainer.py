@@ -6,7 +6,6 @@ update the KL controller, log, and save when due. `fit` reads top to bottom; eve
 is a small method meant to be overridden by research code.
 """
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -26,6 +25,7 @@ from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check
 from lightrft.trainer.experience import Experience
 from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
+from lightrft.trainer.guards import NonFiniteGuard, nonfinite_grad_norms
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
 from lightrft.utils.faults import fault_now, nan_gradient, send_sigterm
 
@@ -143,8 +143,7 @@ class PPOTrainer:
         self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
         self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
         self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0, "failed_saves": 0}
-        self.bad_steps_in_row = 0
-        self.bad_step_sources: list[str] = []
+        self.guard = NonFiniteGuard(self.algo.max_nonfinite_steps)
         self.inject_nan = False        # fault hook: the first micro-batch of a step
         self.preemption = PreemptionFlag(preemption_grace)
         self.stop_reason = None
@@ -221,11 +220,8 @@ class PPOTrainer:
         steps in a row, or --max_steps reached."""
         if self.preempted():
             return "preempted"
-        if self.bad_steps_in_row >= self.algo.max_nonfinite_steps:
-            self.strategy.print(
-                f"stopping: {self.bad_steps_in_row} optimizer steps in a row were skipped for non-finite values "
-                f"({', '.join(sorted(set(self.bad_step_sources)))}); the last good weights are saved in "
-                f"{args.ckpt_path}. Lower the learning rate or check the reward source.")
+        if self.guard.exhausted:
+            self.strategy.print(self.guard.message(args.ckpt_path))
             return "nonfinite"
         if 0 < getattr(args, "max_steps", -1) <= self.global_step:
             return "max_steps"
@@ -315,20 +311,12 @@ class PPOTrainer:
         return {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
 
     def check_step_finite(self, metrics: dict[str, float]) -> None:
-        """Counts an optimizer step whose loss or gradient norm was not finite. DeepSpeed's ZeRO
-        optimizers (stages 1-3) then skip the update; a streak of `max_nonfinite_steps` stops the run."""
-        sources = [name for name in ("train/nonfinite_policy_loss", "train/nonfinite_critic_loss")
-                   if metrics.get(name, 0.0) > 0]
-        for name, model in (("actor", self.actor), ("critic", self.critic)):
-            norm = getattr(model, "get_global_grad_norm", lambda: None)() if model is not None else None
-            if norm is not None and not math.isfinite(float(norm)):
-                sources.append(f"{name} gradient norm")
-        if sources:
-            self.counters["skipped_steps"] += 1
-            self.bad_steps_in_row += 1
-            self.bad_step_sources += [s.replace("train/nonfinite_", "") for s in sources]
-        else:
-            self.bad_steps_in_row = 0
+        """Counts an optimizer step whose loss or gradient norm was not finite (DeepSpeed's ZeRO
+        optimizers then skip the update); a streak of `max_nonfinite_steps` stops the run."""
+        sources = [name.replace("train/nonfinite_", "") for name in
+                   ("train/nonfinite_policy_loss", "train/nonfinite_critic_loss") if metrics.get(name, 0.0) > 0]
+        self.guard.record(sources + nonfinite_grad_norms(actor=self.actor, critic=self.critic))
+        self.counters["skipped_steps"] = self.guard.skipped
 
     def global_counts(self, group: list[Experience]) -> dict[str, float]:
         """Action tokens and sequences of one optimizer step over all ranks (one all-reduce): the
@@ -544,6 +532,7 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.experience_maker.calls = state.get("rollout_calls", 0)
         self.counters.update(state.get("counters", {}))
+        self.guard.skipped = self.counters["skipped_steps"]
         self.experience_maker.nonfinite_counts.update(state.get("nonfinite_counts", {}))
         restore_rng_state(state["rng"])
         self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} prompts consumed")

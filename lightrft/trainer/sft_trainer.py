@@ -22,7 +22,10 @@ from tqdm import tqdm
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
+from lightrft.strategy.checkpoint_io import CheckpointSaveError
 from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
+from lightrft.trainer.guards import NonFiniteGuard, nonfinite_grad_norms
+from lightrft.utils.faults import fault_now
 
 # Options that define an SFT experiment: resuming with a different value is an error.
 SFT_PINNED_OPTIONS = ("pretrain", "dataset", "input_key", "output_key", "apply_chat_template", "max_len",
@@ -43,7 +46,8 @@ class SupervisedTrainer:
     def __init__(self, strategy, model, optim, scheduler, tokenizer, *, max_epochs: int = 1,
                  eval_dataset: Optional[Sequence] = None, eval_collate_fn=None, tracker=None,
                  save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False,
-                 pinned_options: Sequence[str] = SFT_PINNED_OPTIONS):
+                 pinned_options: Sequence[str] = SFT_PINNED_OPTIONS, preemption_grace: float = 600.0,
+                 max_nonfinite_steps: int = 3):
         self.strategy = strategy
         self.model = model
         self.optim = optim
@@ -59,7 +63,9 @@ class SupervisedTrainer:
         self.global_step = 0
         self.consumed_samples = 0  # samples trained on, over all ranks
         self.last_logs: dict[str, float] = {}
-        self.preemption = PreemptionFlag()
+        self.preemption = PreemptionFlag(preemption_grace)
+        self.guard = NonFiniteGuard(max_nonfinite_steps)
+        self.failed_saves = 0
         self.stop_reason: Optional[str] = None
 
     # ====================================================================================== fit
@@ -83,12 +89,19 @@ class SupervisedTrainer:
                 self.consumed_samples += args.train_batch_size
                 logs["perf/step_time"] = time.time() - started
                 logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * args.train_batch_size)
+                loss_ok = math.isfinite(logs["train/loss"])
+                self.guard.record(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(model=self.model))
+                logs["train/skipped_steps"] = float(self.guard.skipped)
                 bar.update(1)
                 bar.set_postfix(loss=f"{logs['train/loss']:.4f}")
                 # 2. Logs, evaluation, checkpoints; stop early on preemption.
                 self.save_logs_and_checkpoints(args, logs, is_last=self.global_step == total_steps)
                 if self._preempted():
                     self.stop_reason = "preempted"
+                elif self.guard.exhausted:
+                    self.strategy.print(self.guard.message(args.ckpt_path))
+                    self.stop_reason = "nonfinite"
+                if self.stop_reason is not None:
                     self.save_checkpoint(args)
                     break
         finally:
@@ -142,8 +155,16 @@ class SupervisedTrainer:
         `--ckpt_path`, and a Hugging Face export next to it with `--save_hf_ckpt`."""
         tag = f"global_step{self.global_step}"
         if not self.disable_ds_ckpt:
-            self.strategy.save_ckpt(self.model, args.ckpt_path, tag, args.max_ckpt_num,
-                                    client_state=self.client_state())
+            try:
+                self.strategy.save_ckpt(self.model, args.ckpt_path, tag, args.max_ckpt_num,
+                                        client_state=self.client_state())
+            except CheckpointSaveError as err:
+                # The earlier checkpoints are intact; a full disk may clear up before the next save.
+                self.failed_saves += 1
+                self.strategy.print(f"checkpoint {tag} was not saved: {err}. The previous checkpoints in "
+                                    f"{args.ckpt_path} are intact; training continues (failed saves so far: "
+                                    f"{self.failed_saves})")
+                return
         if self.save_hf_ckpt:
             self.export_hf(f"{args.ckpt_path}/{tag}_hf")
 
@@ -191,8 +212,10 @@ class SFTTrainer(SupervisedTrainer):
         global_tokens = self.strategy.all_reduce(local_tokens.to(device), op="sum")
         scale = dp_loss_scale(self.strategy.world_size, len(micro_batches))
         step_loss = torch.zeros((), device=device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
             loss = self.batch_loss(batch, global_tokens)
+            if index == 0 and fault_now("nan-loss", self.global_step + 1):
+                loss = loss * float("nan")
             self.strategy.backward(loss * scale, self.model, self.optim)
             self.strategy.optimizer_step(self.optim, self.model, self.scheduler)
             step_loss += loss.detach()

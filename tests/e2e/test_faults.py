@@ -107,3 +107,34 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, 
     assert (tmp_path / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
     resumed = launch(toy, tmp_path, load_checkpoint=True, max_steps=3)
     assert "resumed from" in resumed.stdout and "global_step2: step 2" in resumed.stdout
+
+
+def test_sft_skips_a_non_finite_step_and_stops_after_a_streak(toy, tmp_path):
+    def sft(out, fault, **extra):
+        flags = ["--pretrain", toy["model"], "--dataset", toy["train"], "--input_key", "input", "--output_key",
+                 "output", "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "8",
+                 "--max_samples", "128", "--learning_rate", "1e-3", "--save_path", out / "model", "--ckpt_path",
+                 out / "ckpt", "--save_steps", "1", "--max_ckpt_num", "4", "--use_tensorboard", out / "tb"]
+        for key, value in extra.items():
+            flags += [f"--{key}", str(value)]
+        return run_torchrun(["lightrft.cli.train_sft", *flags], module=True, check=False,
+                            env={"LIGHTRFT_TRAIN_FAULT": fault})
+
+    proc = sft(tmp_path / "one", "nan-loss@2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = dict(tensorboard_scalars(tmp_path / "one" / "tb")["train/skipped_steps"])
+    assert skipped == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    assert same_weights(actor_weights_sft(tmp_path / "one" / "ckpt", 1), actor_weights_sft(tmp_path / "one" / "ckpt", 2))
+    assert not same_weights(actor_weights_sft(tmp_path / "one" / "ckpt", 2),
+                            actor_weights_sft(tmp_path / "one" / "ckpt", 3))
+
+    proc = sft(tmp_path / "streak", "nan-loss@2,nan-loss@3", max_nonfinite_steps=2)
+    assert proc.returncode != 0
+    assert "2 optimizer steps in a row were skipped for non-finite values (loss" in proc.stdout + proc.stderr
+    assert (tmp_path / "streak" / "ckpt" / "latest").read_text().strip() == "global_step3"
+
+
+def actor_weights_sft(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
+    files = list((ckpt / f"global_step{step}").rglob("mp_rank_00_model_states.pt"))
+    assert len(files) == 1, files
+    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
