@@ -69,8 +69,14 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, zero_sta
         assert torch.equal(final_full[name], final_resumed[name]), name
 
 
-def test_resume_with_a_changed_option_is_refused(toy, tmp_path):
-    run_ppo(toy, tmp_path, max_steps=1)
+def test_resume_with_nothing_to_load_or_a_changed_option_is_refused(toy, tmp_path):
+    empty = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True})],
+                         module=True, check=False)
+    assert empty.returncode != 0
+    assert f"no complete checkpoint under {tmp_path / 'ckpt'}" in empty.stderr
+    assert "--load_checkpoint if_present" in empty.stderr
+    fresh, _ = run_ppo(toy, tmp_path, max_steps=1, load_checkpoint="if_present")   # starts fresh instead
+    assert fresh["step"] == 1
     flags = grpo_flags(toy, tmp_path, **{**SMALL, "n_samples_per_prompt": 8, "load_checkpoint": True})
     proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, check=False)
     assert proc.returncode != 0
