@@ -7,6 +7,7 @@ once. The names follow OpenRLHF where a flag exists there, so recipes port uncha
 import argparse
 import json
 import os
+import sys
 
 
 def add_strategy_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -137,3 +138,21 @@ def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, 
         summary = {k: round(v, digits) for k, v in logs.items() if isinstance(v, float)}
         print(json.dumps({"stop_reason": stop_reason or "finished", "step": step,
                           "save_path": os.path.abspath(save_path), **summary}), flush=True)
+
+
+def run_command(prog: str, train_fn, args) -> None:
+    """Runs a training command and turns the errors a user can fix (bad flags, paths, rows, reward
+    sources) into one message on stderr and exit code 1, without a traceback from deep inside.
+    `LIGHTRFT_TRACEBACK=1` shows the traceback too."""
+    from lightrft.rewards.base import RewardSourceError
+
+    try:
+        train_fn(args)
+    except (ValueError, FileNotFoundError, RewardSourceError) as err:
+        if os.environ.get("LIGHTRFT_TRACEBACK"):
+            raise
+        rank = os.environ.get("RANK")
+        where = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"{where}{prog}: error: {err}\n(set LIGHTRFT_TRACEBACK=1 to see where it was raised)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -16,7 +16,7 @@ from lightrft.algorithms.kl import KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
                                  add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary)
+                                 print_summary, run_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -310,8 +310,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    train(args)
+    run_command("train_ppo", train, parse_args(argv))
 
 
 if __name__ == "__main__":

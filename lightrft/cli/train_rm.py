@@ -14,7 +14,7 @@ import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
                                  add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary)
+                                 print_summary, run_command)
 from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer
 
 
@@ -127,7 +127,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    train(parse_args(argv))
+    run_command("train_rm", train, parse_args(argv))
 
 
 if __name__ == "__main__":

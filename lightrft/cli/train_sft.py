@@ -14,7 +14,7 @@ import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
                                  add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary)
+                                 print_summary, run_command)
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -150,7 +150,7 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> None:
-    train(parse_args(argv))
+    run_command("train_sft", train, parse_args(argv))
 
 
 if __name__ == "__main__":
