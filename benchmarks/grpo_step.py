@@ -2,24 +2,30 @@
 
 Both sides get the same workload and hardware:
   model    a tiny Qwen2-shaped causal LM (hidden 64, 2 layers by default; --hidden/--layers for a
-           larger one), SFT-warmed briefly here so that some rewards are 1 and GRPO has signal;
+           larger one), SFT-warmed briefly here so that about a third of the answers are right;
   task     small-number addition ("7+12=" -> "19"), 320 training prompts, 80 held out;
   step     32 prompts x G = 8 samples = 256 samples generated (at most 4 new tokens each), scored
            by the exact-answer `math` rule, then trained as 2 optimizer steps of 128 samples in
            micro-batches of 32 (one pass, PPO clip 0.2, no KL, token-mean loss, group-normalised
-           advantages, AdamW lr 1e-3 constant, betas (0.9, 0.95), grad-norm clip 1.0, float32).
+           advantages, AdamW with constant lr 1e-3 (1e-4 above hidden 64), betas (0.9, 0.95),
+           grad-norm clip 1.0, float32).
 Both get --threads CPU threads (default: --nproc). lightrft runs `torchrun -m
 lightrft.cli.train_ppo` on --nproc ranks (ZeRO-2) sharing them; its per-step `perf/*` scalars
 and the times they were written are read back from TensorBoard. TRL (when `trl` is importable)
 runs `GRPOTrainer` in one process with all the threads, timed per step with a trainer callback.
-`--nproc 1 --threads 2` compares one process against one process.
-Reported per side: samples/s (median over the steps after the first, which warms up), the split
-of a step into generation, reward, experience forwards and training, and held-out greedy
-accuracy before and after. TRL is only measured here, never a dependency of lightrft
-(`pip install trl` to include it).
+`--nproc 1 --threads 1` compares one single-threaded process with another.
 
-    python benchmarks/grpo_step.py [--steps 20] [--nproc 2] [--threads 2] [--hidden 64 --layers 2] [--json OUT]
-    python benchmarks/grpo_step.py --smoke        # 2 steps, short warm-up: checks that it runs
+Reported per side: samples/s (median over the steps after each run's first, which warms up, and
+the fastest step), the split of a step into generation, reward, experience forwards and
+training, held-out greedy accuracy before and after, and the training reward's trend.
+On a shared machine, other processes slow a multi-threaded process far more than
+single-threaded ranks (every parallel operation waits for its slowest thread): compare figures
+taken at low load (the load average is printed), and use --repeats to alternate the sides.
+TRL is only measured here, never a dependency of lightrft (`pip install trl` to include it).
+
+    python benchmarks/grpo_step.py [--steps 20] [--repeats 1] [--nproc 2] [--threads 2] [--json OUT]
+    python benchmarks/grpo_step.py --hidden 256 --layers 4      # a larger model
+    python benchmarks/grpo_step.py --smoke                      # 2 steps, short warm-up: checks that it runs
 """
 
 import argparse
@@ -157,6 +163,7 @@ def lightrft_flags(data: dict, work: Workload, out: Path, steps: int, seed: int)
         "--pretrain", str(data["model"]), "--prompt_data", str(data["train"]), "--input_key", "input",
         "--label_key", "label", "--remote_rm_url", "math", "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", str(work.group_size), "--rollout_batch_size", str(work.prompts_per_step),
+        # Scoring forwards in chunks of 64 per rank (TRL chunks its own by micro_batch).
         "--micro_rollout_batch_size", "64", "--train_batch_size", str(work.train_batch),
         "--micro_train_batch_size", str(work.micro_batch), "--generate_max_len", str(work.max_new_tokens),
         "--prompt_max_len", str(work.prompt_max_len), "--temperature", str(work.temperature),
@@ -207,7 +214,8 @@ def run_lightrft(data: dict, work: Workload, out: Path, args) -> dict:
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "lightrft.cli.train_ppo",
            *lightrft_flags(data, work, out, args.steps, args.seed)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.nproc), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+           "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",  # a CPU benchmark, like TRL's side
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     print(f"lightrft: torchrun --nproc_per_node {args.nproc} -m lightrft.cli.train_ppo, "
           f"{args.threads // args.nproc} thread(s) per rank ({args.steps} steps)", flush=True)
     started = time.perf_counter()
@@ -222,7 +230,8 @@ def run_lightrft(data: dict, work: Workload, out: Path, args) -> dict:
     if len(steps) != args.steps:
         raise SystemExit(f"lightrft logged {len(steps)} steps, expected {args.steps}; log {out / 'train_ppo.log'}")
     first, last = reward_trend([step["reward_mean"] for step in steps])
-    return {"wall_seconds": wall, "reward_first": first, "reward_last": last, "per_step": steps, "load_average": os.getloadavg()[0],
+    return {"wall_seconds": wall, "reward_first": first, "reward_last": last, "per_step": steps,
+            "load_average": os.getloadavg()[0],
             "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
 
 
@@ -256,7 +265,8 @@ def run_trl(data: dict, work: Workload, out: Path, args) -> dict:
                          f"full log in {out / 'trl.log'}"}
     result = json.loads((out / "result.json").read_text())
     first, last = reward_trend(result["rewards"])
-    return {**result, "reward_first": first, "reward_last": last, "wall_seconds": time.perf_counter() - started, "load_average": os.getloadavg()[0],
+    return {**result, "reward_first": first, "reward_last": last, "wall_seconds": time.perf_counter() - started,
+            "load_average": os.getloadavg()[0],
             "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
 
 
