@@ -387,8 +387,8 @@ def print_report(result: dict) -> None:
     print(f"qwen2 hidden {result['hidden']}, {result['layers']} layers; {result['samples_per_step']} samples per step "
           f"({work['prompts_per_step']} prompts x G={work['group_size']}, <= {work['max_new_tokens']} new tokens), "
           f"{work['train_batch']} per optimizer step; {result['steps']} steps x {result['repeats']} run(s) per side")
-    print(f"lightrft: {result['nproc']} rank(s) x {result['threads'] // result['nproc']} thread(s); "
-          f"TRL: 1 process x {result['threads']} thread(s)")
+    layout = f"lightrft: {result['nproc']} rank(s) x {result['threads'] // result['nproc']} thread(s)"
+    print(layout + (f"; TRL: 1 process x {result['threads']} thread(s)" if len(sides) > 1 else ""))
     print("samples/s: median step (fastest step); phases: mean seconds per step (share of the mean step)")
     print("-" * width)
     print(f"{'':<12}{'samples/s':>18}{'step s':>8}" + "".join(f"{p:>13}" for p in (*PHASES, "other")))
@@ -411,6 +411,9 @@ def print_report(result: dict) -> None:
         print(f"TRL: {trl_result['error']}")
     else:
         print(f"lightrft / TRL samples/s: {result['ratio']:.2f}x median, {result['best_ratio']:.2f}x fastest steps")
+    logged = [step["logged_samples_per_sec"] for run in result["lightrft"]["runs"] for step in run["per_step"][1:]]
+    print(f"lightrft's own perf/samples_per_sec (rollout + training time, without logging): "
+          f"{statistics.median(logged):.0f} median")
     print("=" * width)
 
 
