@@ -48,8 +48,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
-from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, write_jsonl  # noqa: E402
+from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
 
 PHASES = ("generate", "reward", "experience", "train")
 
@@ -82,43 +81,13 @@ class Workload:
 
 
 # ------------------------------------------------------------------------------------- workload
-def sft_warm_start(path: Path, rows: list[dict], hidden: int, layers: int, steps: int, lr: float, seed: int) -> Path:
-    """A tiny Qwen2 model trained for `steps` SFT steps (batches of 32 rows, loss on the answer
-    and EOS only) and saved with its tokenizer. A short warm-up leaves it partly right."""
-    tokenizer = build_char_tokenizer()
-    heads = max(4, hidden // 64)
-    model = build_tiny_causal_lm(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                 num_kv_heads=heads // 2, seed=seed)
-    pairs = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
-              tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        batch = [pairs[i] for i in torch.randint(0, len(pairs), (32,), generator=generator).tolist()]
-        width = max(len(p) + len(o) for p, o in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)          # (32, T), right-padded
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100)
-        for i, (p, o) in enumerate(batch):
-            ids[i, :len(p) + len(o)] = torch.tensor(p + o)
-            mask[i, :len(p) + len(o)] = 1
-            labels[i, len(p):len(p) + len(o)] = torch.tensor(o)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def prepare_workload(out: Path, work: Workload, args) -> dict:
     """Writes the data files and the SFT-warmed starting model; measures its held-out accuracy."""
     train_rows, eval_rows = arithmetic_splits(n_train=work.n_train, n_eval=work.n_eval, seed=args.seed,
                                               max_operand=work.max_operand)
     started = time.perf_counter()
-    model = sft_warm_start(out / "sft", train_rows, args.hidden, args.layers, args.sft_steps, args.sft_lr,
-                           args.seed)
+    model = sft_warm_start(out / "sft", train_rows, args.sft_steps, lr=args.sft_lr, seed=args.seed,
+                           hidden_size=args.hidden, num_layers=args.layers)
     print(f"SFT warm-up: {args.sft_steps} steps in {time.perf_counter() - started:.0f} s", flush=True)
     return {"model": model, "train": write_jsonl(train_rows, out / "train.jsonl"),
             "eval": write_jsonl(eval_rows, out / "eval.jsonl"), "train_rows": train_rows, "eval_rows": eval_rows,

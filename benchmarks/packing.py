@@ -16,13 +16,17 @@ Measured on a shared 2-core CPU, one thread: 2.6x to 3.4x (most runs 3.0x to 3.2
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
-from lightrft.models import ActorLanguage
-from lightrft.models.packing import pack_padded
-from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+import torch  # noqa: E402
+
+from lightrft.models import ActorLanguage  # noqa: E402
+from lightrft.models.packing import pack_padded  # noqa: E402
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm  # noqa: E402
 
 
 def skewed_batch(long_len: int, short_len: int, num_long: int, num_short: int, seed: int = 0):

@@ -59,15 +59,19 @@ def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: in
     return correct / len(rows)
 
 
-def sft_warm_start(output_dir: str | Path, rows: list[dict], steps: int, lr: float = 3e-3, seed: int = 0) -> Path:
-    """A tiny Qwen2 model trained on `rows` for `steps` plain-PyTorch SFT steps (response tokens
-    only), saved with its tokenizer. Few steps leave it partly right, so RL has room to improve."""
+def sft_warm_start(output_dir: str | Path, rows: list[dict], steps: int, lr: float = 3e-3, seed: int = 0,
+                   hidden_size: int = 64, num_layers: int = 2) -> Path:
+    """A tiny Qwen2 model trained on `rows` for `steps` plain-PyTorch SFT steps (batches of 32,
+    loss on the response and EOS only), saved with its tokenizer. Few steps leave it partly right,
+    so RL has room to improve."""
     import torch
 
     from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
 
     tokenizer = build_char_tokenizer()
-    model = build_tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2, seed=seed)
+    heads = max(4, hidden_size // 64)
+    model = build_tiny_causal_lm(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=heads,
+                                 num_kv_heads=heads // 2, seed=seed)
     encoded = [(tokenizer(r["input"], add_special_tokens=False)["input_ids"],
                 tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]) for r in rows]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)

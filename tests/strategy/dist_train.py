@@ -170,7 +170,7 @@ def export(strategy: DeepspeedStrategy, source: Path, out_dir: Path, emit) -> No
 
 
 def collectives_and_data(strategy: DeepspeedStrategy, emit) -> None:
-    rank, world = strategy.rank, strategy.world_size
+    rank = strategy.rank
     # rank r holds [r + 1, 10 (r + 1)]: sums and maxima follow by hand.
     tensor = torch.tensor([rank + 1.0, 10.0 * (rank + 1)])
     emit({"check": "all_reduce",
