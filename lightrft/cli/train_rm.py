@@ -13,9 +13,8 @@ import argparse
 import sys
 
 from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary, run_command)
-from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer
+                                 add_strategy_args, check_positive, run_command)
+from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer, run_supervised
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,36 +93,15 @@ def train(args: argparse.Namespace) -> dict:
 
     train_set, eval_set = build_datasets(args, tokenizer)
     collate = (train_set.dataset if hasattr(train_set, "indices") else train_set).collate_fn
-    dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
-    total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)
 
-    optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
-                                      weight_decay=args.l2)
-    scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
-    model, optim, scheduler = strategy.prepare((model, optim, scheduler))
-
-    tracker = make_tracker(args, strategy)
-    trainer = RewardModelTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
-                                 eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
-                                 save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
-                                 preemption_grace=args.preemption_grace,
-                                 max_nonfinite_steps=args.max_nonfinite_steps)
-    if args.load_checkpoint:
-        trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
-    trainer.fit(args, dataloader)
-    logs = dict(trainer.last_logs)
-    if trainer.stop_reason is None:
+    def store_reward_statistics(trainer, engine, logs):
         # Reward statistics over the training set, stored in the exported config.
         mean, std = trainer.reward_statistics(train_set, collate)
-        strategy.unwrap_model(model).set_normalization(mean, std)
+        strategy.unwrap_model(engine).set_normalization(mean, std)
         logs.update({"reward/mean": mean, "reward/std": std})
-        trainer.export_hf(args.save_path)
-    tracker.close()
-    print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=6)
-    strategy.close()
-    if trainer.stop_reason == "nonfinite":
-        raise SystemExit(3)
-    return logs
+
+    return run_supervised(args, strategy, model, tokenizer, RewardModelTrainer, train_set, eval_set, collate,
+                          before_export=store_reward_statistics)
 
 
 def main(argv=None) -> None:

@@ -122,26 +122,35 @@ def train(args: argparse.Namespace) -> dict:
     train_set, eval_set = build_datasets(args, tokenizer)
     base = train_set.dataset if hasattr(train_set, "indices") else train_set
     collate = base.packing_collate_fn if args.packing_samples else base.collate_fn
+    return run_supervised(args, strategy, model, tokenizer, SFTTrainer, train_set, eval_set, collate)
+
+
+def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eval_set, collate,
+                   before_export=None) -> dict:
+    """The part of `train_sft` and `train_rm` after the model and data exist: optimizer and
+    schedule, DeepSpeed engines, tracker, resume, training, Hugging Face export, the summary line.
+    `before_export(trainer, model, logs)` runs after a finished run, before the export."""
     dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
     total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)
-
     optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
                                       weight_decay=args.l2)
     scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
     model, optim, scheduler = strategy.prepare((model, optim, scheduler))
 
     tracker = make_tracker(args, strategy)
-    trainer = SFTTrainer(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
-                         eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
-                         save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
-                         preemption_grace=args.preemption_grace, max_nonfinite_steps=args.max_nonfinite_steps)
+    trainer = trainer_cls(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
+                          eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
+                          save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
+                          preemption_grace=args.preemption_grace, max_nonfinite_steps=args.max_nonfinite_steps)
     if args.load_checkpoint:
         trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader)
+    logs = dict(trainer.last_logs)
     if trainer.stop_reason is None:
+        if before_export is not None:
+            before_export(trainer, model, logs)
         trainer.export_hf(args.save_path)
     tracker.close()
-    logs = trainer.last_logs
     print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=6)
     strategy.close()
     if trainer.stop_reason == "nonfinite":
