@@ -33,6 +33,9 @@ def subprocess_env(**extra: str) -> dict:
     no network for Hugging Face or W&B, and no GPU unless a test asks for one (the multi-rank CPU
     tests would otherwise put rank 1 on a second GPU that a one-GPU machine does not have)."""
     env = dict(os.environ)
+    # A test that ran a one-rank strategy in this process left the launcher variables behind.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"

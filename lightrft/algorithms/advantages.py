@@ -6,16 +6,16 @@ outside `action_mask` are 0 in every output. For critic-free estimators `returns
 advantages as computed here, before any global whitening (they are logged, and used as value
 targets only by `gae`).
 
-Estimators flagged `normalize_globally` (reinforce_baseline, reinforce++) must then be whitened
-over the whole global batch across ranks by the caller (the replay buffer), with
-`masked_whiten(advantages, mask, mean=global_mean, var=global_var)`.
+Estimators flagged `normalize_globally` (gae, reinforce, reinforce_baseline, reinforce++, as in
+OpenRLHF) must then be whitened over the whole global batch across ranks by the caller (the replay
+buffer), with `masked_whiten(advantages, mask, mean=global_mean, var=global_var)`.
 
 Group estimators compare the G samples of one prompt; those samples sit in contiguous rows
 (g*G ... g*G + G - 1), and a batch must hold whole groups.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -204,10 +204,11 @@ def _sequence_level(per_sample: Tensor, inp: AdvantageInputs) -> AdvantageOutput
     return AdvantageOutputs(advantages=advantages, returns=advantages)
 
 
-@register_advantage_estimator("gae", needs_critic=True, uses_token_rewards=True)
+@register_advantage_estimator("gae", needs_critic=True, normalize_globally=True, uses_token_rewards=True)
 def gae(inp: AdvantageInputs) -> AdvantageOutputs:
     """PPO with a critic: GAE(gamma, lambd) advantages on the per-token rewards, and value
-    targets returns = advantages + values (Schulman et al. 2016)."""
+    targets returns = advantages + values (Schulman et al. 2016). The advantages (not the returns)
+    are then whitened over the global batch, as OpenRLHF and most PPO implementations do."""
     if inp.values is None:
         raise ValueError(
             "--advantage_estimator gae needs critic values; build a critic or choose a critic-free "
@@ -248,10 +249,11 @@ def rloo(inp: AdvantageInputs) -> AdvantageOutputs:
     return _sequence_level(groups - leave_one_out_mean, inp)
 
 
-@register_advantage_estimator("reinforce", uses_token_rewards=True)
+@register_advantage_estimator("reinforce", normalize_globally=True, uses_token_rewards=True)
 def reinforce(inp: AdvantageInputs) -> AdvantageOutputs:
     """REINFORCE (Williams 1992): A_t = G_t, the discounted return of the per-token rewards,
-    no baseline."""
+    whitened over the global batch by the caller. This is what OpenRLHF's `reinforce` computes,
+    so its recipes port unchanged; it equals `reinforce++` (the name of the paper)."""
     returns = discounted_returns(_token_rewards(inp), inp.action_mask, inp.gamma)
     return AdvantageOutputs(advantages=returns, returns=returns)
 
@@ -272,3 +274,31 @@ def reinforce_plus_plus(inp: AdvantageInputs) -> AdvantageOutputs:
     caller."""
     returns = discounted_returns(_token_rewards(inp), inp.action_mask, inp.gamma)
     return AdvantageOutputs(advantages=returns, returns=returns)
+
+
+def sequence_advantages_with_kl(out: AdvantageOutputs, kl: Tensor | None, action_mask: Tensor, kl_coef: float,
+                                gamma: float) -> AdvantageOutputs:
+    """Adds the per-token KL penalty to the advantages of an estimator that reads only the
+    sequence scores (group_norm, dr_grpo, rloo, reinforce_baseline), as OpenRLHF does: the
+    shaped score sits on the last token, r_t = -kl_coef * KL_t is added on every token, and the
+    advantage is the discounted return of that sum. Returns are linear in the rewards, so
+        A_t = A_seq + sum_{s >= t} gamma^(s - t) * (-kl_coef * KL_s)
+    where A_seq is the estimator's sequence advantage (broadcast over the tokens).
+    Shape: kl, action_mask (B, A); out.advantages (B, A)."""
+    if kl is None or kl_coef == 0.0:
+        return out
+    penalty = discounted_returns(-kl_coef * fill_masked(kl, as_bool_mask(action_mask, kl)), action_mask, gamma)
+    advantages = out.advantages + penalty.to(out.advantages.dtype)
+    return AdvantageOutputs(advantages=advantages, returns=advantages)
+
+
+def compute_advantages(estimator: AdvantageEstimator, inp: AdvantageInputs, kl: Tensor | None = None,
+                       kl_coef: float = 0.0) -> AdvantageOutputs:
+    """Runs `estimator` with the KL penalty in the reward wherever it belongs: folded into the
+    per-token rewards for estimators that read them (gae, reinforce, reinforce++), added to the
+    sequence advantages for those that read only scores. `kl_coef = 0` (or `kl=None`) means no
+    penalty. Shape: kl (B, A) like `inp.action_mask`."""
+    if estimator.uses_token_rewards:
+        token_rewards = token_rewards_from_scores(inp.scores, inp.action_mask, kl, kl_coef)
+        return estimator.fn(replace(inp, token_rewards=token_rewards))
+    return sequence_advantages_with_kl(estimator.fn(inp), kl, inp.action_mask, kl_coef, inp.gamma)

@@ -117,7 +117,8 @@ def build_scheduler(optimizer, args, lr: float, total_steps: int):
     `total_steps`; cosine_with_min_lr decays to 10% of `lr`."""
     from transformers import get_scheduler
 
-    kwargs = {"min_lr": lr * 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
+    # A rate, not an absolute floor: lr = 0 (a frozen policy, to measure it) stays valid.
+    kwargs = {"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
     return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
                          num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
 
@@ -143,12 +144,20 @@ def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, 
 def run_command(prog: str, train_fn, args) -> None:
     """Runs a training command and turns the errors a user can fix (bad flags, paths, rows, reward
     sources) into one message on stderr and exit code 1, without a traceback from deep inside.
-    `LIGHTRFT_TRACEBACK=1` shows the traceback too."""
-    from lightrft.rewards.base import RewardSourceError
+    `LIGHTRFT_TRACEBACK=1` shows the traceback too.
 
+    Two run services start here, for every command: under torchrun a lifeline stops the rank when
+    the launcher dies (`lightrft.utils.lifeline`), and rank 0 holds the lock on `--ckpt_path` for the
+    whole run, so a second run writing into the same folder is refused (`lightrft.utils.run_lock`)."""
+    from lightrft.rewards.base import RewardSourceError
+    from lightrft.utils.lifeline import lifeline_for_launcher
+    from lightrft.utils.run_lock import RunLockError, checkpoint_folder_lock
+
+    lifeline = lifeline_for_launcher(getattr(args, "preemption_grace", 600.0))
     try:
-        train_fn(args)
-    except (ValueError, FileNotFoundError, RewardSourceError) as err:
+        with checkpoint_folder_lock(getattr(args, "ckpt_path", None), rank=int(os.environ.get("RANK", "0"))):
+            train_fn(args)
+    except (ValueError, FileNotFoundError, RewardSourceError, RunLockError) as err:
         if os.environ.get("LIGHTRFT_TRACEBACK"):
             raise
         rank = os.environ.get("RANK")
@@ -156,3 +165,6 @@ def run_command(prog: str, train_fn, args) -> None:
         print(f"{where}{prog}: error: {err}\n(set LIGHTRFT_TRACEBACK=1 to see where it was raised)",
               file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    finally:
+        if lifeline is not None:
+            lifeline.uninstall()

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "--n_samples_per_prompt > 1")
     algo.add_argument("--policy_loss", choices=sorted(POLICY_LOSSES), default="ppo",
                       help="ppo: clipped token ratio; gspo: sequence-level ratio; cispo: clipped IS weight x log-prob")
-    algo.add_argument("--loss_agg_mode", default="token-mean", choices=list(LOSS_AGG_MODES),
-                      help="how per-token losses become one number, normalised by global counts")
+    algo.add_argument("--loss_agg_mode", default=None, choices=list(LOSS_AGG_MODES),
+                      help="how per-token losses become one number, normalised by global counts (default: "
+                           "token-mean; gspo needs and defaults to seq-mean-token-mean)")
     algo.add_argument("--eps_clip", type=float, default=0.2, help="PPO ratio clip (both sides)")
     algo.add_argument("--eps_clip_low_high", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
                       help="separate low/high ratio clip (DAPO clip-higher), overriding --eps_clip")
@@ -63,12 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--value_clip", type=float, default=0.2, help="critic value clip (PPO)")
     algo.add_argument("--tis_cap", type=float, default=None,
                       help="truncated importance sampling cap for rollout-engine vs trainer log-probs")
-    algo.add_argument("--init_kl_coef", type=float, default=0.01, help="KL coefficient (0 disables the reference model)")
+    algo.add_argument("--init_kl_coef", type=float, default=0.01,
+                      help="KL coefficient: per-token penalty in the advantages (every estimator), or the weight "
+                           "of --use_kl_loss; 0 disables the reference model")
     algo.add_argument("--kl_target", type=float, default=None, help="adaptive KL target (default: fixed KL)")
     algo.add_argument("--kl_horizon", type=int, default=10000, help="adaptive KL horizon")
     algo.add_argument("--use_kl_loss", action="store_true", help="KL as a loss term (GRPO) instead of in the reward")
-    algo.add_argument("--kl_estimator", choices=sorted(KL_ESTIMATORS), default="k1",
-                      help="k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d the log-ratio to the reference")
+    algo.add_argument("--kl_estimator", choices=sorted(KL_ESTIMATORS), default=None,
+                      help="k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d the log-ratio to the reference "
+                           "(default: k1 in the reward, k3 as --use_kl_loss). As a loss, k1 has zero expected "
+                           "gradient and is refused, k2 has the gradient of KL(pi||ref), k3 that of KL(ref||pi)")
     algo.add_argument("--gamma", type=float, default=1.0, help="discount factor")
     algo.add_argument("--lambd", type=float, default=0.95, help="GAE lambda")
     algo.add_argument("--entropy_coef", type=float, default=0.0, help="entropy bonus weight")
@@ -79,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--max_sampling_rounds", type=int, default=4, help="most prompt batches per step with --dynamic_sampling")
     algo.add_argument("--overlong_buffer_len", type=int, default=0, help="DAPO overlong shaping buffer (0: off)")
     algo.add_argument("--overlong_penalty_factor", type=float, default=1.0, help="DAPO overlong penalty at the limit")
+    algo.add_argument("--mask_truncated_samples", action="store_true",
+                      help="responses cut at --generate_max_len (no EOS) train on nothing (DAPO overlong filtering)")
     algo.add_argument("--freezing_actor_steps", type=int, default=-1, help="train only the critic for N steps")
     algo.add_argument("--max_epochs", type=int, default=1, help="passes over each rollout batch")
     algo.add_argument("--num_episodes", type=int, default=1, help="passes over the prompt set")
@@ -156,9 +163,44 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if samples % args.train_batch_size != 0:
         parser.error(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must be a "
                      f"multiple of --train_batch_size {args.train_batch_size}")
+    try:
+        algorithm_config(args)
+    except ValueError as err:
+        parser.error(str(err))
     if args.rollout_engine == "vllm" and args.lora_rank > 0:
         parser.error("--rollout_engine vllm does not take LoRA weights yet; use --rollout_engine hf with --lora_rank, "
                      "or train all weights")
+
+
+def algorithm_config(args: argparse.Namespace):
+    """The trainer's AlgorithmConfig from parsed flags (defaults resolved there, combinations checked)."""
+    from lightrft.trainer.ppo_trainer import AlgorithmConfig
+
+    return AlgorithmConfig(
+        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
+        policy_loss=args.policy_loss, loss_agg_mode=args.loss_agg_mode, eps_clip_low_high=args.eps_clip_low_high,
+        dual_clip=args.dual_clip, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
+        entropy_coef=args.entropy_coef, aux_loss_coef=args.aux_loss_coef, gamma=args.gamma, lambd=args.lambd,
+        dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=args.max_sampling_rounds,
+        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
+        mask_truncated_samples=args.mask_truncated_samples, freezing_actor_steps=args.freezing_actor_steps,
+        norm_len=args.generate_max_len, max_nonfinite_steps=args.max_nonfinite_steps)
+
+
+def stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """The ids that end a response, the same for every engine: the tokenizer's EOS plus the
+    model's generation config EOS ids (instruct models often stop on an end-of-turn token)."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id]
+    try:
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):
+        extra = None
+    for token in [extra] if isinstance(extra, int) else (extra or []):
+        if token not in ids:
+            ids.append(token)
+    return ids
 
 
 def check_world_size(args: argparse.Namespace, world_size: int) -> None:
@@ -237,7 +279,11 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
 
     steps_per_episode = len(prompts) // args.rollout_batch_size
     updates_per_step = (args.rollout_batch_size * args.n_samples_per_prompt // args.train_batch_size) * args.max_epochs
-    total_updates = max(1, steps_per_episode * args.num_episodes * updates_per_step)
+    total_steps = steps_per_episode * args.num_episodes
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
+    total_updates = max(1, total_steps * updates_per_step)
 
     actor_optim = strategy.create_optimizer(actor, lr=args.actor_learning_rate, betas=tuple(args.adam_betas),
                                             weight_decay=args.l2)
@@ -264,15 +310,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
                                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
     tracker = make_tracker(args, strategy)
-    algo = AlgorithmConfig(
-        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=args.n_samples_per_prompt,
-        policy_loss=args.policy_loss, loss_agg_mode=args.loss_agg_mode, eps_clip_low_high=args.eps_clip_low_high,
-        dual_clip=args.dual_clip, tis_cap=args.tis_cap, kl_estimator=args.kl_estimator, use_kl_loss=args.use_kl_loss,
-        entropy_coef=args.entropy_coef, aux_loss_coef=args.aux_loss_coef, gamma=args.gamma, lambd=args.lambd,
-        dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=args.max_sampling_rounds,
-        overlong_buffer_len=args.overlong_buffer_len, overlong_penalty_factor=args.overlong_penalty_factor,
-        freezing_actor_steps=args.freezing_actor_steps, norm_len=args.generate_max_len,
-        max_nonfinite_steps=args.max_nonfinite_steps)
+    algo = algorithm_config(args)
     remote = None
     if args.remote_rm_url:
         from lightrft.rewards import make_reward_source
@@ -289,6 +327,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
         max_epochs=args.max_epochs, max_norm=args.max_norm, tokenizer=tokenizer, prompt_max_len=args.prompt_max_len,
         reward_sources=remote or (), packing_samples=args.packing_samples, save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt, algo=algo,
         rollout_engine=rollout_engine, tracker=tracker, preemption_grace=args.preemption_grace, callbacks=callbacks,
+        apply_chat_template=args.apply_chat_template, eos_token_ids=stop_token_ids(tokenizer, args.pretrain),
         max_new_tokens=args.generate_max_len,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 

@@ -10,6 +10,14 @@ from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
 
 
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], templated: bool) -> list[list[int]]:
+    """Token ids of prompts exactly as SFT, reward models and length checks see them: templated
+    text already holds its special tokens, so only raw text gets the tokenizer's own (a BOS for
+    Llama-style tokenizers). Rollouts use this too, so the policy is sampled from the same prompt
+    ids it was fine-tuned on."""
+    return [list(ids) for ids in tokenizer(list(prompts), add_special_tokens=not templated)["input_ids"]]
+
+
 class PromptDataset(Dataset):
     """Prompt texts ready for the rollout engine, with the label the reward function receives.
 
@@ -62,8 +70,7 @@ class PromptDataset(Dataset):
         return self._fit(prompt, index), label
 
     def _fit(self, prompt: str, index: int) -> str:
-        # Templated text already holds its special tokens, so only raw text gets the tokenizer's own.
-        ids = self.tokenizer(prompt, add_special_tokens=not self.apply_chat_template)["input_ids"]
+        ids = encode_prompts(self.tokenizer, [prompt], self.apply_chat_template)[0]
         if len(ids) <= self.prompt_max_len:
             return prompt
         if self.truncate_long_prompts:

@@ -47,19 +47,28 @@ def filter_informative_groups(experiences: list[Experience],
     return kept, rest
 
 
+def without_training_signal(exp: Experience) -> Experience:
+    """The same rows marked invalid: they keep ranks in lockstep but count in no loss, normaliser
+    or whitening statistic (see `Experience.loss_mask`)."""
+    return replace(exp, info={**exp.info, "valid": torch.zeros(exp.batch_size)})
+
+
 def fill_to_size(kept: list[Experience], fallback: list[Experience], target: int,
                  group_size: int) -> list[Experience]:
     """Exactly `target` samples: the kept ones (whole groups, truncated if over), topped up with
-    groups of `fallback` (the uninformative ones) when sampling rounds ran out. Every rank must train on the same
-    number of samples, so a short batch is filled rather than left short."""
+    groups of `fallback` (the uninformative ones) when sampling rounds ran out. Every rank must run
+    the same number of micro-batches, so a short batch is filled rather than left short; the
+    filler groups are marked invalid, so the step trains on the informative groups alone (with
+    their own token and sequence counts as normalisers) instead of diluting them with zeros."""
     out, have = [], 0
-    for exp in kept + fallback:
+    for exp, filler in [(e, False) for e in kept] + [(e, True) for e in fallback]:
         if have >= target:
             break
         take = min(exp.batch_size, target - have)
         take -= take % group_size
         if take <= 0:
             continue
-        out.append(select_rows(exp, torch.arange(take)) if take < exp.batch_size else exp)
+        part = select_rows(exp, torch.arange(take)) if take < exp.batch_size else exp
+        out.append(without_training_signal(part) if filler else part)
         have += take
     return out

@@ -18,9 +18,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.advantages import AdvantageInputs, get_advantage_estimator
+from lightrft.algorithms.advantages import AdvantageInputs, compute_advantages, get_advantage_estimator
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean
+from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.trainer.experience import Experience
@@ -77,7 +78,9 @@ class NaiveExperienceMaker:
                  rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
                  kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = 1.0,
                  lambd: float = 1.0, micro_rollout_batch_size: int = 8, reward_sources: Sequence = (),
-                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0):
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
+                 apply_chat_template: bool = False, mask_truncated_samples: bool = False,
+                 eos_token_ids: Optional[Sequence[int]] = None):
         self.actor = actor
         self.critic = critic
         self.reward_models = [] if reward_model is None else (
@@ -108,6 +111,9 @@ class NaiveExperienceMaker:
         self.overlong_buffer_len = overlong_buffer_len
         self.overlong_penalty_factor = overlong_penalty_factor
         self.seed = seed
+        self.apply_chat_template = apply_chat_template
+        self.mask_truncated_samples = mask_truncated_samples
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
         self.calls = 0                 # training rollouts so far (the seed stream of sampling)
         self.eval_calls = 0
         self.step = 0                  # the trainer's step being made (1-based), for fault hooks
@@ -116,7 +122,7 @@ class NaiveExperienceMaker:
 
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
-        ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        ids = encode_prompts(self.tokenizer, prompts, self.apply_chat_template)
         # Keep the end of an over-long prompt: the question is usually last. Datasets reject or
         # skip such rows earlier unless the user asked for truncation.
         return [row[-self.prompt_max_len:] for row in ids]
@@ -158,9 +164,10 @@ class NaiveExperienceMaker:
 
     @torch.no_grad()
     def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
-                        max_new_tokens: Optional[int] = None) -> RewardBatch:
+                        max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
         """Scores every sample with every reward source and combines them with `reward_fn`.
-        `max_new_tokens` is the generation limit the overlong penalty measures against."""
+        `max_new_tokens` is the generation limit the overlong penalty measures against;
+        `shaping=False` reports the task reward alone (evaluation)."""
         batch = rollout.sequences.size(0)
         columns, valid = [], torch.ones(batch, dtype=torch.bool)
         for model in self.reward_models:
@@ -183,7 +190,7 @@ class NaiveExperienceMaker:
         stacked = torch.stack(columns)                                     # (K, B)
         scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
-        if self.overlong_buffer_len > 0:
+        if shaping and self.overlong_buffer_len > 0:
             if max_new_tokens is None:
                 raise ValueError("overlong reward shaping needs the generation limit (--generate_max_len)")
             scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), max_new_tokens,
@@ -238,33 +245,38 @@ class NaiveExperienceMaker:
     def _count_invalid(self, source: str, before: Tensor, after: Tensor) -> None:
         self.nonfinite_counts[source] += int((before & ~after).sum())
 
+    def kl_in_use(self) -> bool:
+        """Whether a KL term can reach the loss: a reference model and a non-zero coefficient
+        (the adaptive controller keeps a zero coefficient at zero). Otherwise the reference
+        forward is skipped."""
+        return self.initial_model is not None and self.kl_ctl.value != 0.0
+
+    def truncated_rows(self, rollout: RolloutOutput) -> Tensor:
+        """Which responses were cut at the length limit rather than ended by an EOS token (an
+        empty response counts as cut). Shape: (B,) bool."""
+        lengths = rollout.action_mask.sum(dim=1)                                     # (B,)
+        a = rollout.action_mask.size(1)
+        if a == 0:
+            return torch.ones(lengths.shape, dtype=torch.bool)
+        last = rollout.sequences[:, -a:].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        return (lengths == 0) | ~torch.isin(last, torch.tensor(self.eos_token_ids, dtype=last.dtype))
+
     @torch.no_grad()
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
         action_mask = rollout.action_mask.bool()
         mask_f = action_mask.float()
         action_log_probs = self._forward_all(self.actor, rollout, "actor")
-        base_log_probs = (self._forward_all(self.initial_model, rollout, "reference")
-                          if self.initial_model is not None else None)
+        base_log_probs = self._forward_all(self.initial_model, rollout, "reference") if self.kl_in_use() else None
         values = self._forward_all(self.critic, rollout, "critic") if self.critic is not None else None
         scores = rewards.scores.clone()
         if fault_now("nan-reward", self.step):
             scores[0] = float("nan")
         if fault_now("nan-logprob", self.step):
             action_log_probs[0, 0] = float("nan")
+        truncated = self.truncated_rows(rollout)
 
-        # Non-finite rewards or log-probs make a sample invalid: it keeps its place in the batch
-        # (every rank must run the same number of micro-batches) but trains on nothing. A group
-        # estimator's baseline needs the whole group, so one bad sample invalidates its group.
-        valid = rewards.valid.clone()
-        checked = valid & torch.isfinite(scores)
-        self._count_invalid("reward", valid, checked)
-        valid = checked
-        checked = valid & self._finite_rows(action_mask, action_log_probs, base_log_probs, values,
-                                            rollout.rollout_log_probs)
-        self._count_invalid("logprob", valid, checked)
-        valid = checked
-        if self.estimator.group:
-            valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)
+        valid = self._valid_samples(rewards.valid, scores, action_mask, n, action_log_probs, base_log_probs, values,
+                                    rollout.rollout_log_probs)
         keep = valid.unsqueeze(1)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
         action_log_probs, base_log_probs, values = (
@@ -274,22 +286,20 @@ class NaiveExperienceMaker:
         kl = None
         if base_log_probs is not None:
             kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, kl_estimator=self.kl_estimator)
-        # KL enters the reward (per token, -beta * kl) unless it is a separate loss term.
+        # The KL penalty enters the advantages (per token, before the returns) unless it is a loss term.
         kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
-        token_rewards = -kl_coef * (kl if kl is not None else torch.zeros_like(mask_f))
-        last = (action_mask.sum(dim=1) - 1).clamp(min=0)                  # (B,) index of last action
-        token_rewards[torch.arange(len(last)), last] += scores
-        token_rewards = token_rewards * mask_f
-
-        outputs = self.estimator.fn(AdvantageInputs(
-            action_mask=mask_f, scores=scores, token_rewards=token_rewards, values=values,
-            group_size=n, gamma=self.gamma, lambd=self.lambd))
+        outputs = compute_advantages(self.estimator, AdvantageInputs(
+            action_mask=mask_f, scores=scores, values=values, group_size=n, gamma=self.gamma, lambd=self.lambd),
+            kl=kl, kl_coef=kl_coef)
         advantages, returns = outputs.advantages, outputs.returns
         if fault_now("nan-advantage", self.step):
             advantages[0, 0] = float("nan")
         checked = valid & self._finite_rows(action_mask, advantages, returns)
         self._count_invalid("advantage", valid, checked)
         valid = checked
+        if self.mask_truncated_samples:
+            # Cut responses keep their place (and their group's baseline) but train on nothing.
+            valid = valid & ~truncated
         keep = valid.unsqueeze(1)
         advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
         returns = torch.where(keep, returns, torch.zeros_like(returns))
@@ -298,6 +308,7 @@ class NaiveExperienceMaker:
             "response_length": mask_f.sum(dim=1),
             "total_length": rollout.attention_mask.float().sum(dim=1),
             "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(scores),
+            "truncated": truncated.float(),
             "valid": valid.float(),
         }
         exp = Experience(
@@ -307,3 +318,21 @@ class NaiveExperienceMaker:
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
             values=values, kl=kl, info=info)
         return [exp]
+
+    def _valid_samples(self, reward_valid: Tensor, scores: Tensor, action_mask: Tensor, n: int,
+                       *per_action: Optional[Tensor]) -> Tensor:
+        """Samples that may train: a reward source scored them, and their reward and every given
+        per-action tensor are finite. A group estimator's baseline needs the whole group, so one
+        bad sample invalidates its group. Invalid samples keep their place in the batch (every
+        rank must run the same number of micro-batches) but count in no loss or normaliser.
+        Shape: (B,) bool."""
+        valid = reward_valid.clone()
+        checked = valid & torch.isfinite(scores)
+        self._count_invalid("reward", valid, checked)
+        valid = checked
+        checked = valid & self._finite_rows(action_mask, *per_action)
+        self._count_invalid("logprob", valid, checked)
+        valid = checked
+        if self.estimator.group:
+            valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)
+        return valid

@@ -30,18 +30,29 @@ from lightrft.trainer.replay_buffer import NaiveReplayBuffer
 from lightrft.utils.faults import fault_now, nan_gradient, send_sigterm
 
 
+# Aggregation each policy loss must use, where it has only one correct one: GSPO's ratio is per
+# sequence, so only a mean over sequences of token means is the GSPO objective (as OpenRLHF and
+# verl force it).
+REQUIRED_LOSS_AGG = {"gspo": "seq-mean-token-mean"}
+
+
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """Algorithm options beyond the classic PPO constructor arguments (see docs/algorithms.md)."""
+    """Algorithm options beyond the classic PPO constructor arguments (see docs/algorithms.md).
+
+    `None` defaults are resolved on construction: `loss_agg_mode` becomes the one the policy loss
+    needs (`seq-mean-token-mean` for gspo, else `token-mean`); `kl_estimator` becomes `k3` for the
+    KL loss (`use_kl_loss`) and `k1` for the KL penalty in the reward. k1 as a loss has zero
+    expected gradient (E_pi[grad log pi] = 0), so it would silently do nothing."""
 
     advantage_estimator: str = "gae"
     n_samples_per_prompt: int = 1
     policy_loss: str = "ppo"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Optional[str] = None
     eps_clip_low_high: Optional[tuple[float, float]] = None
     dual_clip: Optional[float] = None
     tis_cap: Optional[float] = None
-    kl_estimator: str = "k1"
+    kl_estimator: Optional[str] = None
     use_kl_loss: bool = False
     entropy_coef: float = 0.0
     aux_loss_coef: float = 0.0
@@ -51,9 +62,25 @@ class AlgorithmConfig:
     max_sampling_rounds: int = 4
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    mask_truncated_samples: bool = False    # responses cut at the length limit train on nothing
     freezing_actor_steps: int = -1
     norm_len: Optional[int] = None          # length constant of seq-mean-token-sum-norm
     max_nonfinite_steps: int = 3            # consecutive skipped steps before the run saves and stops
+
+    def __post_init__(self):
+        required = REQUIRED_LOSS_AGG.get(self.policy_loss)
+        if self.loss_agg_mode is None:
+            object.__setattr__(self, "loss_agg_mode", required or "token-mean")
+        elif required is not None and self.loss_agg_mode != required:
+            raise ValueError(f"--policy_loss {self.policy_loss} optimises a sequence-level ratio and needs "
+                             f"--loss_agg_mode {required}; got --loss_agg_mode {self.loss_agg_mode} (drop the flag "
+                             "to get the right one)")
+        if self.kl_estimator is None:
+            object.__setattr__(self, "kl_estimator", "k3" if self.use_kl_loss else "k1")
+        elif self.use_kl_loss and self.kl_estimator == "k1":
+            raise ValueError("--use_kl_loss with --kl_estimator k1 has zero expected gradient (E[grad log pi] = 0), "
+                             "so the KL term would not act: use --kl_estimator k3 (gradient of KL(ref||pi)) or k2 "
+                             "(gradient of KL(pi||ref)), or drop --kl_estimator for k3")
 
 
 # Options that define the experiment: resuming with a different value is an error.
@@ -83,7 +110,8 @@ class PPOTrainer:
                  save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False, *,
                  algo: Optional[AlgorithmConfig] = None, rollout_engine=None, reward_sources: Sequence = (),
                  packing_samples: bool = False, callbacks: Sequence = (), tracker=None,
-                 preemption_grace: float = 600.0,
+                 preemption_grace: float = 600.0, apply_chat_template: bool = False,
+                 eos_token_ids: Optional[Sequence[int]] = None,
                  eval_generate_kwargs: Optional[dict] = None, **generate_kwargs):
         self.strategy = strategy
         self.actor, self.critic = actor, critic
@@ -126,7 +154,7 @@ class PPOTrainer:
         if rollout_engine is None:
             module = strategy.unwrap_model(actor)
             rollout_engine = HFEngine(module.model, pad_token_id=tokenizer.pad_token_id,
-                                      eos_token_id=tokenizer.eos_token_id,
+                                      eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]),
                                       synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
         self.rollout_engine = rollout_engine
         self.experience_maker = NaiveExperienceMaker(
@@ -136,7 +164,9 @@ class PPOTrainer:
             kl_estimator=self.algo.kl_estimator, use_kl_loss=self.algo.use_kl_loss, gamma=self.algo.gamma,
             lambd=self.algo.lambd, micro_rollout_batch_size=micro_rollout_batch_size,
             overlong_buffer_len=self.algo.overlong_buffer_len,
-            overlong_penalty_factor=self.algo.overlong_penalty_factor, seed=strategy.config.seed)
+            overlong_penalty_factor=self.algo.overlong_penalty_factor, seed=strategy.config.seed,
+            apply_chat_template=apply_chat_template, mask_truncated_samples=self.algo.mask_truncated_samples,
+            eos_token_ids=eos_token_ids)
         self.replay_buffer = NaiveReplayBuffer(micro_train_batch_size, buffer_limit, buffer_cpu_offload,
                                                packing_samples=packing_samples,
                                                pad_token_id=tokenizer.pad_token_id)
@@ -320,9 +350,10 @@ class PPOTrainer:
 
     def global_counts(self, group: list[Experience]) -> dict[str, float]:
         """Action tokens and sequences of one optimizer step over all ranks (one all-reduce): the
-        normalisers that make the loss independent of how the batch is split."""
+        normalisers that make the loss independent of how the batch is split. Samples that train
+        on nothing (invalid, filler or masked-out) count in neither."""
         local = torch.tensor([sum(float(e.loss_mask.sum()) for e in group),
-                              sum(float(e.batch_size) for e in group)], dtype=torch.float64)
+                              sum(float(e.loss_mask.any(dim=1).sum()) for e in group)], dtype=torch.float64)
         tokens, seqs = self.strategy.all_reduce(local, op="sum").tolist()
         return {"tokens": tokens, "seqs": seqs}
 
@@ -555,14 +586,14 @@ class PPOTrainer:
             greedy = maker.sampling_params(n=1, evaluation=True, **{**self.generate_kwargs,
                                                                     **self.eval_generate_kwargs, "temperature": 0.0})
             rollout = maker.generate(prompts, greedy)
-            rewards = maker.compute_rewards(rollout, prompts, labels, 1).scores
+            rewards = maker.compute_rewards(rollout, prompts, labels, 1, shaping=False).scores
             greedy_sum += rewards.sum().item()
             greedy_n += rewards.numel()
             if k > 1:
                 params = maker.sampling_params(n=k, evaluation=True, **{**self.generate_kwargs,
                                                                         **self.eval_generate_kwargs})
                 rollout = maker.generate(prompts, params)
-                scores = maker.compute_rewards(rollout, prompts, labels, k).scores.view(-1, k)
+                scores = maker.compute_rewards(rollout, prompts, labels, k, shaping=False).scores.view(-1, k)
                 pass_sum += (scores > 0).any(dim=1).float().sum().item()
                 sample_sum += scores.mean(dim=1).sum().item()
                 prompts_n += scores.size(0)

@@ -43,8 +43,11 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
 
     def normalize(self, key: str, strategy, eps: float = 1e-8) -> None:
         """Whitens `key` (e.g. "advantages") over the action tokens of every rank's buffer:
-        x <- (x - mean) / sqrt(var + eps), mean and var over the global batch (one all-reduce)."""
-        values = torch.cat([item.per_action[key] for item in self.items]).double()
+        x <- (x - mean) / sqrt(var + eps), mean and var over the global batch (one all-reduce).
+        Samples marked invalid (dropped, filler or masked out) neither enter the statistics nor
+        get whitened: they stay at 0 and train on nothing."""
+        trained = [item for item in self.items if self._trains(item)]
+        values = torch.cat([item.per_action[key] for item in trained] or [torch.zeros(0)]).double()
         stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
         stats = strategy.all_reduce(stats, op="sum")
         total, total_sq, count = stats.tolist()
@@ -52,9 +55,13 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
             return
         mean = total / count
         var = max(total_sq / count - mean * mean, 0.0)
-        for item in self.items:
+        for item in trained:
             value = item.per_action[key]
             item.per_action[key] = masked_whiten(value.double(), None, eps=eps, mean=mean, var=var).to(value.dtype)
+
+    @staticmethod
+    def _trains(item: Sample) -> bool:
+        return "valid" not in item.info or bool(item.info["valid"] > 0)
 
     def mean_info(self, strategy) -> dict[str, float]:
         """Mean of every info field over all ranks' samples (one all-reduce)."""

@@ -5,6 +5,7 @@ from lightrft.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInputs,
     AdvantageOutputs,
+    compute_advantages,
     discounted_returns,
     generalized_advantage_estimation,
     get_advantage_estimator,
@@ -117,13 +118,15 @@ def test_group_norm_eps_keeps_equal_groups_at_zero():
 
 
 def test_registry_flags():
+    # Global whitening follows OpenRLHF (gae, reinforce, reinforce_baseline; its `reinforce` is REINFORCE++),
+    # so its recipes port unchanged; GRPO-family estimators are not whitened globally.
     flags = {name: (e.needs_critic, e.group, e.normalize_globally) for name, e in ADVANTAGE_ESTIMATORS.items()}
     assert flags == {
-        "gae": (True, False, False),
+        "gae": (True, False, True),
         "group_norm": (False, True, False),
         "dr_grpo": (False, True, False),
         "rloo": (False, True, False),
-        "reinforce": (False, False, False),
+        "reinforce": (False, False, True),
         "reinforce_baseline": (False, True, True),
         "reinforce++": (False, False, True),
     }
@@ -264,3 +267,45 @@ def test_a_new_estimator_is_one_registered_function():
             register_advantage_estimator("test_constant_one")(constant_one)
     finally:
         del ADVANTAGE_ESTIMATORS["test_constant_one"]
+
+
+# ---------- the KL penalty in the reward reaches every estimator ----------
+
+def test_group_estimators_take_the_kl_penalty_per_token_before_the_returns():
+    # G = 2, one prompt; scores (1, 0) give group_norm A_seq = +-(0.5 / (std + eps)) with std = 0.7071.
+    mask = t([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    kl = t([[0.2, 0.4, 0.6], [1.0, 2.0, 9.0]])        # 9.0 sits on padding and must not count
+    inp = AdvantageInputs(action_mask=mask, scores=t([1.0, 0.0]), group_size=2, gamma=1.0)
+    estimator = ADVANTAGE_ESTIMATORS["group_norm"]
+    out = compute_advantages(estimator, inp, kl=kl, kl_coef=0.5)
+    a_seq = 0.5 / (0.5 ** 0.5 + 1e-6)
+    # A_t = A_seq - 0.5 * sum_{s >= t} KL_s (gamma = 1), written out by hand:
+    expected = t([[a_seq - 0.5 * 1.2, a_seq - 0.5 * 1.0, a_seq - 0.5 * 0.6],
+                             [-a_seq - 0.5 * 3.0, -a_seq - 0.5 * 2.0, 0.0]])
+    assert torch.allclose(out.advantages, expected, atol=1e-6)
+    # Without a coefficient the penalty is gone, and the estimator's own output is unchanged.
+    assert torch.equal(compute_advantages(estimator, inp, kl=kl, kl_coef=0.0).advantages, estimator.fn(inp).advantages)
+
+
+def test_the_kl_penalty_of_group_estimators_is_discounted_like_openrlhf_returns():
+    # OpenRLHF: r_t = -beta * KL_t, plus the shaped score on the last token; A_t = sum_s gamma^(s-t) r_s.
+    mask = torch.ones(2, 3, dtype=F64)
+    kl = t([[0.3, 0.1, 0.2], [0.5, 0.0, 0.4]])
+    inp = AdvantageInputs(action_mask=mask, scores=t([2.0, 1.0]), group_size=2, gamma=0.9)
+    out = compute_advantages(ADVANTAGE_ESTIMATORS["dr_grpo"], inp, kl=kl, kl_coef=0.1)
+    a_seq = t([0.5, -0.5])
+    penalty = -0.1 * kl
+    ref = torch.zeros(2, 3, dtype=F64)
+    for b in range(2):
+        for i in range(3):
+            ref[b, i] = a_seq[b] + sum(0.9 ** (j - i) * penalty[b, j] for j in range(i, 3))
+    assert torch.allclose(out.advantages, ref, atol=1e-6)
+
+
+def test_token_reward_estimators_fold_the_kl_into_their_rewards():
+    mask = torch.ones(1, 2, dtype=F64)
+    kl = t([[0.4, 0.2]])
+    inp = AdvantageInputs(action_mask=mask, scores=t([1.0]), gamma=1.0)
+    out = compute_advantages(ADVANTAGE_ESTIMATORS["reinforce++"], inp, kl=kl, kl_coef=0.5)
+    # r = (-0.2, 1 - 0.1): returns G_0 = 0.7, G_1 = 0.9.
+    assert torch.allclose(out.advantages, t([[0.7, 0.9]]), atol=1e-6)

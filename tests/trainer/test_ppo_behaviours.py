@@ -1,0 +1,187 @@
+"""What the PPO layer does with the options a user passes, checked in-process on one rank through
+train_ppo's own wiring: options that must change the update do, and options that must not, don't."""
+
+import argparse
+
+import pytest
+import torch
+
+from lightrft.algorithms.kl import FixedKLController
+from lightrft.cli.common import build_scheduler
+from lightrft.cli.train_ppo import parse_args
+from lightrft.datasets import PromptDataset, SFTDataset
+from lightrft.trainer.dynamic_sampling import fill_to_size
+from lightrft.trainer.experience import Experience
+from lightrft.trainer.ppo_trainer import AlgorithmConfig
+from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.utils.tiny import build_char_tokenizer_with_bos
+from lightrft.utils.toy import greedy_accuracy
+from tests.trainer.ppo_harness import flags, make_task, max_weight_change, run
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_task(tmp_path_factory.mktemp("ppo_task"))
+
+
+@pytest.fixture(scope="module")
+def baseline(task, tmp_path_factory):
+    """Two GRPO steps without any KL term."""
+    return run(task, tmp_path_factory.mktemp("baseline"))
+
+
+def test_runs_are_bit_identical_when_nothing_changes(task, baseline, tmp_path):
+    # The control for every "this option changes the weights" test below.
+    _, weights = run(task, tmp_path)
+    assert max_weight_change(baseline[1], weights) == 0.0
+
+
+@pytest.mark.parametrize("estimator", ["group_norm", "dr_grpo", "rloo", "reinforce_baseline"])
+def test_a_kl_penalty_in_the_reward_changes_the_update_of_group_estimators(task, tmp_path, estimator):
+    # Before: the per-token penalty was computed, logged and dropped for every group estimator.
+    _, without = run(task, tmp_path / "zero", advantage_estimator=estimator, init_kl_coef=0)
+    logs, with_kl = run(task, tmp_path / "half", advantage_estimator=estimator, init_kl_coef=0.5)
+    assert logs["rollout/kl"] > 0            # step 2 samples from a policy that moved off the reference
+    assert max_weight_change(without, with_kl) > 1e-4
+
+
+def test_a_kl_loss_defaults_to_an_estimator_with_a_gradient(task, tmp_path):
+    assert parse_args(flags(task, tmp_path, use_kl_loss=True, init_kl_coef=0.5)).kl_estimator is None
+    assert AlgorithmConfig(use_kl_loss=True).kl_estimator == "k3"
+    assert AlgorithmConfig(use_kl_loss=False).kl_estimator == "k1"
+    _, without = run(task, tmp_path / "zero", use_kl_loss=True, init_kl_coef=0)
+    logs, with_loss = run(task, tmp_path / "loss", use_kl_loss=True, init_kl_coef=0.5)
+    assert logs["train/kl_loss"] > 0
+    assert max_weight_change(without, with_loss) > 1e-4
+
+
+def test_a_kl_loss_with_k1_is_refused_naming_the_fix(task, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags(task, tmp_path, use_kl_loss=True, kl_estimator="k1"))
+    err = capsys.readouterr().err
+    assert "--kl_estimator k1" in err and "k3" in err
+
+
+def test_gspo_optimises_the_sequence_level_objective(task, tmp_path, capsys):
+    assert AlgorithmConfig(policy_loss="gspo").loss_agg_mode == "seq-mean-token-mean"
+    assert AlgorithmConfig(policy_loss="ppo").loss_agg_mode == "token-mean"
+    with pytest.raises(SystemExit):
+        parse_args(flags(task, tmp_path, policy_loss="gspo", loss_agg_mode="token-mean"))
+    assert "--loss_agg_mode seq-mean-token-mean" in capsys.readouterr().err
+    # The default run trains GSPO with its own aggregation.
+    logs, _ = run(task, tmp_path / "gspo", policy_loss="gspo", eps_clip_low_high=(3e-4, 4e-4))
+    assert "train/policy_loss" in logs
+
+
+def test_evaluation_with_overlong_shaping_reports_the_unshaped_task_reward(task, tmp_path):
+    # Before: the first evaluation crashed (the shaping needed a generation limit it was not given).
+    logs, _ = run(task, tmp_path, remote_rm_url="math", overlong_buffer_len=3, eval_data=task["eval"],
+                  eval_steps=1, generate_max_len=4)
+    # The math rule gives 0/1 per prompt, so the unshaped greedy reward is the greedy accuracy,
+    # measured here independently from the exported model.
+    expected = greedy_accuracy(tmp_path / "model", task["eval_rows"], max_new_tokens=4)
+    assert logs["eval/reward_greedy"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_zero_learning_rate_runs_and_leaves_the_policy_unchanged(task, tmp_path):
+    # Before: ZeroDivisionError inside the cosine_with_min_lr scheduler.
+    logs, weights = run(task, tmp_path, actor_learning_rate=0, lr_scheduler="cosine_with_min_lr")
+    from safetensors.torch import load_file
+
+    initial = load_file(str(task["model"] / "model.safetensors"))
+    assert logs["train/actor_lr"] == 0.0
+    assert max_weight_change(initial, weights) == 0.0
+
+
+def test_the_lr_schedule_ends_with_the_run_that_max_steps_cuts_short(task, tmp_path):
+    # 32 prompts / 4 per step = 8 steps in the episode, but --max_steps 2: the cosine must reach its
+    # floor (10% of the peak) at the last step taken, not stay near the peak.
+    logs, _ = run(task, tmp_path, lr_scheduler="cosine_with_min_lr", actor_learning_rate=1e-3, max_steps=2,
+                  micro_train_batch_size=16)     # one micro-batch: the logged LR is the one after the step
+    assert logs["train/actor_lr"] == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_a_zero_lr_scheduler_is_well_defined():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scheduler = build_scheduler(optimizer, argparse.Namespace(lr_scheduler="cosine_with_min_lr", lr_warmup_ratio=0.1),
+                                0.0, 10)
+    for _ in range(10):
+        optimizer.step()
+        scheduler.step()
+    assert scheduler.get_last_lr() == [0.0]
+
+
+def test_rollouts_see_the_prompt_ids_sft_trained_on():
+    # A tokenizer that adds BOS (Llama, Gemma): before, rollouts dropped it while SFT kept it.
+    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+
+    tokenizer = build_char_tokenizer_with_bos()
+    text = "3+4="
+    sft = SFTDataset([{"input": text, "output": "7"}], tokenizer, input_key="input", output_key="output")
+    prompt_ids = PromptDataset([{"input": text}], tokenizer, input_key="input")
+    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
+    maker.tokenizer, maker.prompt_max_len, maker.apply_chat_template = tokenizer, 16, False
+    ids = maker.tokenize_prompts([prompt_ids[0][0]])[0]
+    assert ids[0] == tokenizer.bos_token_id
+    assert sft[0].input_ids[:len(ids)].tolist() == ids
+
+
+# ---------- samples that train on nothing count nowhere ----------
+
+class OneRank:
+    rank, world_size = 0, 1
+
+    @staticmethod
+    def all_reduce(tensor, op="mean"):
+        return tensor
+
+
+def experience(advantages, valid) -> Experience:
+    adv = torch.tensor(advantages)
+    mask = torch.ones_like(adv, dtype=torch.bool)
+    return Experience(sequences=torch.ones(adv.size(0), adv.size(1) + 1, dtype=torch.long),
+                      attention_mask=torch.ones(adv.size(0), adv.size(1) + 1, dtype=torch.long), action_mask=mask,
+                      num_actions=adv.size(1), packed_seq_lens=None, action_log_probs=torch.zeros_like(adv),
+                      advantages=adv, returns=adv.clone(),
+                      info={"valid": torch.tensor(valid), "reward": torch.zeros(adv.size(0))})
+
+
+def test_global_whitening_ignores_invalid_samples():
+    buffer = NaiveReplayBuffer(2)
+    buffer.append(experience([[1.0, 3.0], [0.0, 0.0], [5.0, 7.0]], [1.0, 0.0, 1.0]))
+    buffer.normalize("advantages", OneRank())
+    # Mean and variance of the valid tokens (1, 3, 5, 7): mean 4, var 5; the invalid row stays 0.
+    expected = [(v - 4.0) / (5.0 + 1e-8) ** 0.5 for v in (1.0, 3.0, 5.0, 7.0)]
+    got = [x for i in (0, 2) for x in buffer.items[i].per_action["advantages"].tolist()]
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert buffer.items[1].per_action["advantages"].tolist() == [0.0, 0.0]
+
+
+def test_loss_normalisers_count_only_samples_that_train():
+    from lightrft.trainer.ppo_trainer import PPOTrainer
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.strategy = OneRank()
+    counts = trainer.global_counts([experience([[1.0, 1.0], [1.0, 1.0]], [1.0, 0.0]),
+                                    experience([[1.0, 1.0]], [1.0])])
+    assert counts == {"tokens": 4.0, "seqs": 2.0}
+
+
+def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_on_nothing():
+    kept = [experience([[1.0], [-1.0]], [1.0, 1.0])]
+    filler = [experience([[0.0], [0.0]], [1.0, 1.0])]
+    batch = fill_to_size(kept, filler, target=4, group_size=2)
+    assert sum(e.batch_size for e in batch) == 4
+    assert torch.cat([e.info["valid"] for e in batch]).tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert sum(float(e.loss_mask.sum()) for e in batch) == 2.0
+
+
+def test_the_reference_forward_is_skipped_when_no_kl_can_act():
+    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+
+    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
+    maker.initial_model, maker.kl_ctl = object(), FixedKLController(0.0)
+    assert not maker.kl_in_use()
+    maker.kl_ctl = FixedKLController(0.01)
+    assert maker.kl_in_use()
