@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from lightrft.rollout.seeds import mix_seed
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,10 +22,12 @@ class SamplingParams:
     - `top_k == 0` and `top_p == 1.0` switch those filters off.
     - `n` samples are drawn per prompt; they are contiguous in the output (rows i*n ... i*n+n-1).
     - `min_new_tokens` forbids end-of-sequence tokens before that many tokens were generated.
-    - `seed` seeds this call's sampling. Each rank must pass a different seed (for example
+    - `seed` seeds this call's sampling when `generate` gets no per-request `seeds`: request i
+      then gets `mix_seed(seed, i)`. Each rank must pass a different seed (for example
       `base_seed + rank`) or all ranks draw the same samples for the same prompts. With `seed=None`
       the engine draws a seed from torch's global generator, so a run seeded with
-      `torch.manual_seed` stays reproducible.
+      `torch.manual_seed` stays reproducible. Training passes per-request `seeds` instead
+      (`lightrft.rollout.seeds.request_seeds`), which do not depend on how prompts are chunked.
     """
 
     temperature: float = 1.0
@@ -62,6 +66,8 @@ class RolloutOutput:
     B = number of prompts x n, with the n samples of a prompt contiguous. A is the longest
     response in this batch. A response ends with its first end-of-sequence token (included in
     `action_mask`); everything after it is padding with `action_mask == 0` and log-prob 0.
+    `rollout_log_probs` are those of the distribution each token was drawn from (after the
+    temperature, top-k/top-p and the `min_new_tokens` ban; see `lightrft.rollout.sampling`).
     """
 
     sequences: torch.Tensor  # (B, T) long, T = prompt_len + A
@@ -69,6 +75,9 @@ class RolloutOutput:
     action_mask: torch.Tensor  # (B, A) bool, 1 on response tokens up to and including the first EOS
     rollout_log_probs: torch.Tensor  # (B, A) float32, engine log-probs of the sampled tokens, 0 on padding
     prompt_len: int  # length of the (left-padded) prompt part of `sequences`
+    # (B,) bool, True where the response hit max_new_tokens without an EOS token. None only from
+    # producers written before the field existed.
+    truncated: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:
@@ -98,7 +107,7 @@ class RolloutOutput:
 
         `prompts`, `responses` and `log_probs` hold one entry per sample (B entries, prompts
         already repeated n times). A response is cut after its first EOS token; a response without
-        EOS was stopped by the length limit and keeps all its tokens.
+        EOS was stopped by the length limit and keeps all its tokens (`truncated` is True).
         """
         if not len(prompts) == len(responses) == len(log_probs):
             raise ValueError(
@@ -121,6 +130,7 @@ class RolloutOutput:
         attention_mask = torch.zeros((batch, prompt_len + num_actions), dtype=torch.long)
         action_mask = torch.zeros((batch, num_actions), dtype=torch.bool)
         rollout_log_probs = torch.zeros((batch, num_actions), dtype=torch.float32)
+        truncated = torch.tensor([len(r) == 0 or r[-1] not in eos for r in cut_responses], dtype=torch.bool)
         for i, (prompt, resp, lp) in enumerate(zip(prompts, cut_responses, cut_log_probs)):
             # Prompt right-aligned at prompt_len (left padding), response left-aligned after it.
             start = prompt_len - len(prompt)
@@ -130,20 +140,57 @@ class RolloutOutput:
             attention_mask[i, prompt_len:prompt_len + len(resp)] = 1
             action_mask[i, :len(resp)] = True
             rollout_log_probs[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
-        return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len)
+        return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len, truncated)
+
+    @classmethod
+    def concat(cls, parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
+        """Concatenates rollouts of different prompt and response widths along the batch.
+
+        Prompts are left-padded to the widest prompt and responses right-padded to the longest
+        response, keeping the layout `sequences[:, prompt_len:]` = responses. `truncated` is
+        kept when every part has it."""
+        if len(parts) == 0:
+            raise ValueError("RolloutOutput.concat needs at least one part")
+        if len(parts) == 1:
+            return parts[0]
+        prompt_len = max(p.prompt_len for p in parts)
+        width = max(p.num_actions for p in parts)
+
+        def pad(x: torch.Tensor, left: int, right: int, value) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (left, right), value=value)
+
+        sequences, attention, actions, log_probs = [], [], [], []
+        for p in parts:
+            left, right = prompt_len - p.prompt_len, width - p.num_actions
+            sequences.append(pad(p.sequences, left, right, pad_token_id))  # (B_i, prompt_len + width)
+            attention.append(pad(p.attention_mask, left, right, 0))
+            actions.append(pad(p.action_mask, 0, right, False))
+            log_probs.append(pad(p.rollout_log_probs, 0, right, 0.0))
+        truncated = None
+        if all(p.truncated is not None for p in parts):
+            truncated = torch.cat([p.truncated for p in parts])
+        return cls(torch.cat(sequences), torch.cat(attention), torch.cat(actions), torch.cat(log_probs),
+                   prompt_len, truncated)
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses for the trainer.
 
+    `generate` samples `params.n` responses per prompt in one call (the engine chunks internally);
+    `seeds` has one entry per prompt (`lightrft.rollout.seeds.request_seeds`) and sample j of
+    prompt i is drawn from `sample_seed(seeds[i], j)`, so samples do not depend on batching.
     `update_weights` receives `(name, tensor)` pairs named as in the Hugging Face model's
-    `named_parameters()`; it may be called several times per update with parts of the model (for
-    example one gathered ZeRO-3 layer at a time). `sleep` frees accelerator memory while the
-    trainer runs; `wake_up` brings it back before the next `generate`.
+    `named_parameters()`; it may be called several times per update, each call with whole modules
+    (all parameters of a decoder layer together: engines fuse q/k/v and gate/up projections).
+    `sleep` frees accelerator memory while the trainer runs; `wake_up` brings it back before the
+    next `generate`. `RolloutManager` owns that order; trainers call it rather than the engine.
+    An engine with `shares_live_weights = True` decodes with the trainer's own module and needs
+    no `update_weights`.
     """
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutOutput:
         ...
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -154,6 +201,19 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         ...
+
+
+def request_seeds_for(prompt_token_ids: list[list[int]], params: SamplingParams,
+                      seeds: Sequence[int] | None) -> list[int]:
+    """One seed per prompt: `seeds` checked against the prompts, or, without them, seeds derived
+    from `params.seed` (from torch's global generator when that is None too)."""
+    if seeds is not None:
+        if len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"generate() got {len(seeds)} seeds for {len(prompt_token_ids)} prompts: "
+                             "pass one seed per prompt (lightrft.rollout.seeds.request_seeds) or seeds=None")
+        return [int(s) for s in seeds]
+    base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+    return [mix_seed(base, i) for i in range(len(prompt_token_ids))]
 
 
 def validate_prompts(prompt_token_ids: list[list[int]]) -> None:

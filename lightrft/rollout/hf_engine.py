@@ -2,9 +2,11 @@
 
 The engine decodes with the model object it was given (the actor's `.model`), so it always
 samples from the current policy and needs no weight transfer. The decoding loop is written here
-rather than delegated to `model.generate` so that the sampled tokens come from an explicit seeded
-`torch.Generator` and the log-probs of the sampled tokens are computed one step at a time, without
-keeping (A, B, V) logits around.
+rather than delegated to `model.generate` so that every sample draws from its own seeded stream
+(`sample_seed(request_seed, j)`, one uniform per step, inverse-CDF sampling) and the log-probs of
+the sampled tokens are computed one step at a time, without keeping (A, B, V) logits around.
+Because each sample owns its stream, the result does not depend on `micro_batch_size` or on
+which other prompts share a call.
 """
 
 import inspect
@@ -13,8 +15,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightrft.rollout.base import RolloutOutput, SamplingParams, validate_prompts
+from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
 from lightrft.rollout.sampling import sample_next_tokens
+from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
 
 
@@ -25,10 +28,12 @@ class HFEngine:
         model: a Hugging Face causal LM (or a PEFT wrapper of one) taking `input_ids`,
             `attention_mask`, `position_ids`, `past_key_values` and `use_cache`.
         pad_token_id: token written after a response ends.
-        eos_token_id: one id or a list of ids that end a response.
+        eos_token_id: one id or a list of ids that end a response (any of them stops it).
         synced_gpus: keep every rank running forward passes until all ranks have finished. Needed
             under DeepSpeed ZeRO-3 with more than one rank: each forward gathers parameter shards
             from all ranks, so a rank that stopped early would leave the others waiting forever.
+        micro_batch_size: samples (prompts x n) decoded at once; `generate` takes any number of
+            prompts and decodes them in chunks of this many samples. None decodes all at once.
 
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree.
@@ -38,15 +43,18 @@ class HFEngine:
     shares_live_weights = True
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 synced_gpus: bool = False):
+                 synced_gpus: bool = False, micro_batch_size: int | None = None):
         if eos_token_id is None:
             raise ValueError("HFEngine needs an eos_token_id: set tokenizer.eos_token_id or pass it explicitly")
         if pad_token_id is None:
             raise ValueError("HFEngine needs a pad_token_id: set tokenizer.pad_token_id (often to the EOS id)")
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"HFEngine micro_batch_size must be >= 1 (--micro_rollout_batch_size), got {micro_batch_size}")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.synced_gpus = synced_gpus
+        self.micro_batch_size = micro_batch_size
         # Asking for the last position's logits only keeps the prefill from building (B, T, V) logits.
         self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -54,18 +62,40 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
-        """Samples `params.n` responses for each prompt. See `RolloutOutput` for the layout."""
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutOutput:
+        """Samples `params.n` responses for each prompt; sample j of prompt i draws from
+        `sample_seed(seeds[i], j)`. See `RolloutOutput` for the layout."""
         validate_prompts(prompt_token_ids)
-        device = self.device
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=device).manual_seed(seed)
+        request_seeds = request_seeds_for(prompt_token_ids, params, seeds)
+        prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
+        sample_seeds = [sample_seed(s, j) for s in request_seeds for j in range(params.n)]
+        chunk = self.micro_batch_size or len(prompts)
+        starts = list(range(0, len(prompts), chunk))
+        # Under synced_gpus every rank must run the same number of decoding loops.
+        rounds = self._max_over_ranks(len(starts))
+        parts = []
+        for k in range(rounds):
+            if k < len(starts):
+                rows = slice(starts[k], starts[k] + chunk)
+                parts.append(self._generate_chunk(prompts[rows], sample_seeds[rows], params))
+            else:  # a rank with fewer chunks keeps the others company with a throwaway row
+                self._generate_chunk(prompts[:1], sample_seeds[:1], params)
+        return RolloutOutput.concat(parts, self.pad_token_id)
 
-        repeated = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
-        prompt_len = max(len(p) for p in repeated)
-        input_ids = torch.full((len(repeated), prompt_len), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(repeated), prompt_len), dtype=torch.long)
-        for i, prompt in enumerate(repeated):
+    def _generate_chunk(self, prompts: list[list[int]], sample_seeds: list[int],
+                        params: SamplingParams) -> RolloutOutput:
+        device = self.device
+        uniforms = None
+        if not params.greedy:
+            # One stream per sample; one uniform per decoding step, drawn up front on the CPU so
+            # the draws are the same on every device. Shape: (B, max_new_tokens).
+            uniforms = torch.stack([torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s),
+                                               dtype=torch.float64) for s in sample_seeds]).to(device)
+        prompt_len = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
             input_ids[i, prompt_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             prompt_mask[i, prompt_len - len(prompt):] = 1
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
@@ -74,7 +104,7 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.no_grad():
-                tokens, log_probs, action_mask = self._decode(input_ids, prompt_mask, params, generator)
+                tokens, log_probs, action_mask, unfinished = self._decode(input_ids, prompt_mask, params, uniforms)
         finally:
             self.model.train(was_training)
 
@@ -88,12 +118,14 @@ class HFEngine:
             action_mask=action_mask,
             rollout_log_probs=log_probs,
             prompt_len=prompt_len,
+            truncated=unfinished.cpu(),
         )
 
     def _decode(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The cached decoding loop. Returns tokens (B, S) long, log-probs (B, S) float32 and
-        the action mask (B, S) bool, where S is the number of steps decoded."""
+                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The cached decoding loop. Returns tokens (B, S) long, log-probs (B, S) float32, the
+        action mask (B, S) bool, where S is the number of steps decoded, and (B,) bool: rows that
+        never produced an EOS token (cut at the length limit)."""
         batch = input_ids.shape[0]
         device = input_ids.device
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
@@ -111,7 +143,8 @@ class HFEngine:
             past_key_values = out.past_key_values
             banned = eos if step < params.min_new_tokens else None
             next_tokens, next_log_probs = sample_next_tokens(
-                out.logits[:, -1, :], params.temperature, params.top_k, params.top_p, generator, banned)
+                out.logits[:, -1, :], params.temperature, params.top_k, params.top_p,
+                None if uniforms is None else uniforms[:, step], banned)
             # Rows that already ended get padding: action mask 0 and log-prob 0.
             next_tokens = torch.where(unfinished, next_tokens, self.pad_token_id)
             tokens.append(next_tokens)
@@ -123,14 +156,20 @@ class HFEngine:
             step_positions = step_positions[:, -1:] + 1  # (B, 1)
             if not self._any_rank_unfinished(unfinished):
                 break
-        return torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), torch.stack(is_action, dim=1)
+        return (torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), torch.stack(is_action, dim=1),
+                unfinished)
 
     def _any_rank_unfinished(self, unfinished: torch.Tensor) -> bool:
         """Whether decoding must go on: on this rank, or on any rank when `synced_gpus` is set."""
-        flag = unfinished.any().to(torch.int32)
-        if self.synced_gpus and get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return self._max_over_ranks(int(unfinished.any())) > 0
+
+    def _max_over_ranks(self, value: int) -> int:
+        """`value` on this rank, or its maximum over ranks when `synced_gpus` is set."""
+        if not (self.synced_gpus and get_world_size() > 1):
+            return value
+        flag = torch.tensor(value, dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to do: the engine decodes with the live module, which already holds the

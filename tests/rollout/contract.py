@@ -6,12 +6,14 @@ weights, which the tests run by hand (full forwards, no cache) to get the expect
 log-probs.
 """
 
+import copy
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from lightrft.rollout import SamplingParams
+from lightrft.rollout.sampling import filter_top_k_top_p
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
 
 PROMPTS = ["1+1=", "hello world", "abc"]
@@ -99,6 +101,7 @@ class RolloutEngineContract:
         assert out.sequences.dtype == torch.long and out.action_mask.dtype == torch.bool
         assert out.rollout_log_probs.dtype == torch.float32
         assert out.num_actions == int(lengths.max()) <= max_new
+        assert out.truncated.shape == (batch,) and out.truncated.dtype == torch.bool
         # The model is built so that some responses end early and some run to the limit.
         assert (lengths < max_new).any() and (lengths == max_new).any(), lengths
 
@@ -114,6 +117,8 @@ class RolloutEngineContract:
             response = response_of(out, row)
             assert case.eos_token_id not in response[:-1]
             assert response[-1] == case.eos_token_id or length == max_new
+            # `truncated` says which: cut at the limit without EOS.
+            assert bool(out.truncated[row]) == (response[-1] != case.eos_token_id)
             # After the response: padding, masked out, log-prob 0.
             assert out.responses[row, length:].eq(case.pad_token_id).all()
             assert out.attention_mask[row, prompt_len:].tolist() == out.action_mask[row].long().tolist()
@@ -151,16 +156,23 @@ class RolloutEngineContract:
             torch.testing.assert_close(out.rollout_log_probs[row, :length], torch.tensor(log_probs),
                                        atol=self.logprob_atol, rtol=0)
 
-    @pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.3, 5, 0.9)])
-    def test_log_probs_equal_teacher_forced_forward(self, case, temperature, top_k, top_p):
-        """log softmax(logits / T) of the sampled token under a full forward of the same weights.
-        With top-k/top-p on, the reported values stay those of the unfiltered distribution."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10, n=2, seed=7)
+    @pytest.mark.parametrize("temperature, top_k, top_p, min_new", [
+        (0.7, 0, 1.0, 0), (1.3, 5, 0.9, 0), (1.0, 0, 0.8, 0), (0.9, 0, 1.0, 4)])
+    def test_log_probs_are_those_of_the_sampling_distribution(self, case, temperature, top_k, top_p, min_new):
+        """log softmax(filter((logits, EOS banned before min_new tokens) / T)) of the sampled
+        token under a full forward of the same weights: the distribution it was drawn from, top-k
+        then top-p renormalised (docs/rollout.md). Without filters: log softmax(logits / T)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=10,
+                                min_new_tokens=min_new, n=2, seed=7)
         out = case.engine.generate(case.prompt_ids, params)
         logits = reference_logits(case.reference, out.sequences, out.attention_mask)
         # Logits at position t predict token t + 1: the response starts at prompt_len.
-        action_logits = logits[:, out.prompt_len - 1:-1] / temperature  # (B, A, V)
-        expected = torch.log_softmax(action_logits, dim=-1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+        action_logits = logits[:, out.prompt_len - 1:-1].clone()  # (B, A, V)
+        action_logits[:, :min_new, case.eos_token_id] = float("-inf")
+        batch, width, vocab = action_logits.shape
+        filtered = filter_top_k_top_p(action_logits.reshape(-1, vocab) / temperature, top_k, top_p)
+        expected = torch.log_softmax(filtered, dim=-1).reshape(batch, width, vocab)
+        expected = expected.gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
         mask = out.action_mask
         torch.testing.assert_close(out.rollout_log_probs[mask], expected[mask], atol=self.logprob_atol, rtol=0)
 
@@ -187,7 +199,10 @@ class RolloutEngineContract:
         narrow = case.engine.generate(
             case.prompt_ids, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, max_new_tokens=10, seed=99))
         assert torch.equal(narrow.sequences, greedy.sequences)
-        torch.testing.assert_close(narrow.rollout_log_probs, greedy.rollout_log_probs, atol=self.logprob_atol, rtol=0)
+        # One token kept: it had probability 1 under the distribution it was drawn from.
+        torch.testing.assert_close(narrow.rollout_log_probs, torch.zeros_like(narrow.rollout_log_probs),
+                                   atol=self.logprob_atol, rtol=0)
+        assert (greedy.rollout_log_probs[greedy.action_mask] < -1e-3).any()
 
     @pytest.mark.parametrize("top_k", [0, 3])
     def test_first_token_frequencies_follow_the_distribution(self, case, top_k):
@@ -217,3 +232,43 @@ class RolloutEngineContract:
         case.engine.wake_up()
         after = case.engine.generate(case.prompt_ids, params)
         assert torch.equal(before.sequences, after.sequences)
+
+    def test_per_request_seeds_make_samples_independent_of_the_batch(self, case):
+        """With one seed per prompt, a prompt's samples depend on its seed only: the same rows
+        come out whether it is sampled alone or among other prompts, and in any position."""
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3)
+        seeds = [1001, 1002, 1003]
+        together = case.engine.generate(case.prompt_ids, params, seeds=seeds)
+        reordered = case.engine.generate(case.prompt_ids[::-1], params, seeds=seeds[::-1])
+        for i, prompt in enumerate(case.prompt_ids):
+            alone = case.engine.generate([prompt], params, seeds=[seeds[i]])
+            j = len(case.prompt_ids) - 1 - i
+            for k in range(params.n):
+                assert response_of(alone, k) == response_of(together, i * params.n + k)
+                assert response_of(alone, k) == response_of(reordered, j * params.n + k)
+            length = int(alone.response_lengths[0])
+            torch.testing.assert_close(alone.rollout_log_probs[0, :length],
+                                       together.rollout_log_probs[i * params.n, :length], atol=1e-4, rtol=0)
+        other = case.engine.generate(case.prompt_ids, params, seeds=[2001, 2002, 2003])
+        assert not torch.equal(other.sequences, together.sequences)
+
+    def test_seeds_must_match_the_prompts(self, case):
+        with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+            case.engine.generate(case.prompt_ids, SamplingParams(max_new_tokens=2), seeds=[1, 2])
+
+    def test_several_eos_ids_each_end_a_response(self, case):
+        """With two EOS ids, whichever comes first ends the response (and is kept in it)."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+        base = case.engine.generate(case.prompt_ids, greedy)
+        long_row = int(base.response_lengths.argmax())
+        second_token = response_of(base, long_row)[1]
+        assert second_token != case.eos_token_id
+        engine = copy.copy(case.engine)  # shares the model; only the stop set differs
+        engine.eos_token_ids = [case.eos_token_id, second_token]
+        out = engine.generate(case.prompt_ids, greedy)
+        assert response_of(out, long_row) == response_of(base, long_row)[:2]
+        assert not out.truncated[long_row]
+        for row in range(len(case.prompt_ids)):
+            expected = response_of(base, row)
+            cut = next((i + 1 for i, tok in enumerate(expected) if tok in engine.eos_token_ids), len(expected))
+            assert response_of(out, row) == expected[:cut]

