@@ -53,6 +53,16 @@ def _is_zero3_param(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
 
 
+def _fused_group_key(name: str) -> str:
+    """The module a parameter must travel with: its decoder layer (`model.layers.3.mlp.up_proj.weight`
+    -> `model.layers.3`), or its parent module when the name has no layer index."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
+
+
 class DeepspeedStrategy:
     """Owns the process group and turns models into DeepSpeed engines (see the module docstring).
 
@@ -385,6 +395,41 @@ class DeepspeedStrategy:
                 continue
             with deepspeed.zero.GatheredParameters([param], enabled=_is_zero3_param(param)):
                 yield name[len(prefix):], param.data
+
+    def iter_parameter_buckets(self, model: nn.Module, bucket_mb: float, prefix: str = ""):
+        """Yields lists of `(name, tensor)` covering every parameter of the (unwrapped) model whose
+        name starts with `prefix` (stripped), each list gathered whole from ZeRO-3 shards for the
+        time the caller holds it: peak memory grows by one bucket, never by the whole model.
+
+        A bucket holds whole fused groups: every parameter of one decoder layer (names up to the
+        first numeric part, `model.layers.3.`) or of one other module (`model.embed_tokens.`)
+        goes into the same bucket, because rollout engines fuse q/k/v and gate/up projections and
+        load a layer correctly only from all of its weights at once. Groups are packed in order
+        until the next would pass `bucket_mb` MB (2**20 bytes); a group larger than that is a
+        bucket of its own. All ranks must iterate together (each bucket is a collective gather)."""
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0 (--vllm_sync_bucket_mb), got {bucket_mb}")
+        module = self.unwrap_model(model)
+        groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in module.named_parameters():
+            if name.startswith(prefix):
+                groups.setdefault(_fused_group_key(name[len(prefix):]), []).append((name[len(prefix):], param))
+        limit = bucket_mb * 2**20
+        bucket, size = [], 0
+        for group in groups.values():
+            group_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in group)
+            if bucket and size + group_bytes > limit:
+                yield from self._gathered_bucket(bucket)
+                bucket, size = [], 0
+            bucket, size = bucket + group, size + group_bytes
+        if bucket:
+            yield from self._gathered_bucket(bucket)
+
+    @staticmethod
+    def _gathered_bucket(bucket: list[tuple[str, nn.Parameter]]):
+        sharded = [p for _, p in bucket if _is_zero3_param(p)]
+        with deepspeed.zero.GatheredParameters(sharded, enabled=bool(sharded)):
+            yield [(name, param.data) for name, param in bucket]
 
     def save_model(self, model: nn.Module, tokenizer, output_dir: str | os.PathLike, **_) -> None:
         """Writes a Hugging Face folder (config, safetensors weights, tokenizer) that
