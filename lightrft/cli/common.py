@@ -104,6 +104,95 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     return group
 
 
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
+                        help="read flag values from a YAML mapping of flag names (without --) to values; "
+                             "flags given on the command line override it")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parses `argv` on top of the `--config` file, if one is given: the file's values replace the
+    defaults (so a required flag may come from the file), and flags on the command line win.
+    Unknown keys and values of the wrong type are errors naming the file and the key."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=str, default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**_config_defaults(parser, known.config))
+    return parser.parse_args(argv)
+
+
+def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except OSError as err:
+        parser.error(f"--config {path}: cannot read it ({err.strerror})")
+    except yaml.YAMLError as err:
+        parser.error(f"--config {path}: not valid YAML ({err})")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            close = [d for d in actions if d.split("_")[0] == dest.split("_")[0]][:3]
+            hint = f" (did you mean {', '.join('--' + d for d in close)}?)" if close else ""
+            parser.error(f"--config {path}: unknown key {key!r}{hint}; keys are flag names without the leading --")
+        try:
+            defaults[dest] = _config_value(action, value)
+        except (TypeError, ValueError):
+            parser.error(f"--config {path}: key {key!r} has the value {value!r}, which --{dest} does not take "
+                         f"({action.help})")
+        if action.choices is not None and defaults[dest] is not None and defaults[dest] not in action.choices:
+            parser.error(f"--config {path}: key {key!r} must be one of {sorted(action.choices)}, got {value!r}")
+        action.required = False       # the file provides it
+    return defaults
+
+
+def _config_value(action: argparse.Action, value):
+    """A YAML value converted as the flag's parser would convert its command-line text."""
+    if value is None:
+        return None
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise TypeError(value)
+        return value
+    convert = action.type or (lambda v: v)
+    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [convert(v) for v in items]
+    return convert(value)
+
+
+def resolved_config(args: argparse.Namespace) -> dict:
+    """Every option of the run as plain YAML-able values (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())}
+
+
+def announce_config(parser: argparse.ArgumentParser, args: argparse.Namespace, strategy, ckpt_path: str | None) -> None:
+    """Prints the options that differ from the defaults on rank 0 and writes the whole resolved
+    config to `<ckpt_path>/run_config.yaml`, which `--config` reads back to repeat the run."""
+    import yaml
+
+    if not strategy.is_rank_0():
+        return
+    config = resolved_config(args)
+    changed = {k: v for k, v in config.items() if k != "config" and v != parser.get_default(k)}
+    print("options: " + json.dumps(changed, default=str, sort_keys=True), flush=True)
+    if ckpt_path:
+        os.makedirs(ckpt_path, exist_ok=True)
+        target = os.path.join(ckpt_path, "run_config.yaml")
+        tmp = target + ".tmp"
+        with open(tmp, "w") as f:
+            yaml.safe_dump({k: v for k, v in config.items() if k != "config"}, f, sort_keys=True)
+        os.replace(tmp, target)
+
+
 def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
     """Rejects zero or negative values of the named integer flags with a parser error."""
     for name in names:

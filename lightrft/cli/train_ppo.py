@@ -14,9 +14,9 @@ from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from lightrft.algorithms.aggregation import LOSS_AGG_MODES
 from lightrft.algorithms.kl import KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
-from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary, run_command)
+from lightrft.cli.common import (add_checkpoint_args, add_config_arg, add_data_args, add_logging_args,
+                                 add_model_args, add_strategy_args, announce_config, build_scheduler, check_positive,
+                                 make_tracker, parse_command_line, print_summary, run_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,12 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="after the retries: stop the run, or drop the failed samples (counted)")
     add_logging_args(parser)
     add_checkpoint_args(parser)
+    add_config_arg(parser)
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     validate_args(parser, args)
     return args
 
@@ -227,6 +228,7 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
+    announce_config(build_parser(), args, strategy, args.ckpt_path)
     check_world_size(args, strategy.world_size)
 
     model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,

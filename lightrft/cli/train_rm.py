@@ -12,8 +12,9 @@ training set for `--normalize_reward`.
 import argparse
 import sys
 
-from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, check_positive, run_command)
+from lightrft.cli.common import (add_checkpoint_args, add_config_arg, add_data_args, add_logging_args,
+                                 add_model_args, add_strategy_args, announce_config, check_positive,
+                                 parse_command_line, run_command)
 from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer, run_supervised
 
 
@@ -37,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_optimizer_args(parser).set_defaults(learning_rate=9e-6)
     add_logging_args(parser)
     add_checkpoint_args(parser)
+    add_config_arg(parser)
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
                    "learning_rate")
     if args.lora_rank > 0:
@@ -84,6 +86,7 @@ def train(args: argparse.Namespace) -> dict:
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
+    announce_config(build_parser(), args, strategy, args.ckpt_path)
     tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
     with strategy.zero3_init_context():
         model = RewardModel(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,

@@ -12,9 +12,9 @@ whose assistant turns are all trained. Evaluation loss comes from `--eval_datase
 import argparse
 import sys
 
-from lightrft.cli.common import (add_checkpoint_args, add_data_args, add_logging_args, add_model_args,
-                                 add_strategy_args, build_scheduler, check_positive, make_tracker,
-                                 print_summary, run_command)
+from lightrft.cli.common import (add_checkpoint_args, add_config_arg, add_data_args, add_logging_args,
+                                 add_model_args, add_strategy_args, announce_config, build_scheduler, check_positive,
+                                 make_tracker, parse_command_line, print_summary, run_command)
 
 
 def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -59,12 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_optimizer_args(parser)
     add_logging_args(parser)
     add_checkpoint_args(parser)
+    add_config_arg(parser)
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
                    "learning_rate")
     if args.multiturn and not args.apply_chat_template:
@@ -112,6 +113,7 @@ def train(args: argparse.Namespace) -> dict:
 
     strategy = get_strategy(args)
     strategy.setup_distributed()
+    announce_config(build_parser(), args, strategy, args.ckpt_path)
     tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
     with strategy.zero3_init_context():
         model = ActorLanguage(args.pretrain, bf16=args.bf16, attn_implementation=args.attn_implementation,

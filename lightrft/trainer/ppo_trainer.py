@@ -503,7 +503,10 @@ class PPOTrainer:
                 "kl_ctl": self.kl_ctl.state_dict(), "rng": capture_rng_state(),
                 "rollout_calls": self.experience_maker.calls, "counters": dict(self.counters),
                 "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
-                "options": {k: self._plain(getattr(self.args, k)) for k in PINNED_OPTIONS if hasattr(self.args, k)}}
+                "options": {k: self._plain(getattr(self.args, k)) for k in PINNED_OPTIONS if hasattr(self.args, k)},
+                # The resolved run config travels with every checkpoint (plain values only).
+                "config": {k: self._plain(v) for k, v in sorted(vars(self.args).items())
+                           if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}}
 
     @staticmethod
     def _plain(value):

@@ -1,0 +1,74 @@
+"""`--config FILE.yaml`: the file sets flag values, the command line overrides them, mistakes name
+the file and key, and the resolved config a run writes reads back to the same options."""
+
+import pytest
+import yaml
+
+from lightrft.cli import train_ppo, train_rm, train_sft
+from lightrft.cli.common import announce_config, resolved_config
+
+
+class Rank0:
+    @staticmethod
+    def is_rank_0():
+        return True
+
+
+def write(tmp_path, values) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_the_file_sets_flags_and_the_command_line_wins(tmp_path):
+    config = write(tmp_path, {"pretrain": "m", "prompt_data": "p.jsonl", "remote_rm_url": "math",
+                              "advantage_estimator": "group_norm", "n_samples_per_prompt": 4, "use_kl_loss": True,
+                              "eps_clip_low_high": [0.2, 0.28], "actor_learning_rate": "2e-6",
+                              "rollout_batch_size": 8, "train_batch_size": 32})
+    args = train_ppo.parse_args(["--config", config, "--n_samples_per_prompt", "8", "--train_batch_size", "64"])
+    assert (args.pretrain, args.prompt_data, args.advantage_estimator) == ("m", "p.jsonl", "group_norm")
+    assert args.use_kl_loss is True and args.eps_clip_low_high == (0.2, 0.28)
+    assert args.actor_learning_rate == 2e-6          # converted as the flag converts its text
+    assert args.n_samples_per_prompt == 8 and args.train_batch_size == 64     # the command line wins
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"pretrain": "m", "prompt_data": "p", "remote_rm_url": "math", "n_sample_per_prompt": 4},
+     "unknown key 'n_sample_per_prompt' (did you mean --n_samples_per_prompt"),
+    ({"pretrain": "m", "prompt_data": "p", "remote_rm_url": "math", "rollout_batch_size": "many"},
+     "key 'rollout_batch_size' has the value 'many'"),
+    ({"pretrain": "m", "prompt_data": "p", "remote_rm_url": "math", "advantage_estimator": "ppo2"},
+     "key 'advantage_estimator' must be one of"),
+    ({"pretrain": "m", "prompt_data": "p", "remote_rm_url": "math", "bf16": "yes"},
+     "key 'bf16' has the value 'yes'"),
+    (["not", "a", "mapping"], "expected a mapping of flag names to values"),
+])
+def test_mistakes_in_the_file_name_the_file_and_the_key(tmp_path, capsys, values, message):
+    config = write(tmp_path, values)
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", config])
+    err = capsys.readouterr().err
+    assert f"--config {config}" in err and message in err
+
+
+def test_a_missing_file_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", str(tmp_path / "nope.yaml")])
+    assert "nope.yaml: cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, required", [
+    (train_ppo, {"pretrain": "m", "prompt_data": "p.jsonl", "remote_rm_url": "math",
+                 "advantage_estimator": "group_norm", "n_samples_per_prompt": 2}),
+    (train_sft, {"pretrain": "m", "dataset": "d.jsonl"}),
+    (train_rm, {"pretrain": "m", "dataset": "d.jsonl"}),
+])
+def test_the_written_config_reads_back_to_the_same_options(tmp_path, capsys, module, required):
+    args = module.parse_args(["--config", write(tmp_path, required), "--seed", "7"])
+    announce_config(module.build_parser(), args, Rank0(), str(tmp_path / "ckpt"))
+    printed = capsys.readouterr().out
+    assert '"seed": 7' in printed and '"pretrain": "m"' in printed     # what differs from the defaults
+    again = module.parse_args(["--config", str(tmp_path / "ckpt" / "run_config.yaml")])
+    # Compared as resolved values: a two-value flag is a list whether it came from a file or the command line.
+    assert {k: v for k, v in resolved_config(again).items() if k != "config"} == \
+        {k: v for k, v in resolved_config(args).items() if k != "config"}
