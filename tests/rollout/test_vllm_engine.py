@@ -15,6 +15,7 @@ import torch
 
 from lightrft.rollout import ROLLOUT_ENGINES, RolloutManager, SamplingParams, VLLMEngine, make_rollout_engine
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+from tests.conftest import read_json_lines, run_torchrun
 from tests.rollout.contract import (
     PROMPTS,
     EngineCase,
@@ -185,3 +186,34 @@ def test_sleep_mode_on_cpu_is_off_by_default_and_refused_when_forced(vllm_case):
 def test_bad_engine_options_name_the_flag(kwargs, words):
     with pytest.raises(ValueError, match=words):
         VLLMEngine("unused/path", 0, 2, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def zero3_sync_rows(tmp_path_factory):
+    """One torchrun launch (2 ranks, gloo, ZeRO-3, one VLLMEngine per rank); see dist_vllm_sync.py."""
+    folder = tmp_path_factory.mktemp("vllm_sync")
+    run_torchrun(["tests/rollout/dist_vllm_sync.py", folder / "rows.jsonl", folder / "model"], nproc=2,
+                 env={"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]})
+    return read_json_lines(folder / "rows.jsonl")
+
+
+@needs_vllm
+@pytest.mark.dist
+def test_zero3_sync_makes_the_engine_equal_the_trainer(zero3_sync_rows):
+    """After each optimizer step under ZeRO-3 on two ranks the manager syncs the engine from the
+    shards, bucket by bucket: its greedy tokens equal the trainer's (HFEngine on the sharded
+    module) and its float32 log-probs the trainer's teacher-forced ones within 1e-4."""
+    rows = zero3_sync_rows
+    assert len(rows) == 4 and {(r["rank"], r["step"]) for r in rows} == {(0, 1), (0, 2), (1, 1), (1, 2)}
+    for row in rows:
+        assert row["partitioned"]
+        assert row["greedy"] == row["trainer_greedy"]
+        assert row["greedy_log_prob_gap"] <= 1e-4 and row["sampled_log_prob_gap"] <= 1e-4
+        assert row["syncs"] == row["step"]  # one sync per optimizer step, none in between
+        assert row["sync_bytes"] == row["model_bytes"]
+        # Buckets stay below the limit or hold one decoder layer (591,872 bytes here): never the model.
+        assert row["buckets_per_sync"] > 1 and row["max_bucket_bytes"] < row["model_bytes"]
+    # The synced weights are the trained ones: not the pretrained folder's, and new after step 2.
+    by_step = {r["step"]: r for r in rows if r["rank"] == 0}
+    assert by_step[1]["greedy"] != by_step[1]["pretrained_greedy"]
+    assert by_step[2]["greedy"] != by_step[1]["greedy"]
