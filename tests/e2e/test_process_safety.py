@@ -1,0 +1,187 @@
+"""Processes that cannot corrupt or outlive a run, with real `torchrun` on 2 CPU ranks (train_sft,
+the quickest training command; the lifeline and the lock live in `run_command`, shared by all three):
+
+- `kill -9` of torchrun alone (what a scheduler or a closed terminal does) stops every rank: each
+  notices that its launcher is gone, saves a checkpoint and exits; the folder's lock is free again.
+- a second run started on the same `--ckpt_path` is refused with a message naming the folder and
+  the holder, while the first one goes on and finishes normally.
+- after a run is killed outright (every process, like a lost node), the same command line with
+  `--load_checkpoint if_present` takes its lock over and resumes from its last checkpoint.
+
+Bounds on time here are liveness bounds (a process must be gone at all), not performance figures.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lightrft.utils.run_lock import LOCK_NAME, RunLock, read_record
+from lightrft.utils.tiny import save_tiny_model
+from lightrft.utils.toy import arithmetic_splits, write_jsonl
+from tests.conftest import REPO_ROOT, free_port, subprocess_env
+
+pytestmark = pytest.mark.dist
+
+LIVENESS_BOUND_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("process_safety")
+    rows, _ = arithmetic_splits(n_train=160, n_eval=8, seed=0)
+    return {"model": save_tiny_model(root / "base", seed=0), "data": write_jsonl(rows, root / "train.jsonl")}
+
+
+def sft_command(task, out: Path, epochs: int, *extra) -> list[str]:
+    """torchrun train_sft on 2 ranks: 160 rows / 32 per step = 5 steps per epoch, a checkpoint
+    every 2 steps."""
+    args = ["-m", "lightrft.cli.train_sft", "--pretrain", task["model"], "--dataset", task["data"],
+            "--input_key", "input", "--output_key", "output", "--max_len", 16, "--zero_stage", 2,
+            "--max_epochs", epochs, "--train_batch_size", 32, "--micro_train_batch_size", 8,
+            "--learning_rate", 1e-3, "--lr_warmup_ratio", 0, "--seed", 1, "--save_path", out / "model",
+            "--ckpt_path", out / "ckpt", "--save_steps", 2, "--max_ckpt_num", 2, "--preemption_grace", 30, *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), *[str(a) for a in args]]
+
+
+class Launch:
+    """A torchrun started in the background, its output in files (a pipe would block the ranks
+    once torchrun, its reader, is gone)."""
+
+    def __init__(self, cmd: list[str], out: Path, name: str):
+        out.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = out / f"{name}.out", out / f"{name}.err"
+        with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=subprocess_env(), stdout=stdout, stderr=stderr)
+        self.workers: list[int] = []
+
+    def output(self) -> str:
+        return self.stdout_path.read_text() + "\n" + self.stderr_path.read_text()
+
+    def wait_for(self, condition, what: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if condition():
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"torchrun exited with {self.proc.returncode} before {what}:\n{self.output()[-6000:]}")
+            time.sleep(0.1)
+        pytest.fail(f"no {what} within {timeout} s:\n{self.output()[-6000:]}")
+
+    def find_workers(self) -> list[int]:
+        self.workers = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        assert len(self.workers) == 2, f"expected 2 rank processes under torchrun, found {self.workers}"
+        return self.workers
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *self.workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        deadline = time.monotonic() + LIVENESS_BOUND_S
+        while any(alive(pid) for pid in self.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@pytest.fixture
+def launches():
+    started: list[Launch] = []
+    yield started
+    for launch in started:  # nothing a test started may outlive it
+        try:
+            launch.find_workers()
+        except (AssertionError, psutil.NoSuchProcess):
+            pass
+        launch.kill_all()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def has_checkpoint(ckpt: Path, step: int) -> bool:
+    return (ckpt / "latest").exists() and int((ckpt / "latest").read_text().strip().removeprefix("global_step")) >= step
+
+
+def summary(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{") and "stop_reason" in line][-1])
+
+
+def test_killing_torchrun_stops_every_rank(task, tmp_path, launches):
+    out = tmp_path / "orphans"
+    run = Launch(sft_command(task, out, epochs=20000), out, "run")  # 100000 steps: hours
+    launches.append(run)
+    run.wait_for(lambda: has_checkpoint(out / "ckpt", 2), "checkpoint at step 2")
+    workers = run.find_workers()
+
+    os.kill(run.proc.pid, signal.SIGKILL)  # torchrun alone, as a scheduler or a closed terminal does
+    killed_at = time.monotonic()
+    run.proc.wait()
+    while any(alive(pid) for pid in workers) and time.monotonic() - killed_at < LIVENESS_BOUND_S:
+        time.sleep(0.1)
+    took = time.monotonic() - killed_at
+    left = [pid for pid in workers if alive(pid)]
+    assert not left, f"rank processes {left} still running {LIVENESS_BOUND_S} s after torchrun was killed"
+    print(f"\nboth ranks exited {took:.1f} s after torchrun was killed")
+
+    text = run.output()
+    assert text.count("the launcher (pid") == 2, text[-4000:]  # each rank noticed
+    assert "exiting now with code 143" not in text  # they stopped by saving, not by the hard deadline
+    # The step in progress was finished and saved: the newest checkpoint is the step they stopped at.
+    latest = (out / "ckpt" / "latest").read_text().strip()
+    stopped_at = summary(text)["step"]
+    assert summary(text)["stop_reason"] == "preempted" and latest == f"global_step{stopped_at}", (latest, stopped_at)
+    with RunLock(out / "ckpt") as lock:  # no orphan holds the folder
+        assert lock.taken_over is None  # rank 0 released it on its way out
+
+
+def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, tmp_path, launches):
+    out = tmp_path / "two_writers"
+    first = Launch(sft_command(task, out, epochs=4), out, "first")  # 20 steps
+    launches.append(first)
+    first.wait_for(lambda: (read_record(out / "ckpt" / LOCK_NAME) or {}).get("pid"), "lock taken by rank 0")
+    holder = read_record(out / "ckpt" / LOCK_NAME)
+
+    second = subprocess.run(sft_command(task, out, epochs=4), cwd=REPO_ROOT, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    message = f"{out / 'ckpt'} (--ckpt_path) is in use by another run: pid {holder['pid']} on host"
+    assert message in second.stderr, second.stderr[-4000:]
+    assert "train_sft: error:" in second.stderr and "run_lock.py" not in second.stderr  # one message, no traceback
+
+    assert first.proc.poll() is None or first.proc.returncode == 0  # the first run goes on
+    assert first.proc.wait(timeout=600) == 0, first.output()[-6000:]
+    assert summary(first.output())["stop_reason"] == "finished"
+    assert summary(first.output())["step"] == 20
+    assert read_record(out / "ckpt" / LOCK_NAME) is None  # released at exit
+
+
+def test_lock_of_a_killed_run_is_taken_over_and_the_same_command_resumes(task, tmp_path, launches):
+    out = tmp_path / "restart"
+    command = sft_command(task, out, 2, "--load_checkpoint", "if_present")  # the same for every launch
+    first = Launch(command, out, "first")
+    launches.append(first)
+    first.wait_for(lambda: has_checkpoint(out / "ckpt", 2), "checkpoint at step 2")
+    first.find_workers()
+    first.kill_all()  # every process, as when a node is lost: no clean release
+    dead_holder = read_record(out / "ckpt" / LOCK_NAME)
+    assert dead_holder and not alive(dead_holder["pid"])
+    resumed_from = (out / "ckpt" / "latest").read_text().strip()
+
+    again = subprocess.run(command, cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-6000:]
+    assert f"taking over the lock left by a run that is no longer running (pid {dead_holder['pid']}" in again.stderr
+    assert f"resumed from {out / 'ckpt' / resumed_from}" in again.stdout
+    assert summary(again.stdout)["step"] == 10 and summary(again.stdout)["stop_reason"] == "finished"
