@@ -24,6 +24,7 @@ from lightrft.algorithms.masked import masked_mean
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
+from lightrft.rollout.seeds import request_seeds
 from lightrft.trainer.experience import Experience
 from lightrft.utils.faults import fault_now
 
@@ -32,37 +33,6 @@ from lightrft.utils.faults import fault_now
 class RewardBatch:
     scores: Tensor   # (B,) float32 combined score per sample
     valid: Tensor    # (B,) bool; False where a reward source failed and dropped the sample
-
-
-def _pad_right(x: Tensor, width: int, value=0) -> Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.size(1)), value=value)
-
-
-def concat_rollouts(parts: list[RolloutOutput], pad_token_id: int) -> RolloutOutput:
-    """Concatenates rollouts of different prompt and response widths along the batch.
-
-    Prompts are left-padded to the widest prompt and responses right-padded to the longest
-    response, keeping the layout `sequences[:, -A:]` = responses."""
-    if len(parts) == 1:
-        return parts[0]
-    prompt_width = max(p.prompt_len for p in parts)
-    width = max(p.action_mask.size(1) for p in parts)
-    seqs, masks, action_masks, logps = [], [], [], []
-    for p in parts:
-        a = p.action_mask.size(1)
-        left = prompt_width - p.prompt_len
-        prompt, response = p.sequences[:, :-a] if a else p.sequences, p.sequences[:, -a:] if a else p.sequences[:, :0]
-        prompt_mask, response_mask = p.attention_mask[:, :-a] if a else p.attention_mask, \
-            p.attention_mask[:, -a:] if a else p.attention_mask[:, :0]
-        prompt = torch.nn.functional.pad(prompt, (left, 0), value=pad_token_id)
-        prompt_mask = torch.nn.functional.pad(prompt_mask, (left, 0), value=0)
-        seqs.append(torch.cat([prompt, _pad_right(response, width, pad_token_id)], dim=1))
-        masks.append(torch.cat([prompt_mask, _pad_right(response_mask, width, 0)], dim=1))
-        action_masks.append(_pad_right(p.action_mask, width, 0))
-        logps.append(_pad_right(p.rollout_log_probs, width, 0.0))
-    return RolloutOutput(sequences=torch.cat(seqs), attention_mask=torch.cat(masks),
-                         action_mask=torch.cat(action_masks), rollout_log_probs=torch.cat(logps),
-                         prompt_len=prompt_width)
 
 
 class NaiveExperienceMaker:
@@ -114,7 +84,7 @@ class NaiveExperienceMaker:
         self.apply_chat_template = apply_chat_template
         self.mask_truncated_samples = mask_truncated_samples
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-        self.calls = 0                 # training rollouts so far (the seed stream of sampling)
+        self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
         self.eval_calls = 0
         self.step = 0                  # the trainer's step being made (1-based), for fault hooks
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
@@ -128,28 +98,28 @@ class NaiveExperienceMaker:
         return [row[-self.prompt_max_len:] for row in ids]
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], params: SamplingParams) -> RolloutOutput:
-        """Samples `params.n` responses per prompt with the rollout engine, in chunks."""
-        prompt_ids = self.tokenize_prompts(prompts)
-        chunk = max(1, self.micro_rollout_batch_size // max(params.n, 1))
-        parts = [self.engine.generate(prompt_ids[i:i + chunk], params) for i in range(0, len(prompt_ids), chunk)]
-        return concat_rollouts(parts, self.tokenizer.pad_token_id)
-
-    def sampling_params(self, n: Optional[int] = None, evaluation: bool = False, **generate_kwargs) -> SamplingParams:
-        """SamplingParams from generate kwargs. The seed differs per rank and per call; evaluation
-        draws from its own seed stream, so evaluating never changes what training samples next."""
-        if evaluation:
-            self.eval_calls += 1
-            call = 10**9 + self.eval_calls
-        else:
+    def generate(self, prompts: list[str], params: SamplingParams, stream: str = "train") -> RolloutOutput:
+        """Samples `params.n` responses per prompt in one engine call. Each prompt draws from its
+        own random stream, derived from the run seed, the rollout count and the prompt's position
+        in the global batch (`lightrft.rollout.seeds`): samples are independent across prompts,
+        and a resumed run draws what the uninterrupted one would have."""
+        if stream == "train":
             self.calls += 1
             call = self.calls
-        seed = self.seed + 1_000_003 * self.strategy.rank + call
+        else:
+            self.eval_calls += 1
+            call = self.eval_calls
+        seeds = request_seeds(self.seed, call, self.strategy.rank * len(prompts), len(prompts), stream)
+        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
+
+    def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
+        """SamplingParams from generate kwargs (temperature, top_p, top_k, max_new_tokens,
+        min_new_tokens); the randomness comes from the per-prompt seeds of `generate`."""
         return SamplingParams(temperature=generate_kwargs.get("temperature", 1.0),
                               top_p=generate_kwargs.get("top_p", 1.0), top_k=generate_kwargs.get("top_k", 0),
                               max_new_tokens=generate_kwargs.get("max_new_tokens", 64),
                               min_new_tokens=generate_kwargs.get("min_new_tokens", 0),
-                              n=self.n_samples_per_prompt if n is None else n, seed=seed)
+                              n=self.n_samples_per_prompt if n is None else n)
 
     # ------------------------------------------------------------------------------------ rewards
     def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
@@ -253,7 +223,10 @@ class NaiveExperienceMaker:
 
     def truncated_rows(self, rollout: RolloutOutput) -> Tensor:
         """Which responses were cut at the length limit rather than ended by an EOS token (an
-        empty response counts as cut). Shape: (B,) bool."""
+        empty response counts as cut): the engine's own flags, else read off the last token (an
+        engine that does not report them). Shape: (B,) bool."""
+        if rollout.truncated is not None:
+            return rollout.truncated.bool().cpu()
         lengths = rollout.action_mask.sum(dim=1)                                     # (B,)
         a = rollout.action_mask.size(1)
         if a == 0:

@@ -19,6 +19,7 @@ from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
+from lightrft.rollout.manager import RolloutManager
 from lightrft.strategy.checkpoint_io import CheckpointSaveError
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
@@ -155,11 +156,14 @@ class PPOTrainer:
             module = strategy.unwrap_model(actor)
             rollout_engine = HFEngine(module.model, pad_token_id=tokenizer.pad_token_id,
                                       eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]),
+                                      micro_batch_size=micro_rollout_batch_size,
                                       synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
         self.rollout_engine = rollout_engine
+        # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
+        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, actor)
         self.experience_maker = NaiveExperienceMaker(
             actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
-            remote_rm_url, reward_fn, rollout_engine=rollout_engine, reward_sources=reward_sources,
+            remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
             advantage_estimator=self.algo.advantage_estimator, n_samples_per_prompt=self.algo.n_samples_per_prompt,
             kl_estimator=self.algo.kl_estimator, use_kl_loss=self.algo.use_kl_loss, gamma=self.algo.gamma,
             lambd=self.algo.lambd, micro_rollout_batch_size=micro_rollout_batch_size,
@@ -201,9 +205,8 @@ class PPOTrainer:
                 self.experience_maker.timings = dict.fromkeys(self.experience_maker.timings, 0.0)
                 if fault_now("sigterm-rollout", self.global_step + 1):
                     send_sigterm()
-                self.sync_rollout_weights()
                 experiences = self.make_experience(prompt_batches)
-                self.rollout_engine.sleep()
+                self.rollout.sleep()
                 if experiences is None:
                     break
                 rollout_time = time.time() - started
@@ -217,6 +220,7 @@ class PPOTrainer:
                 # 3. Optimise: epochs x micro-batches.
                 started = time.time()
                 train_logs = self.ppo_train(self.global_step)
+                self.rollout.mark_stale()
                 train_time = time.time() - started
                 self.replay_buffer.clear()
                 # 4. KL controller follows the observed KL (adaptive) or stays fixed.
@@ -293,17 +297,6 @@ class PPOTrainer:
         self.counters["dropped_groups"] += sum(e.batch_size for e in rest) // self.algo.n_samples_per_prompt
         self.counters["sampling_rounds"] += rounds
         return fill_to_size(kept, rest, target, self.algo.n_samples_per_prompt)
-
-    def sync_rollout_weights(self) -> None:
-        """Wakes a separate rollout engine (vLLM) and gives it the actor's current weights, one
-        parameter at a time (gathered from ZeRO-3, never written to disk). An engine that decodes
-        with the live module (HFEngine) needs nothing."""
-        self.rollout_engine.wake_up()
-        if getattr(self.rollout_engine, "shares_live_weights", False):
-            return
-        # One parameter per call: under ZeRO-3 a gathered tensor is only whole inside the iteration.
-        for name, tensor in self.strategy.iter_full_parameters(self.actor, prefix="model."):
-            self.rollout_engine.update_weights([(name, tensor)])
 
     def _any_rank_short(self, kept: list[Experience], target: int) -> bool:
         have = sum(e.batch_size for e in kept)
@@ -586,16 +579,15 @@ class PPOTrainer:
         greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
         for prompts, labels in eval_dataloader:
             prompts, labels = list(prompts), list(labels)
-            greedy = maker.sampling_params(n=1, evaluation=True, **{**self.generate_kwargs,
-                                                                    **self.eval_generate_kwargs, "temperature": 0.0})
-            rollout = maker.generate(prompts, greedy)
+            greedy = maker.sampling_params(n=1, **{**self.generate_kwargs, **self.eval_generate_kwargs,
+                                                     "temperature": 0.0})
+            rollout = maker.generate(prompts, greedy, stream="eval")
             rewards = maker.compute_rewards(rollout, prompts, labels, 1, shaping=False).scores
             greedy_sum += rewards.sum().item()
             greedy_n += rewards.numel()
             if k > 1:
-                params = maker.sampling_params(n=k, evaluation=True, **{**self.generate_kwargs,
-                                                                        **self.eval_generate_kwargs})
-                rollout = maker.generate(prompts, params)
+                params = maker.sampling_params(n=k, **{**self.generate_kwargs, **self.eval_generate_kwargs})
+                rollout = maker.generate(prompts, params, stream="eval")
                 scores = maker.compute_rewards(rollout, prompts, labels, k, shaping=False).scores.view(-1, k)
                 pass_sum += (scores > 0).any(dim=1).float().sum().item()
                 sample_sum += scores.mean(dim=1).sum().item()

@@ -15,7 +15,6 @@ from lightrft.trainer.experience import Experience
 from lightrft.trainer.ppo_trainer import AlgorithmConfig
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
 from lightrft.utils.tiny import build_char_tokenizer_with_bos
-from lightrft.utils.toy import greedy_accuracy
 from tests.trainer.ppo_harness import flags, make_task, max_weight_change, run
 
 
@@ -73,14 +72,33 @@ def test_gspo_optimises_the_sequence_level_objective(task, tmp_path, capsys):
     assert "train/policy_loss" in logs
 
 
+def greedy_math_reward(model_path, rows, max_new_tokens: int) -> float:
+    """Mean `math` rule reward of Hugging Face `generate`'s greedy responses: an evaluation written
+    independently of lightrft's engines and evaluation loop."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightrft.rewards.rules import math_answer_reward
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    responses = []
+    with torch.no_grad():
+        for row in rows:
+            ids = tokenizer(row["input"], return_tensors="pt")["input_ids"]
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            responses.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return math_answer_reward(responses, [row["label"] for row in rows]).float().mean().item()
+
+
 def test_evaluation_with_overlong_shaping_reports_the_unshaped_task_reward(task, tmp_path):
     # Before: the first evaluation crashed (the shaping needed a generation limit it was not given).
     logs, _ = run(task, tmp_path, remote_rm_url="math", overlong_buffer_len=3, eval_data=task["eval"],
                   eval_steps=1, generate_max_len=4)
-    # The math rule gives 0/1 per prompt, so the unshaped greedy reward is the greedy accuracy,
-    # measured here independently from the exported model.
-    expected = greedy_accuracy(tmp_path / "model", task["eval_rows"], max_new_tokens=4)
-    assert logs["eval/reward_greedy"] == pytest.approx(expected, abs=1e-9)
+    # The shaped reward would be lower (every 4-token response sits inside the 3-token buffer);
+    # evaluation must report the task reward itself.
+    expected = greedy_math_reward(tmp_path / "model", task["eval_rows"], max_new_tokens=4)
+    assert logs["eval/reward_greedy"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_a_zero_learning_rate_runs_and_leaves_the_policy_unchanged(task, tmp_path):
@@ -185,3 +203,41 @@ def test_the_reference_forward_is_skipped_when_no_kl_can_act():
     assert not maker.kl_in_use()
     maker.kl_ctl = FixedKLController(0.01)
     assert maker.kl_in_use()
+
+
+# ---------- sampling noise is independent across prompts and reproducible ----------
+
+def rollout_groups(task, seed: int, rank: int = 0, calls: int = 0) -> list[tuple]:
+    """Responses to 8 copies of one prompt, 4 samples each, as the experience maker draws them
+    with chunks of one prompt (micro_rollout_batch_size = G)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightrft.rollout.hf_engine import HFEngine
+    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+
+    tokenizer = AutoTokenizer.from_pretrained(task["model"])
+    model = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
+    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
+    maker.tokenizer, maker.prompt_max_len, maker.apply_chat_template = tokenizer, 16, False
+    maker.seed, maker.calls, maker.eval_calls, maker.n_samples_per_prompt = seed, calls, 0, 4
+    maker.micro_rollout_batch_size = 4
+    maker.strategy = SimpleNamespace(rank=rank)
+    maker.engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=4)
+    rollout = maker.generate(["3+4="] * 8, maker.sampling_params(max_new_tokens=6))
+    rows = [tuple(r) for r in rollout.sequences.tolist()]
+    return [tuple(rows[i:i + 4]) for i in range(0, 32, 4)]
+
+
+def test_copies_of_one_prompt_get_independent_samples(task):
+    # Before: every chunk re-used one seed, so 8 copies of a prompt gave 8 identical groups.
+    groups = rollout_groups(task, seed=0)
+    assert len(set(groups)) == 8
+    # Within a group the samples differ too, and the same run seed and step draw the same samples.
+    assert all(len(set(group)) > 1 for group in groups)
+    assert rollout_groups(task, seed=0) == groups
+    # Another rank (other global positions), another step, another run seed: other samples.
+    for other in (rollout_groups(task, seed=0, rank=1), rollout_groups(task, seed=0, calls=1),
+                  rollout_groups(task, seed=1)):
+        assert not set(other) & set(groups)
