@@ -6,7 +6,7 @@ Every source is called as `source(queries, prompts, labels)` and returns one rew
 
 from lightrft.rewards.base import RewardResult, RewardSource, RewardSourceError, as_reward_result
 from lightrft.rewards.factory import make_reward_source
-from lightrft.rewards.func import RewardFuncSource, load_reward_func
+from lightrft.rewards.func import RewardFuncProcess, RewardFuncSource, RewardFuncStats, load_reward_func
 from lightrft.rewards.remote import RemoteRewardClient, RemoteRewardStats, redact_url
 from lightrft.rewards.rules import (
     RULE_REWARDS,
@@ -21,8 +21,8 @@ from lightrft.rewards.rules import (
 from lightrft.rewards.shaping import overlong_penalty
 
 __all__ = [
-    "RULE_REWARDS", "RemoteRewardClient", "RemoteRewardStats", "RewardFuncSource", "RewardResult", "RewardSource",
-    "RewardSourceError", "RuleRewardSource", "answers_match", "as_reward_result", "extract_final_answer",
-    "format_reward", "get_rule_reward", "load_reward_func", "make_reward_source", "math_answer_reward",
-    "overlong_penalty", "redact_url", "register_rule_reward",
+    "RULE_REWARDS", "RemoteRewardClient", "RemoteRewardStats", "RewardFuncProcess", "RewardFuncSource",
+    "RewardFuncStats", "RewardResult", "RewardSource", "RewardSourceError", "RuleRewardSource", "answers_match",
+    "as_reward_result", "extract_final_answer", "format_reward", "get_rule_reward", "load_reward_func",
+    "make_reward_source", "math_answer_reward", "overlong_penalty", "redact_url", "register_rule_reward",
 ]

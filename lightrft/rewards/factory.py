@@ -3,7 +3,7 @@
 import functools
 
 from lightrft.rewards.base import RewardSource
-from lightrft.rewards.func import load_reward_func
+from lightrft.rewards.func import RewardFuncProcess
 from lightrft.rewards.remote import RemoteRewardClient
 from lightrft.rewards.rules import RULE_REWARDS, RuleRewardSource
 
@@ -13,8 +13,9 @@ def make_reward_source(spec: str, *, timeout: float = 30.0, max_retries: int = 3
     """Chooses the source by the form of `spec`:
 
     - `http://...` or `https://...`: a `RemoteRewardClient` with `timeout`, `max_retries`,
-      `backoff`, `on_failure` and `batch_size` (these only apply to HTTP sources);
-    - a path ending in `.py`: the file's `reward_func` (`load_reward_func`);
+      `backoff`, `on_failure` and `batch_size`;
+    - a path ending in `.py`: the file's `reward_func`, run in a worker process with `timeout`
+      per call and `on_failure` (`RewardFuncProcess`);
     - a builtin rule name (`math`, `format`, ...): that rule, with `rule_options` passed to it
       (for example `pattern=` for `format`).
     """
@@ -23,7 +24,7 @@ def make_reward_source(spec: str, *, timeout: float = 30.0, max_retries: int = 3
         return RemoteRewardClient(spec, timeout=timeout, max_retries=max_retries, backoff=backoff,
                                   on_failure=on_failure, batch_size=batch_size)
     if spec.endswith(".py"):
-        return load_reward_func(spec)
+        return RewardFuncProcess(spec, timeout=timeout, on_failure=on_failure)
     if spec in RULE_REWARDS:
         fn = RULE_REWARDS[spec]
         return RuleRewardSource(spec, functools.partial(fn, **rule_options) if rule_options else fn)

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from lightrft.rewards import RewardFuncSource, RewardSourceError, load_reward_func, make_reward_source
+from lightrft.rewards import RewardFuncProcess, RewardSourceError, load_reward_func, make_reward_source
 
 QUERIES = ["Q: 1+1? A: 2", "Q: 2+2? A: 5", "Q: 3+3? A: 6"]
 PROMPTS = ["Q: 1+1? A:", "Q: 2+2? A:", "Q: 3+3? A:"]
@@ -58,9 +58,13 @@ def test_list_return_and_make_reward_source(tmp_path):
         def reward_func(queries, prompts, labels):
             return [0.5 * i for i in range(len(queries))]
     """)
-    source = make_reward_source(str(path), timeout=5.0, on_failure="drop")  # HTTP options do not apply
-    assert isinstance(source, RewardFuncSource)
-    assert source(QUERIES, PROMPTS, LABELS).tolist() == [0.0, 0.5, 1.0]
+    assert load_reward_func(path)(QUERIES, PROMPTS, LABELS).tolist() == [0.0, 0.5, 1.0]
+    source = make_reward_source(str(path), timeout=5.0, on_failure="drop")  # a worker process, see test_func_process
+    try:
+        assert isinstance(source, RewardFuncProcess) and (source.timeout, source.on_failure) == (5.0, "drop")
+        assert source(QUERIES, PROMPTS, LABELS).rewards.tolist() == [0.0, 0.5, 1.0]
+    finally:
+        source.close()
 
 
 def test_two_files_with_the_same_name_stay_separate(tmp_path):
