@@ -185,3 +185,63 @@ def test_lock_of_a_killed_run_is_taken_over_and_the_same_command_resumes(task, t
     assert f"taking over the lock left by a run that is no longer running (pid {dead_holder['pid']}" in again.stderr
     assert f"resumed from {out / 'ckpt' / resumed_from}" in again.stdout
     assert summary(again.stdout)["step"] == 10 and summary(again.stdout)["stop_reason"] == "finished"
+
+
+# Each rank's first reward call hangs (a grader stuck on a pathological answer); later calls score.
+FIRST_CALL_HANGS = """
+import os, time
+from pathlib import Path
+
+def reward_func(queries, prompts, labels):
+    marker = Path(__file__).with_name(f"called-rank{os.environ['RANK']}")
+    if not marker.exists():
+        marker.write_text("")
+        time.sleep(3600)
+    return [1.0 if q[len(p):].strip().startswith(str(l)) else 0.0 for q, p, l in zip(queries, prompts, labels)]
+"""
+
+
+def grpo_command(task, out: Path, reward_file: Path, on_failure: str) -> list:
+    """train_ppo GRPO on 2 ranks for 2 steps: 4 prompts x 4 samples per step, 8 samples per rank."""
+    args = ["-m", "lightrft.cli.train_ppo", "--pretrain", task["model"], "--prompt_data", task["data"],
+            "--input_key", "input", "--label_key", "label", "--remote_rm_url", reward_file,
+            "--reward_timeout", 3, "--reward_on_failure", on_failure, "--advantage_estimator", "group_norm",
+            "--n_samples_per_prompt", 4, "--rollout_batch_size", 4, "--micro_rollout_batch_size", 8,
+            "--train_batch_size", 16, "--micro_train_batch_size", 8, "--generate_max_len", 4,
+            "--prompt_max_len", 16, "--init_kl_coef", 0, "--max_steps", 2, "--zero_stage", 2, "--seed", 0,
+            "--save_path", out / "model", "--ckpt_path", out / "ckpt", "--use_tensorboard", out / "tb"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), *[str(a) for a in args]]
+
+
+def test_hanging_reward_file_is_timed_out_dropped_and_logged(task, tmp_path):
+    from tests.e2e.conftest import tensorboard_scalars
+
+    out = tmp_path / "drop"
+    out.mkdir()
+    reward_file = out / "reward.py"
+    reward_file.write_text(FIRST_CALL_HANGS)
+    run = subprocess.run(grpo_command(task, out, reward_file, "drop"), cwd=REPO_ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert summary(run.stdout)["stop_reason"] == "max_steps" and summary(run.stdout)["step"] == 2
+    scalars = {tag: values[-1][1] for tag, values in tensorboard_scalars(out / "tb").items()}
+    # Summed over both ranks after 2 steps: each rank's first call timed out (8 samples dropped)
+    # and its worker was replaced; the second calls scored.
+    assert scalars["rollout/reward_source0_timeouts"] == 2
+    assert scalars["rollout/reward_source0_dropped"] == 16
+    assert scalars["rollout/reward_source0_restarts"] == 2
+    assert scalars["rollout/reward_source0_calls"] == 4
+    assert scalars["rollout/reward_source0_crashes"] == scalars["rollout/reward_source0_errors"] == 0
+
+
+def test_hanging_reward_file_under_error_policy_stops_the_run_naming_it(task, tmp_path):
+    out = tmp_path / "error"
+    out.mkdir()
+    reward_file = out / "reward.py"
+    reward_file.write_text("import time\n\ndef reward_func(queries, prompts, labels):\n    time.sleep(3600)\n")
+    run = subprocess.run(grpo_command(task, out, reward_file, "error"), cwd=REPO_ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    assert (f"train_ppo: error: reward_func in {reward_file}: no answer within timeout=3.0s (--reward_timeout)"
+            in run.stderr), run.stderr[-6000:]
