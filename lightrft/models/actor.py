@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.hf_utils import (
+    check_packing_support,
     default_attn_implementation,
     enable_gradient_checkpointing,
     explain_load_errors,
@@ -16,6 +17,7 @@ from lightrft.models.hf_utils import (
     packed_forward_kwargs,
     padded_forward_kwargs,
     resolve_pretrained,
+    zero_dropout,
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 
@@ -38,6 +40,12 @@ class ActorLanguage(nn.Module):
         gradient_checkpointing: recompute activations in the backward pass (non-reentrant).
         temperature: logits are divided by it before log-softmax and entropy, matching sampling
             at that temperature.
+        disable_dropout: set every dropout probability of the model to 0 (`hf_utils.zero_dropout`),
+            so that training forwards compute the function the rollouts were scored with and the
+            first on-policy update has an importance ratio of exactly 1. LoRA dropout is kept.
+        packing_samples: the model will get packed rows; an architecture that cannot be packed
+            exactly is refused here (`hf_utils.check_packing_support`) rather than at its first
+            packed forward.
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`.
     """
@@ -55,6 +63,8 @@ class ActorLanguage(nn.Module):
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
         temperature: float = 1.0,
+        disable_dropout: bool = True,
+        packing_samples: bool = False,
     ) -> None:
         super().__init__()
         if temperature <= 0:
@@ -75,6 +85,9 @@ class ActorLanguage(nn.Module):
                     attn_implementation=attn_implementation or default_attn_implementation(),
                     trust_remote_code=trust_remote_code,
                 )
+        if disable_dropout:
+            # Before LoRA wraps the model, so an explicit --lora_dropout stays in force.
+            zero_dropout(model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.lora_rank = lora_rank
@@ -92,6 +105,21 @@ class ActorLanguage(nn.Module):
             )
             model = get_peft_model(model, lora_config)
         self.model = model
+        self.packing_checked = False
+        if packing_samples:
+            self.check_packing()
+
+    def check_packing(self) -> None:
+        """Raises if this architecture cannot be packed exactly with its attention; runs once,
+        at construction with `packing_samples=True`, else before the first packed forward."""
+        if not self.packing_checked:
+            check_packing_support(self.model, "--pretrain")
+            self.packing_checked = True
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model routes tokens to experts and can report router logits."""
+        return hasattr(self.model.config, "output_router_logits")
 
     @property
     def attn_implementation(self) -> str:
@@ -105,6 +133,7 @@ class ActorLanguage(nn.Module):
         return_output: bool = False,
         packed_seq_lens: list[int] | None = None,
         return_entropy: bool = False,
+        return_aux_loss: bool = False,
     ):
         """Log-probabilities of the action tokens (the last `num_actions` tokens of each sequence).
 
@@ -123,13 +152,30 @@ class ActorLanguage(nn.Module):
         K = sum(num_actions)), plus `output["entropy"]` (same layout as log_probs, float32) when
         `return_entropy=True`. With `num_actions=None` returns the full model output (logits over
         every position, e.g. for a pretraining/SFT loss).
-        """
-        if packed_seq_lens is None:
-            return self._forward_padded(sequences, num_actions, attention_mask, return_output, return_entropy)
-        return self._forward_packed(sequences, num_actions, packed_seq_lens, return_output, return_entropy)
 
-    def _forward_padded(self, sequences, num_actions, attention_mask, return_output, return_entropy):
-        kwargs = padded_forward_kwargs(sequences, attention_mask)
+        With `return_aux_loss=True` a mixture-of-experts model is asked for its router logits and
+        `output["aux_loss"]` holds its load-balancing loss (Switch Transformer eq. 4, as transformers
+        computes it: over the real tokens of the batch, pads excluded, unscaled by
+        `router_aux_loss_coef`), a scalar tensor; None for a model without one. Packed and padded
+        layouts give the same value, as both count exactly the real tokens.
+        """
+        if return_aux_loss and num_actions is not None and not return_output:
+            raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
+        extra = {"output_router_logits": True} if return_aux_loss and self.is_moe else {}
+        if packed_seq_lens is None:
+            kwargs = {**padded_forward_kwargs(sequences, attention_mask), **extra}
+            result = self._forward_padded(kwargs, sequences, num_actions, return_output, return_entropy)
+        else:
+            self.check_packing()
+            kwargs = {**packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation), **extra}
+            result = self._forward_packed(kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy)
+        if return_aux_loss:
+            output = result[1] if isinstance(result, tuple) else result
+            aux_loss = output.get("aux_loss") if extra else None
+            output["aux_loss"] = aux_loss if isinstance(aux_loss, torch.Tensor) else None
+        return result
+
+    def _forward_padded(self, kwargs, sequences, num_actions, return_output, return_entropy):
         if num_actions is None:
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, None)
@@ -142,8 +188,7 @@ class ActorLanguage(nn.Module):
             output["entropy"] = entropy_from_logits(output.logits, self.temperature)  # (B, A)
         return (log_probs, output) if return_output else log_probs
 
-    def _forward_packed(self, sequences, num_actions, packed_seq_lens, return_output, return_entropy):
-        kwargs = packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation)
+    def _forward_packed(self, kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy):
         if num_actions is None:
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, packed_seq_lens)

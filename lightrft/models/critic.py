@@ -6,10 +6,12 @@ import torch
 from torch import nn
 
 from lightrft.models.hf_utils import (
+    check_packing_support,
     enable_gradient_checkpointing,
     strip_prefix,
     value_forward_kwargs,
     value_model_from,
+    zero_dropout,
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 
@@ -23,7 +25,8 @@ class Critic(nn.Module):
             policy or the reward model): the backbone loads and the head starts fresh.
         value_head_prefix: attribute and weight-name prefix of the head
             `nn.Linear(hidden_size, 1, bias=False)`; saved in config.json.
-        bf16, attn_implementation, trust_remote_code, gradient_checkpointing: as for ActorLanguage.
+        bf16, attn_implementation, trust_remote_code, gradient_checkpointing, disable_dropout,
+            packing_samples: as for ActorLanguage.
 
     `.model` is the `PreTrainedModel` (backbone under its usual prefix, head under
     `value_head_prefix`); `.head_loaded` says whether the head came from the folder.
@@ -38,6 +41,8 @@ class Critic(nn.Module):
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        packing_samples: bool = False,
     ) -> None:
         super().__init__()
         self.value_head_prefix = value_head_prefix
@@ -50,6 +55,17 @@ class Critic(nn.Module):
             trust_remote_code=trust_remote_code,
             gradient_checkpointing=gradient_checkpointing,
         )
+        if disable_dropout:
+            zero_dropout(self.model)
+        self.packing_checked = False
+        if packing_samples:
+            self.check_packing()
+
+    def check_packing(self) -> None:
+        """Raises if this architecture cannot be packed exactly with its attention; runs once."""
+        if not self.packing_checked:
+            check_packing_support(self.model, "--critic_pretrain")
+            self.packing_checked = True
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "Critic":
@@ -71,6 +87,8 @@ class Critic(nn.Module):
         actions left-aligned, right-padded with 0 (the actor's layout).
         """
         check_num_actions(num_actions, sequences, packed_seq_lens)
+        if packed_seq_lens is not None:
+            self.check_packing()
         kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is None:

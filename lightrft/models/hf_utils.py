@@ -1,21 +1,24 @@
 """Hugging Face plumbing shared by the actor, critic and reward model wrappers.
 
 - `resolve_pretrained`: a clear error for a model path that does not exist.
-- `default_attn_implementation` and the `VARLEN_SDPA` attention registered with transformers: how
-  packed sequences are kept apart without ever building a (P x P) mask.
+- `default_attn_implementation` and the `VARLEN_ATTENTION` attention registered with transformers:
+  how packed sequences are kept apart without ever building a (P x P) mask, for every layer type
+  (full, sliding window, soft-capped).
+- `check_packing_support`: refuses, at model load, architectures that cannot be packed exactly.
+- `zero_dropout`: zeroes every dropout probability, so training forwards equal scoring forwards.
 - `padded_forward_kwargs` / `packed_forward_kwargs`: the keyword arguments of one forward call.
 - `value_model_class`: a backbone (`AutoModel`, no LM head) plus a scalar value head, as a
   `PreTrainedModel` so it saves and loads as a Hugging Face folder.
 
 Which attention runs where (details in docs/packing.md):
 
-| device, flash-attn        | default implementation | packed sequences                              |
-|---------------------------|------------------------|-----------------------------------------------|
-| CUDA, flash-attn present  | "flash_attention_2"    | varlen kernel, `cu_seq_lens_*` passed          |
-| CUDA without flash-attn   | VARLEN_SDPA            | one causal SDPA call per sequence (no mask)    |
-| CPU                       | VARLEN_SDPA            | one causal SDPA call per sequence (no mask)    |
-| user picks "sdpa"/"eager" | as given               | block-diagonal (P x P) mask from position ids  |
-| user picks flex_attention | as given               | block-sparse mask from position ids            |
+| device, flash-attn        | default implementation | packed sequences                                  |
+|---------------------------|------------------------|---------------------------------------------------|
+| CUDA, flash-attn present  | "flash_attention_2"    | varlen kernel, `cu_seq_lens_*` passed              |
+| CUDA without flash-attn   | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
+| CPU                       | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
+| user picks "sdpa"/"eager" | as given               | block-diagonal (P x P) mask from position ids      |
+| user picks flex_attention | as given               | block-sparse mask from position ids                |
 """
 
 import importlib.util
@@ -29,15 +32,20 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from lightrft.models.packing import check_seq_lens, cu_seqlens, packed_position_ids
 
-VARLEN_SDPA = "lightrft_varlen_sdpa"
+VARLEN_ATTENTION = "lightrft_varlen"
+# Earlier name, still registered. Names containing "sdpa" make transformers demand SDPA support
+# from the model class, which some architectures do not declare; the current name avoids that.
+VARLEN_SDPA_LEGACY = "lightrft_varlen_sdpa"
+VARLEN_SDPA = VARLEN_ATTENTION  # the constant's earlier name, kept for imports
 FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")
 HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def resolve_pretrained(path: str | os.PathLike, flag: str) -> str:
@@ -75,53 +83,152 @@ def model_dtype(bf16: bool) -> torch.dtype:
 
 
 def default_attn_implementation() -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed, else VARLEN_SDPA (exact packing on
-    CPU and memory-efficient packing on CUDA without flash-attn)."""
+    """flash_attention_2 on CUDA when flash-attn is installed, else VARLEN_ATTENTION (exact packing
+    on CPU and memory-efficient packing on CUDA without flash-attn)."""
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return VARLEN_SDPA
+    return VARLEN_ATTENTION
 
 
-def varlen_sdpa_attention(
+def causal_band_mask(q_length: int, kv_length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Query i may see key j iff j <= i and i - j < window (no window: j <= i); upper-left aligned,
+    as for a sequence that starts at position 0. The window convention is transformers'
+    (`sliding_window_overlay`: kv_idx > q_idx - window) and flash-attention's (window_size=(window-1, 0)).
+    Shape: (1, 1, q_length, kv_length) bool
+    """
+    q = torch.arange(q_length, device=device).unsqueeze(1)  # (q, 1)
+    k = torch.arange(kv_length, device=device).unsqueeze(0)  # (1, kv)
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed.view(1, 1, q_length, kv_length)
+
+
+def softcapped_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    softcap: float,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention with logit soft-capping, softmax(softcap * tanh(q k^T * scaling / softcap)) v, as
+    Gemma 2's eager attention computes it (SDPA kernels have no soft-capping). `attention_mask` is
+    a bool mask (True = attend) or an additive float mask, or None for no mask.
+    Shape: query (B, H, L, D), key/value (B, H_kv, S, D), mask (B or 1, 1, L, S) -> (B, L, H, D)
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # (B, H, L, S)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None  # (B, L, H, D)
+
+
+def _attend(module, query, key, value, attention_mask, window, softcap, **kwargs) -> torch.Tensor:
+    """One attention call honouring the layer's sliding window and soft-capping. A None mask means
+    "causal from position 0" (what `varlen_attention_mask` returns for unpadded, uncached rows), so
+    the window is applied here when it bites; otherwise the mask already holds it.
+    Shape: query (B, H, L, D), key/value (B, H_kv, S, D) -> (B, L, H, D)"""
+    q_length, kv_length = query.size(2), key.size(2)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if attention_mask is None and causal and q_length > 1:
+        if (window is not None and q_length > window) or softcap is not None:
+            attention_mask = causal_band_mask(q_length, kv_length, window, query.device)
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+    kwargs.pop("is_causal", None)
+    return softcapped_attention(module, query, key, value, attention_mask, softcap, **kwargs)[0]
+
+
+def varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     packed_seq_lens: list[int] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Scaled dot-product attention that keeps packed sequences apart without a mask.
+    """Attention that keeps packed sequences apart without a (P x P) mask, honouring each layer's
+    own attention: its sliding window (`sliding_window`, per layer as Gemma 2/3 and Qwen2 pass it),
+    logit soft-capping (`softcap`), `scaling` and `dropout`.
 
-    With `packed_seq_lens` (host-side lengths of the sequences in a packed row) it runs one causal
-    SDPA call per sequence on slices of the row; nothing of size (P x P) is built, and on CUDA each
-    call can use the flash / memory-efficient SDPA kernels. Otherwise it is transformers' SDPA.
+    With `packed_seq_lens` (host-side lengths of the sequences in a packed row) it attends within
+    each sequence's slice of the row, causally from that sequence's first token; a mask the model
+    built over the whole row is cut into its diagonal blocks. Without it, it is transformers' SDPA
+    (plus soft-capping, and the window where `varlen_attention_mask` built no mask).
+    On CUDA each SDPA call can use the flash / memory-efficient kernels; memory grows with the
+    longest sequence (times the window or soft-capping scores), never with P^2.
     Shape: query (1, H, P, D), key/value (1, H_kv, P, D) -> output (1, P, H, D)
     """
-    if packed_seq_lens is None or attention_mask is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None and max(packed_seq_lens) > window:
-        raise ValueError(
-            f"a packed sequence of {max(packed_seq_lens)} tokens exceeds this layer's sliding window of {window}; "
-            f"{VARLEN_SDPA} has no sliding-window support: use attn_implementation='flash_attention_2' or 'sdpa'"
-        )
+    for name in ("s_aux", "position_bias"):
+        if kwargs.get(name) is not None and packed_seq_lens is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} passes {name!r} to its attention, which {VARLEN_ATTENTION} does not "
+                "implement for packed rows; train without --packing_samples, or pass --attn_implementation eager"
+            )
+    if packed_seq_lens is None:
+        return _attend(module, query, key, value, attention_mask, sliding_window, softcap, **kwargs), None
+    if query.size(0) != 1:
+        raise ValueError(f"a packed forward takes one row (1, P), got a batch of {query.size(0)}")
     outputs, start = [], 0
     for length in packed_seq_lens:
         stop = start + length
-        out, _ = sdpa_attention_forward(
-            module, query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop], None, **kwargs
-        )
-        outputs.append(out)  # (1, L_i, H, D)
+        block = None if attention_mask is None else attention_mask[..., start:stop, start:stop]
+        piece = slice(start, stop)
+        outputs.append(_attend(module, query[:, :, piece], key[:, :, piece], value[:, :, piece], block,
+                               sliding_window, softcap, **kwargs))  # (1, L_i, H, D)
         start = stop
     return torch.cat(outputs, dim=1), None
 
 
-# Masks for VARLEN_SDPA are transformers' SDPA masks: packed forwards pass an all-ones padding mask,
-# for which no mask is built (plain causal), and the attention splits the row by sequence. A caller
-# that packs without `packed_seq_lens` still gets transformers' exact block-diagonal mask.
-AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
-AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
+def varlen_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> torch.Tensor | None:
+    """The mask function of VARLEN_ATTENTION: transformers' SDPA mask, except that rows without
+    padding and without a cache (every packed row, and unpadded training batches) get no mask at
+    all, for full and sliding-window layers alike. `varlen_attention` then attends causally within
+    each sequence and applies the layer's window itself, the way flash attention's varlen kernel
+    does; a (P x P) mask over a packed row would ignore the sequence borders.
+    Masks that cannot be skipped (padding, a KV cache, extra mask functions such as bidirectional
+    image tokens, which set `allow_is_causal_skip=False`) are built as for SDPA.
+    Shape: attention_mask (B, S) 2-D padding mask -> (B, 1, L, S) bool, or None
+    """
+    no_offset = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
+    unpadded = attention_mask is None or (attention_mask.shape[-1] == kv_length and bool(attention_mask.all()))
+    if allow_is_causal_skip and no_offset and q_length == kv_length and unpadded:
+        return None
+    return sdpa_mask(
+        batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip, **kwargs,
+    )
+
+
+for _name in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
+    AttentionInterface.register(_name, varlen_attention)
+    AttentionMaskInterface.register(_name, varlen_attention_mask)
 
 
 def positions_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -149,8 +256,8 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
     """Keyword arguments for a forward over a packed row (1, P) of sequences with lengths `seq_lens`.
 
     - flash attention: `cu_seq_lens_*` / `max_length_*` select the varlen kernel (no mask at all).
-    - VARLEN_SDPA: an all-ones padding mask makes transformers skip mask building; the attention
-      splits the row by `packed_seq_lens`.
+    - VARLEN_ATTENTION: an all-ones padding mask makes `varlen_attention_mask` skip mask building;
+      the attention splits the row by `packed_seq_lens`.
     - anything else (sdpa, eager, flex_attention): no padding mask and restarting position ids, from
       which transformers derives the block-diagonal mask. `use_cache=False` is required for that
       detection (transformers only looks for packing when there is no cache).
@@ -166,9 +273,79 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
     if attn_implementation in FLASH_IMPLEMENTATIONS:
         starts = cu_seqlens(seq_lens, input_ids.device)
         kwargs.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(seq_lens), max_length_k=max(seq_lens))
-    elif attn_implementation == VARLEN_SDPA:
+    elif attn_implementation in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
         kwargs.update(attention_mask=torch.ones_like(input_ids), packed_seq_lens=seq_lens)
     return kwargs
+
+
+def packing_problem(model: nn.Module) -> tuple[str, bool] | None:
+    """Why `model` cannot be packed exactly with its attention implementation, as (reason,
+    whether only padded batches help), or None if it can.
+
+    Packing is exact when attention runs through transformers' attention interface and masks (so
+    the chosen implementation sees the sequence borders, and each layer's window and soft-capping
+    are applied per sequence) and every layer mixes tokens only through attention: a recurrent or
+    convolutional layer would carry state across the border of two packed sequences.
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = f"{type(model).__name__} (model_type {getattr(text, 'model_type', '?')!r})"
+    other_layers = sorted({t for t in (getattr(text, "layer_types", None) or []) if t not in ATTENTION_LAYER_TYPES})
+    if other_layers:
+        return f"{name} has {', '.join(other_layers)} layers, which carry state across packed sequences", True
+    if getattr(model, "_supports_attention_backend", True) is False:
+        return f"{name} does not run its attention through transformers' attention interface", True
+    if getattr(text, "alibi", False):
+        return f"{name} uses ALiBi position biases", True
+    if config._attn_implementation in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
+        if getattr(text, "attention_chunk_size", None):
+            return f"{name} uses chunked attention (attention_chunk_size={text.attention_chunk_size})", False
+        if getattr(text, "use_bidirectional_attention", False):
+            return f"{name} uses bidirectional attention", False
+    return None
+
+
+def check_packing_support(model: nn.Module, flag: str) -> None:
+    """Raises, naming the model, its attention and the ways out, if `packing_problem` finds one."""
+    found = packing_problem(model)
+    if found is None:
+        return
+    problem, padded_only = found
+    remedy = "train without --packing_samples (padded batches)"
+    if not padded_only:
+        remedy += (", or pass --attn_implementation eager or sdpa (packed rows then get a block-diagonal mask "
+                   "built by transformers)")
+    raise ValueError(
+        f"{flag}: {problem}, so packed sequences would not get the log-probs and values they get alone "
+        f"(attn_implementation={model.config._attn_implementation!r}); {remedy}"
+    )
+
+
+DROPOUT_ATTRIBUTE = re.compile(r"(dropout|pdrop|jitter_noise)$|dropout_(p|prob|rate)$")
+
+
+def zero_dropout(model: nn.Module) -> None:
+    """Sets every dropout probability of `model` to 0: `nn.Dropout` modules, float attributes of
+    modules and of the config (and its sub-configs) whose name ends in "dropout", "pdrop" or
+    "jitter_noise" (attention dropout is usually read from such an attribute at every forward;
+    MoE router jitter is multiplicative noise on the router input).
+
+    Why: RL needs the training forward of the policy to compute the same function the rollout
+    and the old log-probs came from; with dropout on, the first, on-policy update already has an
+    importance ratio away from 1 (TRL disables dropout in its RL trainers for the same reason).
+    """
+    configs = [model.config] if isinstance(getattr(model, "config", None), PretrainedConfig) else []
+    for config in configs:
+        configs.extend(value for value in vars(config).values() if isinstance(value, PretrainedConfig))
+        for key, value in list(vars(config).items()):
+            if DROPOUT_ATTRIBUTE.search(key) and isinstance(value, float):
+                setattr(config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if DROPOUT_ATTRIBUTE.search(key) and isinstance(value, float):
+                setattr(module, key, 0.0)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from lightrft.models.hf_utils import (
+    check_packing_support,
     enable_gradient_checkpointing,
     strip_prefix,
     value_forward_kwargs,
     value_model_from,
+    zero_dropout,
 )
 from lightrft.models.packing import check_seq_lens
 
@@ -28,7 +30,8 @@ class RewardModel(nn.Module):
         init_value_head: allow a folder without head weights (a causal LM or backbone) and start
             the head fresh, as reward-model training does. Without it such a folder is an error,
             since scoring with an untrained head would silently give noise.
-        bf16, attn_implementation, trust_remote_code, gradient_checkpointing: as for ActorLanguage.
+        bf16, attn_implementation, trust_remote_code, gradient_checkpointing, disable_dropout,
+            packing_samples: as for ActorLanguage.
     """
 
     def __init__(
@@ -42,6 +45,8 @@ class RewardModel(nn.Module):
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        packing_samples: bool = False,
     ) -> None:
         super().__init__()
         self.value_head_prefix = value_head_prefix
@@ -54,6 +59,11 @@ class RewardModel(nn.Module):
             trust_remote_code=trust_remote_code,
             gradient_checkpointing=gradient_checkpointing,
         )
+        if disable_dropout:
+            zero_dropout(self.model)
+        self.packing_checked = False
+        if packing_samples:
+            self.check_packing()
         if not self.head_loaded and not init_value_head:
             raise ValueError(
                 f"--reward_pretrain {os.fspath(pretrain_or_model)!r} has no value-head weights "
@@ -64,6 +74,12 @@ class RewardModel(nn.Module):
         config.normalize_reward = bool(normalize_reward)
         config.mean = float(getattr(config, "mean", 0.0))
         config.std = float(getattr(config, "std", 1.0))
+
+    def check_packing(self) -> None:
+        """Raises if this architecture cannot be packed exactly with its attention; runs once."""
+        if not self.packing_checked:
+            check_packing_support(self.model, "--reward_pretrain")
+            self.packing_checked = True
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "RewardModel":
@@ -89,6 +105,8 @@ class RewardModel(nn.Module):
         Packed: sequences (1, P), packed_seq_lens N lengths -> (N,).
         With `config.normalize_reward`: (r - config.mean) / config.std.
         """
+        if packed_seq_lens is not None:
+            self.check_packing()
         kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is not None:
