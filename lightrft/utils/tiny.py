@@ -1,20 +1,35 @@
 """Tiny tokenizers and causal LMs built in code, for tests, benchmarks and the quickstart.
 
 Nothing here downloads anything: the tokenizer is character level over printable ASCII and the
-models are Qwen2- or Llama-shaped transformers built from a small config with seeded weights.
+models are transformers built from a small config with seeded weights: Qwen2- or Llama-shaped
+(`build_tiny_causal_lm`), or any architecture of `TINY_ARCHS` (`build_tiny_arch`), the model
+families the compatibility matrix (tests/models/test_arch_matrix.py, docs/models.md) covers.
 """
 
 import string
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -91,5 +106,121 @@ def save_tiny_model(path: str | Path, arch: str = "qwen2", seed: int = 0, **size
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, arch=arch, seed=seed, **sizes)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def build_char_tokenizer_with_bos() -> PreTrainedTokenizerFast:
+    """`build_char_tokenizer` whose encodings start with "<s>" (id 1), as Llama's and Gemma's
+    tokenizers do: `encode("ab") == [1, ...]`, and the chat template sees the same BOS rule."""
+    tokenizer = build_char_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.bos_token_id)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# Every tiny architecture: hidden 64, 2 layers, 2 query heads of head_dim 32 (>= 32 so vLLM's CPU
+# attention takes the same configs), one KV head where the family has grouped-query attention.
+# Sliding windows are 8 tokens, so sequences of 9+ tokens cross them. Weights are drawn with std
+# 0.1 (not the usual 0.02) so attention is far from uniform and soft-caps bite: a window or a cap
+# that is ignored changes log-probs by tenths of a nat, not by 1e-5.
+TINY_WINDOW = 8
+TINY_INIT_STD = 0.1
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
+               initializer_range=TINY_INIT_STD)
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """A tiny configuration of one model family."""
+
+    name: str  # key in TINY_ARCHS
+    family: str  # what users know it as
+    config: Callable[[dict], PretrainedConfig]  # token-id kwargs -> config
+    bos_tokenizer: bool = False  # the family's tokenizers add BOS (build_char_tokenizer_with_bos)
+    features: str = ""  # what this tiny config exercises
+
+
+def _gpt2(ids: dict) -> PretrainedConfig:
+    # GPT-2 keeps its default dropout (0.1 everywhere), which RL must switch off.
+    return GPT2Config(n_embd=64, n_layer=2, n_head=2, n_inner=128, n_positions=512,
+                      initializer_range=TINY_INIT_STD, **ids)
+
+
+TINY_ARCHS: dict[str, TinyArch] = {arch.name: arch for arch in [
+    TinyArch("llama", "Llama", lambda ids: LlamaConfig(**_COMMON, **ids), bos_tokenizer=True,
+             features="grouped-query attention, BOS-adding tokenizer"),
+    TinyArch("qwen2", "Qwen2 / Qwen2.5", lambda ids: Qwen2Config(
+        **_COMMON, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1, **ids),
+        features=f"`use_sliding_window`: layer 0 full, layer 1 window {TINY_WINDOW}"),
+    TinyArch("qwen3", "Qwen3", lambda ids: Qwen3Config(**_COMMON, head_dim=32, **ids),
+             features="QK-norm"),
+    TinyArch("qwen3_moe", "Qwen3-MoE", lambda ids: Qwen3MoeConfig(
+        **_COMMON, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, **ids),
+        features="4 experts, top-2"),
+    TinyArch("mixtral", "Mixtral", lambda ids: MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, **ids), features="4 experts, top-2"),
+    TinyArch("mistral", "Mistral", lambda ids: MistralConfig(**_COMMON, sliding_window=TINY_WINDOW, **ids),
+             features=f"sliding window {TINY_WINDOW} on every layer"),
+    TinyArch("gemma2", "Gemma 2", lambda ids: Gemma2Config(
+        **_COMMON, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=32,
+        attn_logit_softcapping=1.0, final_logit_softcapping=30.0, **ids),
+        features=f"alternating window {TINY_WINDOW} / full layers, attention soft-cap 1, final soft-cap 30"),
+    TinyArch("gemma3", "Gemma 3 (text)", lambda ids: Gemma3TextConfig(
+        **_COMMON, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"], **ids), bos_tokenizer=True,
+        features=f"window {TINY_WINDOW} / full layers, QK-norm, scaling 16^-0.5"),
+    TinyArch("phi3", "Phi-3", lambda ids: Phi3Config(**_COMMON, sliding_window=TINY_WINDOW, **ids),
+             features=f"fused QKV, sliding window {TINY_WINDOW}"),
+    TinyArch("gpt_neox", "GPT-NeoX / Pythia", lambda ids: GPTNeoXConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False, initializer_range=TINY_INIT_STD, **ids),
+        features="partial rotary, parallel residual"),
+    TinyArch("gpt2", "GPT-2", _gpt2, features="learned positions, default dropout 0.1"),
+]}
+
+
+def tiny_tokenizer(arch: str) -> PreTrainedTokenizerFast:
+    """The character tokenizer that matches `arch` (with BOS where the family adds one)."""
+    return build_char_tokenizer_with_bos() if _tiny_arch(arch).bos_tokenizer else build_char_tokenizer()
+
+
+def _tiny_arch(arch: str) -> TinyArch:
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
+    return TINY_ARCHS[arch]
+
+
+def build_tiny_arch(arch: str, tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised tiny causal LM of family `arch` (a key of TINY_ARCHS) in float32,
+    sized for `tokenizer` (default `tiny_tokenizer(arch)`). Same seed, same weights."""
+    spec = _tiny_arch(arch)
+    tokenizer = tokenizer or tiny_tokenizer(arch)
+    ids = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = spec.config(ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    return model.float()
+
+
+def save_tiny_arch(path: str | Path, arch: str, seed: int = 0) -> Path:
+    """`build_tiny_arch` and its tokenizer saved as a Hugging Face folder."""
+    path = Path(path)
+    tokenizer = tiny_tokenizer(arch)
+    build_tiny_arch(arch, tokenizer, seed=seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
