@@ -147,6 +147,28 @@ def test_killing_torchrun_stops_every_rank(task, tmp_path, launches):
         assert lock.taken_over is None  # rank 0 released it on its way out
 
 
+def test_rank_left_alone_when_torchrun_and_its_peer_die_still_exits(task, tmp_path, launches):
+    # No peer is left to finish a step or a save with. On one host gloo sees the peer's connection
+    # reset and the survivor's collective fails at once; across hosts it may wait instead, which the
+    # lifeline's deadline (here min(--preemption_grace, 60) = 20 s) ends: tests/utils/test_lifeline.py.
+    out = tmp_path / "alone"
+    run = Launch(sft_command(task, out, 20000, "--preemption_grace", 20), out, "run")
+    launches.append(run)
+    run.wait_for(lambda: has_checkpoint(out / "ckpt", 2), "checkpoint at step 2")
+    survivor, peer = run.find_workers()
+    for pid in (run.proc.pid, peer):
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    run.proc.wait()
+    while alive(survivor) and time.monotonic() - killed_at < LIVENESS_BOUND_S:
+        time.sleep(0.1)
+    assert not alive(survivor), f"rank {survivor} still running {LIVENESS_BOUND_S} s after torchrun and its peer died"
+    print(f"\nthe surviving rank exited {time.monotonic() - killed_at:.1f} s after torchrun and its peer were killed")
+    assert "the launcher (pid" in run.output()
+    with RunLock(out / "ckpt"):  # whoever held the folder, it is free again
+        pass
+
+
 def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, tmp_path, launches):
     out = tmp_path / "two_writers"
     first = Launch(sft_command(task, out, epochs=4), out, "first")  # 20 steps
