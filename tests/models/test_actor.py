@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, masking_utils
 
 from lightrft.models import ActorLanguage
 from lightrft.models.hf_utils import VARLEN_SDPA, positions_from_attention_mask
-from lightrft.utils.tiny import build_char_tokenizer
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_arch
 
 from .conftest import make_batch
 
@@ -103,18 +103,22 @@ def test_packed_sequences_do_not_see_each_other(tiny_dirs):
     torch.testing.assert_close(second[1:], first[1:], atol=1e-6, rtol=0)
 
 
-def test_varlen_sdpa_builds_no_mask_for_packed_rows(tiny_dirs, batch, monkeypatch):
-    """The default attention never materialises a (P x P) mask for a packed row, while the
-    padded batch does get its (B, 1, T, T) padding mask."""
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_varlen_attention_builds_no_mask_for_packed_rows(tiny_dirs, batch, monkeypatch, arch):
+    """The default attention never materialises a (P x P) mask for a packed row, for full and
+    sliding-window layers alike (Mistral's window of 8 is shorter than the row), while the padded
+    batch does get its (B, 1, T, T) padding mask."""
     built = []
+    registered = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[VARLEN_SDPA]
 
-    def recording_sdpa_mask(*args, **kwargs):
-        mask = masking_utils.sdpa_mask(*args, **kwargs)
+    def recording_mask(*args, **kwargs):
+        mask = registered(*args, **kwargs)
         built.append(None if mask is None else tuple(mask.shape))
         return mask
 
-    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, VARLEN_SDPA, recording_sdpa_mask)
-    actor = ActorLanguage(tiny_dirs["qwen2"])
+    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, VARLEN_SDPA, recording_mask)
+    actor = ActorLanguage(tiny_dirs[arch] if arch in tiny_dirs else build_tiny_arch(arch, seed=1))
+    assert batch.packed_ids.size(1) > 8
     actor(batch.packed_ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens)
     assert built and all(shape is None for shape in built)
     built.clear()
