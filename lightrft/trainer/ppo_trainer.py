@@ -181,6 +181,7 @@ class PPOTrainer:
         self.inject_nan = False        # fault hook: the first micro-batch of a step
         self.preemption = PreemptionFlag(preemption_grace)
         self.stop_reason = None
+        self._warned_no_aux_loss = False
 
     # ====================================================================================== fit
     def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
@@ -368,7 +369,7 @@ class PPOTrainer:
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
-                     return_entropy=return_entropy)
+                     return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0)
 
     def training_step_actor(self, experience: Experience, counts: dict) -> dict:
         self.actor.train()
@@ -399,7 +400,12 @@ class PPOTrainer:
             loss = loss - self.algo.entropy_coef * entropy
             metrics["entropy"] = entropy.detach()
         aux_loss = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+        if self.algo.aux_loss_coef and aux_loss is None and not self._warned_no_aux_loss:
+            self._warned_no_aux_loss = True
+            self.strategy.print(f"warning: --aux_loss_coef {self.algo.aux_loss_coef} has no effect: the model gives no "
+                                "router load-balancing loss (it is not a mixture-of-experts model)")
         if self.algo.aux_loss_coef and aux_loss is not None:
+            metrics["aux_loss"] = aux_loss.detach()
             # The MoE load-balancing loss is already a per-rank mean: scale it like one.
             loss = loss + self.algo.aux_loss_coef * aux_loss / self.loss_scale()
         self.strategy.backward(loss * self.loss_scale(), self.actor, self.actor_optim)
@@ -475,8 +481,8 @@ class PPOTrainer:
         self.last_logs = logs_dict
 
     def reward_source_metrics(self) -> dict[str, float]:
-        """Request, retry, failure and drop counters of the HTTP reward sources (numbered in
-        --remote_rm_url order), summed over ranks."""
+        """Request, retry, timeout, failure and drop counters of the HTTP reward servers and reward
+        files (numbered in --remote_rm_url order), summed over ranks, and per-call failure rates."""
         sources = self.experience_maker.reward_sources
         names = [(i, k) for i, source in enumerate(sources) if hasattr(source, "stats")
                  for k in sorted(source.stats.as_dict())]
@@ -484,7 +490,14 @@ class PPOTrainer:
             return {}
         local = torch.tensor([float(sources[i].stats.as_dict()[k]) for i, k in names], dtype=torch.float64)
         totals = self.strategy.all_reduce(local, op="sum").tolist()
-        return {f"rollout/reward_source{i}_{k}": v for (i, k), v in zip(names, totals)}
+        metrics = {f"rollout/reward_source{i}_{k}": v for (i, k), v in zip(names, totals)}
+        # Failure rates per call, so a slow or flaky source shows up whatever the run length.
+        for i in sorted({i for i, _ in names}):
+            calls = metrics.get(f"rollout/reward_source{i}_calls")
+            for k in ("timeouts", "errors", "crashes"):
+                if calls and f"rollout/reward_source{i}_{k}" in metrics:
+                    metrics[f"rollout/reward_source{i}_{k}_rate"] = metrics[f"rollout/reward_source{i}_{k}"] / calls
+        return metrics
 
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:
