@@ -140,6 +140,7 @@ TINY_INIT_STD = 0.1
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False,
                initializer_range=TINY_INIT_STD)
+_TIED = {**_COMMON, "tie_word_embeddings": True}  # Gemma ties its LM head to the embeddings (vLLM assumes it)
 
 
 @dataclass(frozen=True)
@@ -175,13 +176,13 @@ TINY_ARCHS: dict[str, TinyArch] = {arch.name: arch for arch in [
     TinyArch("mistral", "Mistral", lambda ids: MistralConfig(**_COMMON, sliding_window=TINY_WINDOW, **ids),
              features=f"sliding window {TINY_WINDOW} on every layer"),
     TinyArch("gemma2", "Gemma 2", lambda ids: Gemma2Config(
-        **_COMMON, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=32,
+        **_TIED, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=32,
         attn_logit_softcapping=1.0, final_logit_softcapping=30.0, **ids),
-        features=f"alternating window {TINY_WINDOW} / full layers, attention soft-cap 1, final soft-cap 30"),
+        features=f"alternating window {TINY_WINDOW} / full layers, attention soft-cap 1, final soft-cap 30, tied embeddings"),
     TinyArch("gemma3", "Gemma 3 (text)", lambda ids: Gemma3TextConfig(
-        **_COMMON, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=16,
+        **_TIED, head_dim=32, sliding_window=TINY_WINDOW, query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention"], **ids), bos_tokenizer=True,
-        features=f"window {TINY_WINDOW} / full layers, QK-norm, scaling 16^-0.5"),
+        features=f"window {TINY_WINDOW} / full layers, QK-norm, scaling 16^-0.5, tied embeddings"),
     TinyArch("phi3", "Phi-3", lambda ids: Phi3Config(**_COMMON, sliding_window=TINY_WINDOW, **ids),
              features=f"fused QKV, sliding window {TINY_WINDOW}"),
     TinyArch("gpt_neox", "GPT-NeoX / Pythia", lambda ids: GPTNeoXConfig(

