@@ -40,7 +40,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="Hugging Face folder of the model to train")
     group.add_argument("--attn_implementation", type=str, default=None,
                        help="attention kernel: flash_attention_2, sdpa, eager or flex_attention "
-                            "(default: flash_attention_2 when installed on CUDA, else sdpa)")
+                            "(default: flash_attention_2 when installed on CUDA, else lightrft_varlen: exact packing, "
+                            "sliding windows and soft-caps per layer)")
     group.add_argument("--trust_remote_code", action="store_true",
                        help="allow model code shipped inside the model folder to run")
     group.add_argument("--lora_rank", type=int, default=0, help="LoRA rank; 0 trains all weights")

@@ -243,7 +243,8 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
 
     # Dropout off by default: with it on, even the first on-policy update has ratios != 1.
     model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,
-                        trust_remote_code=args.trust_remote_code, disable_dropout=not args.keep_dropout)
+                        trust_remote_code=args.trust_remote_code, disable_dropout=not args.keep_dropout,
+                        packing_samples=args.packing_samples)
     # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
     with strategy.zero3_init_context():
         actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -323,6 +324,8 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
                                              kv_cache_gb=args.vllm_kv_cache_gb,
                                              enable_sleep={"auto": None, "on": True, "off": False}[args.vllm_enable_sleep],
                                              sync_bucket_mb=args.vllm_sync_bucket_mb,
+                                             # the trainer's precision: vLLM's "auto" runs float32 models in half
+                                             dtype="bfloat16" if args.bf16 else "float32",
                                              pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=stop_token_ids(tokenizer, args.pretrain))
 

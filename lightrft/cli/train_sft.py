@@ -119,7 +119,8 @@ def train(args: argparse.Namespace) -> dict:
         model = ActorLanguage(args.pretrain, bf16=args.bf16, attn_implementation=args.attn_implementation,
                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                               target_modules=args.target_modules, trust_remote_code=args.trust_remote_code,
-                              gradient_checkpointing=args.gradient_checkpointing)
+                              gradient_checkpointing=args.gradient_checkpointing,
+                              packing_samples=args.packing_samples)
 
     train_set, eval_set = build_datasets(args, tokenizer)
     base = train_set.dataset if hasattr(train_set, "indices") else train_set
