@@ -10,6 +10,8 @@ between the platforms is decided here, from vLLM's own platform object:
 - KV cache: on CUDA it takes `gpu_memory_utilization` of the GPU unless `kv_cache_gb` fixes it;
   on CPU vLLM would read that share as a share of system RAM, so the cache is always sized
   explicitly (`kv_cache_gb`, default `CPU_DEFAULT_KV_CACHE_GB`).
+- chunked prefill: off on CPU, where vLLM cannot rewind a seeded request's generator after a
+  partial prefill (it raises); prompts are then scheduled whole.
 - weights: the model's `load_weights` cannot be called again after vLLM has post-processed the
   layers (on CPU the repacked parameters lose their `weight_loader`), so every update goes
   through vLLM's in-place `reload_weights`, which restores checkpoint-format layers, loads, re-runs
@@ -134,6 +136,11 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs")
         if kv_cache_gb is not None:
             options["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        if platform.is_cpu():
+            # A prompt split over scheduler steps makes vLLM 0.32 rewind the request's generator
+            # offset, which CPU generators lack ("CPU Generator does not use offset"): seeded
+            # rollouts larger than one step's token budget crash. Whole prompts per step avoid it.
+            options["enable_chunked_prefill"] = False
         if get_world_size() > 1:
             options["distributed_executor_backend"] = "external_launcher"
         else:

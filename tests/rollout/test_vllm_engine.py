@@ -158,6 +158,18 @@ def test_manager_syncs_a_stale_engine_before_generating(vllm_case):
 
 
 @needs_vllm
+def test_a_rollout_larger_than_one_scheduler_step(vllm_case):
+    """400 distinct seeded prompts of 30 tokens (12,000 prompt tokens, more than one scheduler
+    step takes): on CPU a prompt split over steps made vLLM rewind a CPU generator and raise."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, 100, (400, 30), generator=gen).tolist()
+    out = vllm_case.engine.generate(prompts, SamplingParams(max_new_tokens=2), seeds=list(range(400)))
+    assert out.sequences.shape[0] == 400 and (out.response_lengths >= 1).all()
+    for row in (0, 399):
+        assert out.sequences[row, :30].tolist() == prompts[row]
+
+
+@needs_vllm
 def test_a_sleeping_engine_refuses_to_generate_or_load(vllm_case):
     case = vllm_case
     case.engine.sleep()
