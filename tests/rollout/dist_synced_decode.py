@@ -4,7 +4,8 @@
    responses end at different steps on the two ranks: responses and the number of forwards.
 2. "zero3": the same model under DeepSpeed ZeRO-3 (parameters partitioned over the ranks) decoded
    by HFEngine(synced_gpus=True): sampled tokens and log-probs against the plain model, then one
-   optimizer step and greedy decoding against a plain copy of the gathered new weights.
+   optimizer step and greedy decoding against a plain copy of the gathered new weights, also
+   with micro_batch_size chunking that gives the ranks different numbers of chunks.
 """
 
 import json
@@ -65,12 +66,19 @@ def zero3(strategy, model, tokenizer, prompt_ids, rank) -> dict:
     _, fresh = build_contract_model()
     fresh.load_state_dict(state[0])
     expected_after = HFEngine(fresh, tokenizer.pad_token_id, tokenizer.eos_token_id).generate(prompt_ids, GREEDY)
+    # Uneven chunking: rank 0 decodes 1 chunk, rank 1 two (micro_batch_size 2, 3 prompts); the
+    # short rank must keep joining the ZeRO-3 gathers instead of leaving the other waiting.
+    uneven = [tokenizer.encode(p) for p in (["abc"] if rank == 0 else ["1+1=", "hello world", "abc"])]
+    chunked = HFEngine(module, tokenizer.pad_token_id, tokenizer.eos_token_id, synced_gpus=True,
+                       micro_batch_size=2).generate(uneven, GREEDY)
+    expected_chunked = HFEngine(fresh, tokenizer.pad_token_id, tokenizer.eos_token_id).generate(uneven, GREEDY)
     return {
         "check": "zero3", "rank": rank, "partitioned": partitioned,
         "same_samples": torch.equal(plain.sequences, sharded.sequences),
         "log_prob_max_diff": (plain.rollout_log_probs - sharded.rollout_log_probs).abs().max().item(),
         "greedy_before": responses(greedy_before), "greedy_after": responses(greedy_after),
         "expected_after": responses(expected_after),
+        "chunked": responses(chunked), "expected_chunked": responses(expected_chunked),
     }
 
 
