@@ -71,6 +71,21 @@ def run_torchrun(args, nproc: int = 2, timeout: int = 600, env: dict | None = No
     return proc
 
 
+def to_flags(values: dict) -> list[str]:
+    """Command-line arguments from {flag: value}: None or False drops a flag, True makes a bare
+    switch, a list or tuple gives several values, and a string with spaces is split into them."""
+    args = []
+    for key, value in values.items():
+        if value is None or value is False:
+            continue
+        args.append(f"--{key}")
+        if isinstance(value, (list, tuple)):
+            args += [str(v) for v in value]
+        elif value is not True:
+            args += str(value).split(" ") if isinstance(value, str) else [str(value)]
+    return args
+
+
 def read_json_lines(path: Path) -> list:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

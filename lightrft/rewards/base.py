@@ -47,6 +47,29 @@ class RewardResult:
         return int((~self.valid).sum())
 
 
+class FailurePolicySource:
+    """Shared front of the reward sources that can fail (servers, reward-file workers): `score`
+    returns a `RewardResult`; calling the source gives what the trainer takes under the source's
+    `on_failure` policy: the rewards under "error", the whole result (with validity) under "drop"."""
+
+    on_failure: str
+
+    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]):
+        """Rewards, Shape: (B,) float32, under on_failure="error"; a `RewardResult` under "drop"."""
+        result = self.score(queries, prompts, labels)
+        return result if self.on_failure == "drop" else result.rewards
+
+    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> "RewardResult":
+        raise NotImplementedError
+
+
+def check_batch_lengths(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> None:
+    """A reward call takes one prompt and one label per query."""
+    if not len(queries) == len(prompts) == len(labels):
+        raise ValueError(f"queries, prompts and labels must have the same length, got "
+                         f"{len(queries)}, {len(prompts)} and {len(labels)}")
+
+
 def as_reward_result(output: torch.Tensor | RewardResult) -> RewardResult:
     """A `RewardResult` for the output of any reward source (a plain tensor is all valid)."""
     if isinstance(output, RewardResult):

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from lightrft.rewards.base import RewardResult, RewardSourceError, to_reward_tensor
+from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, check_batch_lengths,
+                                   to_reward_tensor)
 from lightrft.utils.lifeline import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class RewardFuncStats:
         return asdict(self)
 
 
-class RewardFuncProcess:
+class RewardFuncProcess(FailurePolicySource):
     """Runs `reward_func` from a user file in a worker process (module docstring).
 
     Args:
@@ -183,16 +184,9 @@ class RewardFuncProcess:
     def __repr__(self) -> str:
         return f"RewardFuncProcess({str(self.path)!r}, timeout={self.timeout}, on_failure={self.on_failure!r})"
 
-    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]):
-        """Rewards, Shape: (B,) float32, under on_failure="error"; a `RewardResult` under "drop"."""
-        result = self.score(queries, prompts, labels)
-        return result if self.on_failure == "drop" else result.rewards
-
     def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardResult:
         """Rewards, validity and extra_logs of every sample; raises `RewardSourceError` under "error"."""
-        if not len(queries) == len(prompts) == len(labels):
-            raise ValueError(f"queries, prompts and labels must have the same length, got "
-                             f"{len(queries)}, {len(prompts)} and {len(labels)}")
+        check_batch_lengths(queries, prompts, labels)
         count = len(queries)
         self.stats.calls += 1
         self.stats.samples += count

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from lightrft.rewards.base import RewardResult, RewardSourceError, is_finite_number
+from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, check_batch_lengths,
+                                   is_finite_number)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class _ChunkFailure(Exception):
     """One chunk got no scores; the message is safe to show (no credentials)."""
 
 
-class RemoteRewardClient:
+class RemoteRewardClient(FailurePolicySource):
     """Scores samples with an HTTP reward server.
 
     Args:
@@ -132,16 +133,9 @@ class RemoteRewardClient:
     def __repr__(self) -> str:
         return f"RemoteRewardClient({self.url!r}, on_failure={self.on_failure!r})"
 
-    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]):
-        """Rewards, Shape: (B,) float32, under on_failure="error"; a `RewardResult` under "drop"."""
-        result = self.score(queries, prompts, labels)
-        return result if self.on_failure == "drop" else result.rewards
-
     def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardResult:
         """Rewards and validity of every sample; raises `RewardSourceError` under "error"."""
-        if not len(queries) == len(prompts) == len(labels):
-            raise ValueError(f"queries, prompts and labels must have the same length, got "
-                             f"{len(queries)}, {len(prompts)} and {len(labels)}")
+        check_batch_lengths(queries, prompts, labels)
         total = len(queries)
         rewards = torch.zeros(total, dtype=torch.float32)
         valid = torch.zeros(total, dtype=torch.bool)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightrft.utils.toy import arithmetic_splits, sft_warm_start, write_jsonl
+from tests.conftest import to_flags
 
 
 @pytest.fixture(scope="session")
@@ -50,11 +51,4 @@ def grpo_flags(toy: dict, out: Path, **overrides) -> list[str]:
         "save_path": out / "model", "ckpt_path": out / "ckpt", "use_tensorboard": out / "tb", "seed": 0,
     }
     flags.update(overrides)
-    args = []
-    for key, value in flags.items():
-        if value is None or value is False:
-            continue
-        args.append(f"--{key}")
-        if value is not True:
-            args += str(value).split(" ") if isinstance(value, str) else [str(value)]
-    return args
+    return to_flags(flags)

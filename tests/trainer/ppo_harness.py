@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from lightrft.cli.train_ppo import parse_args, train
 from lightrft.utils.tiny import save_tiny_model
 from lightrft.utils.toy import arithmetic_splits, write_jsonl
+from tests.conftest import to_flags
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -48,14 +49,7 @@ def flags(task: dict, out: Path, **overrides) -> list[str]:
         "zero_stage": 2, "seed": 3, "temperature": 1.0, "save_path": out / "model", "ckpt_path": out / "ckpt",
     }
     values.update(overrides)
-    args = []
-    for key, value in values.items():
-        if value is None or value is False:
-            continue
-        args.append(f"--{key}")
-        if value is not True:
-            args += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
-    return args
+    return to_flags(values)
 
 
 def run(task: dict, out: Path, **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
