@@ -9,6 +9,7 @@ strategy and hands explicit arguments to `PPOTrainer`. `--help` lists every flag
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from lightrft.algorithms.aggregation import LOSS_AGG_MODES
@@ -214,21 +215,32 @@ def stop_token_ids(tokenizer, model_path: str) -> list[int]:
     return ids
 
 
+@dataclass
+class PPORun:
+    """A built PPO run (see `build_run`)."""
+
+    args: argparse.Namespace
+    strategy: object
+    tokenizer: object
+    trainer: object
+    prompts: object                  # the PromptDataset of --prompt_data
+    dataloader: object
+    eval_dataloader: object
+    pretrain_dataloader: object
+    updates_per_step: int
+    tracker: object
+
+
 def check_world_size(args: argparse.Namespace, world_size: int) -> None:
     if args.rollout_batch_size % world_size != 0:
         raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} must be divisible by the number of "
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
-def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
-    """Builds everything from parsed flags and runs PPO; returns the last logged metrics.
-
-    Research code can reuse this wiring: `trainer_cls` replaces `PPOTrainer` (a subclass) and
-    `callbacks` are `TrainerCallback` instances, e.g.
-
-        args = parse_args([...])
-        train(args, trainer_cls=MyTrainer, callbacks=[MyCallback()])
-    """
+def build_run(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> PPORun:
+    """Everything a PPO run needs, built from parsed flags on every rank: the process group, the
+    models prepared by the strategy, the data loaders and the trainer (nothing trained yet).
+    `train` runs it; `lightrft.cli.doctor` builds the same run to check it."""
     from transformers import AutoTokenizer
 
     from lightrft.datasets import PromptDataset, SFTDataset
@@ -351,18 +363,35 @@ def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
         max_new_tokens=args.generate_max_len,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
 
+    return PPORun(args=args, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
+                  dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
+                  updates_per_step=updates_per_step, tracker=tracker)
+
+
+def train(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> dict:
+    """Builds everything from parsed flags and runs PPO; returns the last logged metrics.
+
+    Research code can reuse this wiring: `trainer_cls` replaces `PPOTrainer` (a subclass) and
+    `callbacks` are `TrainerCallback` instances, e.g.
+
+        args = parse_args([...])
+        train(args, trainer_cls=MyTrainer, callbacks=[MyCallback()])
+    """
+    run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks)
+    trainer = run.trainer
     consumed = 0
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
-    trainer.fit(args, dataloader, pretrain_dataloader, consumed, updates_per_step, eval_dataloader=eval_dataloader)
+    trainer.fit(args, run.dataloader, run.pretrain_dataloader, consumed, run.updates_per_step,
+                eval_dataloader=run.eval_dataloader)
     if trainer.stop_reason != "preempted":
-        strategy.save_model(ema_model or actor, tokenizer, args.save_path)
+        run.strategy.save_model(trainer.ema_model or trainer.actor, run.tokenizer, args.save_path)
     logs = dict(getattr(trainer, "last_logs", {}))
-    if eval_dataloader is not None:
-        logs.update(trainer.evaluate(eval_dataloader))
-    tracker.close()
-    print_summary(strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4)
-    strategy.close()
+    if run.eval_dataloader is not None:
+        logs.update(trainer.evaluate(run.eval_dataloader))
+    run.tracker.close()
+    print_summary(run.strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4)
+    run.strategy.close()
     if trainer.stop_reason == "nonfinite":
         raise SystemExit(3)
     return logs

@@ -25,6 +25,7 @@ from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
 from lightrft.trainer.experience import Experience
 from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups
+from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
 from lightrft.trainer.guards import NonFiniteGuard, nonfinite_grad_norms
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
@@ -584,31 +585,9 @@ class PPOTrainer:
         return self.strategy.all_reduce(flag, op="max").item() > 0
 
     # ================================================================================ evaluation
-    @torch.no_grad()
     def evaluate(self, eval_dataloader) -> dict[str, float]:
-        """Mean reward of greedy decoding, and pass@k over k samples when `eval_n_samples` > 1."""
-        maker = self.experience_maker
-        k = getattr(self.args, "eval_n_samples", 1)
-        greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
-        for prompts, labels in eval_dataloader:
-            prompts, labels = list(prompts), list(labels)
-            greedy = maker.sampling_params(n=1, **{**self.generate_kwargs, **self.eval_generate_kwargs,
-                                                     "temperature": 0.0})
-            rollout = maker.generate(prompts, greedy, stream="eval")
-            rewards = maker.compute_rewards(rollout, prompts, labels, 1, shaping=False).scores
-            greedy_sum += rewards.sum().item()
-            greedy_n += rewards.numel()
-            if k > 1:
-                params = maker.sampling_params(n=k, **{**self.generate_kwargs, **self.eval_generate_kwargs})
-                rollout = maker.generate(prompts, params, stream="eval")
-                scores = maker.compute_rewards(rollout, prompts, labels, k, shaping=False).scores.view(-1, k)
-                pass_sum += (scores > 0).any(dim=1).float().sum().item()
-                sample_sum += scores.mean(dim=1).sum().item()
-                prompts_n += scores.size(0)
-        totals = self.strategy.all_reduce(torch.tensor([greedy_sum, greedy_n, pass_sum, sample_sum, prompts_n],
-                                                       dtype=torch.float64), op="sum").tolist()
-        logs = {"eval/reward_greedy": totals[0] / max(totals[1], 1)}
-        if k > 1:
-            logs[f"eval/pass@{k}"] = totals[2] / max(totals[4], 1)
-            logs["eval/reward_mean"] = totals[3] / max(totals[4], 1)
-        return logs
+        """Mean reward of greedy decoding, and pass@k over k samples when `eval_n_samples` > 1
+        (see `lightrft.trainer.evaluation.evaluate_policy`)."""
+        return evaluate_policy(self.experience_maker, self.strategy, eval_dataloader,
+                               {**self.generate_kwargs, **self.eval_generate_kwargs},
+                               k=getattr(self.args, "eval_n_samples", 1))

@@ -1,0 +1,37 @@
+"""Evaluation of a policy on held-out prompts: the mean task reward of greedy decoding, and
+pass@k with the mean reward of k samples. Shared by `PPOTrainer` (the eval/* metrics during a run)
+and anything else that scores a policy, such as `lightrft.cli.bench` over saved checkpoints."""
+
+import torch
+
+
+@torch.no_grad()
+def evaluate_policy(maker, strategy, dataloader, generate_kwargs: dict, k: int = 1) -> dict[str, float]:
+    """Scores the policy behind `maker` (a `NaiveExperienceMaker`) on every (prompts, labels)
+    batch of `dataloader` (this rank's shard), summed over ranks with one all-reduce.
+
+    Rewards are the task's, without training-only shaping (DAPO's overlong penalty). Returns
+    `eval/reward_greedy` (temperature 0) and, for k > 1, `eval/pass@k` (share of prompts with a
+    positive reward among k samples) and `eval/reward_mean` (mean reward of those samples)."""
+    greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
+    for prompts, labels in dataloader:
+        prompts, labels = list(prompts), list(labels)
+        greedy = maker.sampling_params(n=1, **{**generate_kwargs, "temperature": 0.0})
+        rollout = maker.generate(prompts, greedy, stream="eval")
+        rewards = maker.compute_rewards(rollout, prompts, labels, 1, shaping=False).scores
+        greedy_sum += rewards.sum().item()
+        greedy_n += rewards.numel()
+        if k > 1:
+            params = maker.sampling_params(n=k, **generate_kwargs)
+            rollout = maker.generate(prompts, params, stream="eval")
+            scores = maker.compute_rewards(rollout, prompts, labels, k, shaping=False).scores.view(-1, k)  # (P, k)
+            pass_sum += (scores > 0).any(dim=1).float().sum().item()
+            sample_sum += scores.mean(dim=1).sum().item()
+            prompts_n += scores.size(0)
+    totals = strategy.all_reduce(torch.tensor([greedy_sum, greedy_n, pass_sum, sample_sum, prompts_n],
+                                              dtype=torch.float64), op="sum").tolist()
+    logs = {"eval/reward_greedy": totals[0] / max(totals[1], 1)}
+    if k > 1:
+        logs[f"eval/pass@{k}"] = totals[2] / max(totals[4], 1)
+        logs["eval/reward_mean"] = totals[3] / max(totals[4], 1)
+    return logs
