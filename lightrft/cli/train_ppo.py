@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "1 GiB on CPU)")
     rollout.add_argument("--vllm_enable_sleep", choices=["auto", "on", "off"], default="auto",
                          help="free vLLM's memory during training (auto: where vLLM has sleep mode, i.e. CUDA)")
+    rollout.add_argument("--vllm_tensor_parallel_size", type=int, default=1,
+                         help="ranks per colocated vLLM engine replica (tensor parallel); prompts are split per "
+                              "replica and every sample still trains exactly once")
     rollout.add_argument("--vllm_sync_bucket_mb", type=float, default=512.0,
                          help="MB of gathered weights per vLLM weight-sync call (whole decoder layers per bucket)")
 
@@ -111,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     algo.add_argument("--l2", type=float, default=0.0, help="weight decay")
 
     data = add_data_args(parser)
-    data.add_argument("--prompt_data", type=str, required=True,
+    data.add_argument("--prompt_data", type=str, default=None,
                       help="prompts: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
+    data.add_argument("--recorded_data", type=str, default=None,
+                      help="train on experiences recorded by `lightrft.cli.serve --record DIR` (with their "
+                           "rewards) instead of generating from --prompt_data")
     data.add_argument("--label_key", type=str, default=None, help="field holding the reference answer")
     data.add_argument("--prompt_max_len", type=int, default=1024, help="most prompt tokens")
     data.add_argument("--truncate_long_prompts", action="store_true",
@@ -130,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     rewards.add_argument("--reward_retries", type=int, default=3, help="retries per reward request")
     rewards.add_argument("--reward_on_failure", choices=["error", "drop"], default="error",
                          help="after the retries: stop the run, or drop the failed samples (counted)")
-    add_logging_args(parser)
+    logging = add_logging_args(parser)
+    logging.add_argument("--preview_steps", type=int, default=0,
+                         help="every N steps log a table of a few rollout samples (prompt, response, reward, "
+                              "policy version) to W&B / TensorBoard (0: never)")
     add_checkpoint_args(parser)
     add_config_arg(parser)
     return parser
@@ -161,7 +170,10 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.critic_pretrain and not estimator.needs_critic:
         parser.error(f"--critic_pretrain is set but --advantage_estimator {args.advantage_estimator} does not use a "
                      "critic; drop --critic_pretrain or use --advantage_estimator gae")
-    if not args.reward_pretrain and not args.remote_rm_url:
+    if bool(args.prompt_data) == bool(args.recorded_data):
+        parser.error("pass --prompt_data (prompts to generate from) or --recorded_data (experiences recorded by "
+                     "lightrft.cli.serve), exactly one of them")
+    if not args.reward_pretrain and not args.remote_rm_url and not args.recorded_data:
         parser.error("no reward source: pass --reward_pretrain and/or --remote_rm_url")
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
         parser.error("--dynamic_sampling needs --n_samples_per_prompt >= 2 (it drops groups with equal rewards)")
@@ -278,13 +290,21 @@ def build_run(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> PP
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    prompts = PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
-                            apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
-                            on_bad_row=args.on_bad_row, max_samples=args.max_samples,
-                            truncate_long_prompts=args.truncate_long_prompts)
+    if args.recorded_data:
+        # Served traffic as training data: see lightrft/trainer/recorded.py.
+        from lightrft.trainer.recorded import RecordedExperienceDataset, RecordedPPOTrainer
+
+        prompts = RecordedExperienceDataset(args.recorded_data, tokenizer, max_samples=args.max_samples)
+        trainer_cls = trainer_cls or RecordedPPOTrainer
+    else:
+        prompts = PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                                apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
+                                on_bad_row=args.on_bad_row, max_samples=args.max_samples,
+                                truncate_long_prompts=args.truncate_long_prompts)
     per_rank = args.rollout_batch_size // strategy.world_size
     if len(prompts) < args.rollout_batch_size:
-        raise ValueError(f"--prompt_data {args.prompt_data} has {len(prompts)} usable prompts, fewer than "
+        raise ValueError(f"--{'recorded' if args.recorded_data else 'prompt'}_data "
+                         f"{args.recorded_data or args.prompt_data} has {len(prompts)} usable rows, fewer than "
                          f"--rollout_batch_size {args.rollout_batch_size}")
     dataloader = strategy.setup_dataloader(prompts, per_rank, shuffle=True, collate_fn=prompts.collate_fn,
                                            drop_last=True)
@@ -336,12 +356,18 @@ def build_run(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> PP
                                              kv_cache_gb=args.vllm_kv_cache_gb,
                                              enable_sleep={"auto": None, "on": True, "off": False}[args.vllm_enable_sleep],
                                              sync_bucket_mb=args.vllm_sync_bucket_mb,
+                                             **({"tensor_parallel_size": args.vllm_tensor_parallel_size}
+                                                if args.vllm_tensor_parallel_size != 1 else {}),
                                              # the trainer's precision: vLLM's "auto" runs float32 models in half
                                              dtype="bfloat16" if args.bf16 else "float32",
                                              pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=stop_token_ids(tokenizer, args.pretrain))
 
     tracker = make_tracker(args, strategy)
+    if args.preview_steps > 0:
+        from lightrft.trainer.preview import RolloutPreview
+
+        callbacks = [*callbacks, RolloutPreview(every=args.preview_steps)]
     algo = algorithm_config(args)
     remote = None
     if args.remote_rm_url:
