@@ -5,9 +5,10 @@ neither never imports them. W&B offline mode (`--use_wandb offline`) writes a ru
 network access; `wandb sync` uploads it later.
 """
 
+import html
 import os
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 _SECRET_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
 _SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|key|api_key|apikey|access_token|secret|password)=)[^&\s]+",
@@ -34,6 +35,22 @@ def redacted_config(config: Mapping) -> dict:
         else:
             clean[key] = redact(value)
     return clean
+
+
+def _markdown_cell(value) -> str:
+    text = f"{value:.6g}" if isinstance(value, float) else str(value)
+    # Model text may hold anything: HTML is escaped (TensorBoard renders markdown as HTML), a pipe
+    # would end the cell and a newline the row (<br> keeps a multi-line response on one row).
+    text = html.escape(text, quote=False).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A GitHub-flavoured markdown table; cells are escaped so any text stays in its cell."""
+    lines = ["| " + " | ".join(_markdown_cell(c) for c in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 class MetricsTracker:
@@ -80,6 +97,16 @@ class MetricsTracker:
         if self._tb is not None:
             for name, value in metrics.items():
                 self._tb.add_scalar(name, value, step)
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence], step: int) -> None:
+        """Logs a small table: a `wandb.Table` in W&B, and in TensorBoard a text summary holding a
+        markdown table (TensorBoard's Text tab renders it)."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
+        if self._tb is not None:
+            self._tb.add_text(name, markdown_table(columns, rows), step)
 
     def close(self) -> None:
         if self._wandb is not None:

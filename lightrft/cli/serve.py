@@ -1,0 +1,105 @@
+"""Serve the policy as an OpenAI-compatible HTTP server, record what it answers, and reload the
+weights a training run exports.
+
+    python -m lightrft.cli.serve --pretrain ./ckpt/model --port 8000 --record ./served \
+        --watch ./ckpt/checkpoints --watch_interval 10
+
+Agent applications point an OpenAI client at http://127.0.0.1:8000/v1 (`/v1/completions`,
+`/v1/chat/completions`, `stream` supported, any API key). With --record DIR every response is
+stored in DIR/experiences.jsonl (token ids, sampling log-probs, policy version); `POST
+/v1/feedback {"id": "<response id>", "reward": 1.0}` attaches a reward, and `train_ppo
+--recorded_data DIR` trains on the rewarded ones. With --watch DIR the server loads the newest
+Hugging Face export there (train_ppo --save_hf_ckpt writes <ckpt_path>/global_stepN_hf: policy
+version N; a plain model folder such as --save_path is reloaded whenever it is replaced). Every
+response names its policy version in `system_fingerprint` ("lightrft-policy-v<N>"). It binds to
+127.0.0.1 unless --host says otherwise.
+"""
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pretrain", required=True,
+                        help="Hugging Face folder of the policy (config, weights and tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind; 0.0.0.0 exposes the server to the network")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, printed)")
+    parser.add_argument("--served_model_name", default=None,
+                        help="the model name in responses and /v1/models (default: the --pretrain folder's name)")
+    parser.add_argument("--record", default=None,
+                        help="folder to record every response in (experiences.jsonl) and take rewards for them "
+                             "(POST /v1/feedback, feedback.jsonl); train_ppo --recorded_data reads it")
+    parser.add_argument("--watch", default=None,
+                        help="folder to load new weights from: the newest global_stepN_hf export in it (train_ppo "
+                             "--ckpt_path with --save_hf_ckpt), or a model folder reloaded when replaced")
+    parser.add_argument("--watch_interval", type=float, default=10.0, help="seconds between looks at --watch")
+    parser.add_argument("--generate_max_len", type=int, default=1024,
+                        help="most new tokens per response, and the default max_tokens")
+    parser.add_argument("--prompt_max_len", type=int, default=4096, help="most prompt tokens per request")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="seeds the requests that send none (request k draws from a seed mixed from it and k)")
+    parser.add_argument("--bf16", action="store_true", help="load the model in bfloat16")
+    parser.add_argument("--attn_implementation", default=None, help="attention kernel (default: transformers')")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped in the folder")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("generate_max_len", "prompt_max_len"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.watch_interval <= 0:
+        parser.error(f"--watch_interval must be positive, got {args.watch_interval}")
+    if not (Path(args.pretrain) / "config.json").exists():
+        parser.error(f"--pretrain {args.pretrain} is not a Hugging Face model folder (no config.json there)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from lightrft.cli.train_ppo import stop_token_ids
+    from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
+    from lightrft.serving.policy import ServedPolicy, WeightWatcher
+    from lightrft.serving.records import ExperienceRecorder
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
+                          device=device, attn_implementation=args.attn_implementation,
+                          trust_remote_code=args.trust_remote_code)
+    recorder = ExperienceRecorder(args.record) if args.record else None
+    api = OpenAIServer(policy, ServeLimits(args.generate_max_len, args.prompt_max_len),
+                       args.served_model_name or Path(args.pretrain).resolve().name, seed=args.seed,
+                       recorder=recorder)
+    watcher = WeightWatcher(policy, args.watch, args.watch_interval).start() if args.watch else None
+    server = build_server(api, args.host, args.port)
+    host, port = server.server_address[:2]
+    # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    extras = "".join([f", recording to {args.record}" if args.record else "",
+                      f", watching {args.watch}" if args.watch else ""])
+    print(f"serve: policy {args.pretrain} (version {policy.version}) on http://{host}:{port}/v1{extras}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        server.server_close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

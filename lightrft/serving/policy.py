@@ -1,0 +1,175 @@
+"""The policy behind `lightrft.cli.serve`: a Hugging Face model, its tokenizer, a rollout engine
+that reports the log-probs of what it samples, and a policy version that moves when new weights
+are loaded (`WeightWatcher` loads the exports a training run writes)."""
+
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightrft.rollout.base import SamplingParams
+from lightrft.rollout.hf_engine import HFEngine
+from lightrft.serving.records import tokenizer_fingerprint
+
+logger = logging.getLogger("lightrft.serve")
+_STEP_EXPORT = re.compile(r"^global_step(\d+)_hf$")
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    token_ids: list[int]        # (A,) up to and including the EOS token when it stopped on one
+    log_probs: list[float]      # (A,) log-probs of those tokens under the sampling distribution
+    truncated: bool             # hit max_new_tokens without an EOS token
+    policy_version: int
+
+
+def export_step(path: str | Path) -> int | None:
+    """N for a `global_stepN_hf` folder written by train_ppo --save_hf_ckpt, else None."""
+    match = _STEP_EXPORT.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+class ServedPolicy:
+    """Generates with the weights of one Hugging Face folder at a time; `load` swaps them.
+
+    Generation and loading hold one lock, so a request is answered by one set of weights and its
+    `policy_version` says which: the training step of the export (`global_stepN_hf` is version N;
+    a folder with no step in its name is version 0, or one more than the previous weights)."""
+
+    def __init__(self, path: str | Path, tokenizer: Any, eos_token_ids: list[int], *, bf16: bool = False,
+                 device: str | torch.device = "cpu", attn_implementation: str | None = None,
+                 trust_remote_code: bool = False):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.fingerprint = tokenizer_fingerprint(tokenizer)
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.device = torch.device(device)
+        self.attn_implementation = attn_implementation
+        self.trust_remote_code = trust_remote_code
+        self._lock = threading.Lock()
+        self.version = -1
+        self.path = None
+        self.load(path)
+
+    def load(self, path: str | Path, version: int | None = None) -> None:
+        """Loads the weights of `path` and makes them the served policy at `version` (default: the
+        step in the folder name, else the previous version + 1). A folder whose tokenizer differs
+        from the served one is refused: recorded token ids would mean other text."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if (path / "tokenizer_config.json").exists():
+            other = AutoTokenizer.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+            if tokenizer_fingerprint(other) != self.fingerprint:
+                raise ValueError(f"{path} has a different tokenizer from the served model; serve it with its own "
+                                 "server (--pretrain) instead of loading it as new weights")
+        kwargs = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+                                                     **kwargs).to(self.device).eval()
+        if model.get_input_embeddings().num_embeddings < len(self.tokenizer):
+            raise ValueError(f"{path}: the model's vocabulary ({model.get_input_embeddings().num_embeddings}) is "
+                             f"smaller than the tokenizer's ({len(self.tokenizer)})")
+        if version is None:
+            step = export_step(path)
+            version = step if step is not None else self.version + 1
+        engine = HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids)
+        with self._lock:
+            self.model, self.engine, self.path, self.version = model, engine, path, version
+        logger.info("serving %s as policy version %d", path, version)
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> list[Sample]:
+        """`params.n` responses to one prompt; sample j draws from `sample_seed(seed, j)`."""
+        with self._lock:
+            rollout = self.engine.generate([list(prompt_token_ids)], params, seeds=[seed])
+            version = self.version
+        samples = []
+        for j in range(rollout.sequences.size(0)):
+            mask = rollout.action_mask[j]
+            samples.append(Sample(token_ids=rollout.responses[j][mask].tolist(),
+                                  log_probs=rollout.rollout_log_probs[j][mask].tolist(),
+                                  truncated=bool(rollout.truncated[j]), policy_version=version))
+        return samples
+
+
+def newest_weights(folder: Path) -> tuple[Path, int | None] | None:
+    """The newest complete export in `folder`: its `global_stepN_hf` folder with the largest N
+    (train_ppo --save_hf_ckpt under --ckpt_path), else `folder` itself when it is a Hugging Face
+    folder (train_ppo's final export at --save_path). Exports appear by an atomic rename, so a
+    folder that is there is complete. None when there is none yet."""
+    if not folder.is_dir():
+        return None
+    steps = [(export_step(p), p) for p in folder.iterdir() if p.is_dir() and export_step(p) is not None]
+    steps = [(n, p) for n, p in steps if (p / "config.json").exists()]
+    if steps:
+        n, path = max(steps)
+        return path, n
+    if (folder / "config.json").exists():
+        return folder, None
+    return None
+
+
+def _stamp(path: Path) -> tuple:
+    """Changes when the folder is replaced by a new export (a new inode and mtime)."""
+    stat = (path / "config.json").stat()
+    return path.resolve(), stat.st_ino, stat.st_mtime_ns
+
+
+class WeightWatcher:
+    """Polls `folder` every `interval` seconds and loads newer weights into `policy` (see
+    `newest_weights`). A load that fails (a different tokenizer, a broken folder) is logged once
+    and the old weights keep serving."""
+
+    def __init__(self, policy: ServedPolicy, folder: str | Path, interval: float = 10.0):
+        if interval <= 0:
+            raise ValueError(f"--watch_interval must be positive, got {interval}")
+        self.policy = policy
+        self.folder = Path(folder)
+        self.interval = interval
+        self._seen = None
+        found = newest_weights(self.folder)
+        # What is already there when the server starts counts as seen unless it is newer.
+        if found is not None and (found[1] is None or found[1] <= policy.version):
+            self._seen = _stamp(found[0])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lightrft-weight-watcher")
+
+    def start(self) -> "WeightWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def poll(self) -> bool:
+        """Loads the newest export if it is new; True when the served weights changed."""
+        found = newest_weights(self.folder)
+        if found is None:
+            return False
+        path, step = found
+        try:
+            stamp = _stamp(path)
+        except FileNotFoundError:
+            return False
+        if stamp == self._seen or (step is not None and step <= self.policy.version):
+            return False
+        try:
+            self.policy.load(path, version=step if step is not None else self.policy.version + 1)
+        except Exception:  # keep serving the old weights; exports are written whole, so retrying is useless
+            logger.exception("loading new weights from %s failed; still serving version %d", path,
+                             self.policy.version)
+            self._seen = stamp
+            return False
+        self._seen = stamp
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
