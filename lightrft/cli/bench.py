@@ -1,0 +1,217 @@
+"""Evaluate every saved checkpoint of a run on held-out prompts: a table and a plot of the curve.
+
+    python -m lightrft.cli.bench --ckpt_path ./ckpt/checkpoints --eval_data eval.jsonl \
+        --input_key input --label_key label --remote_rm_url math --eval_n_samples 4
+
+Checkpoints are the Hugging Face exports train_ppo writes with --save_hf_ckpt
+(`<ckpt_path>/global_stepN_hf`, step N); `--pretrain MODEL` adds the starting model as step 0.
+DeepSpeed checkpoints (`<ckpt_path>/_actor/global_stepN`) are listed but not evaluated: they need
+the run's exact model and ZeRO layout to load, and an export is what serving uses anyway.
+
+Each checkpoint is scored with the evaluation train_ppo runs (`lightrft.trainer.evaluation`):
+`eval/reward_greedy`, the mean task reward of greedy decoding, and with --eval_n_samples k > 1,
+`eval/pass@k` (share of prompts with a positive reward among k samples) and `eval/reward_mean`.
+Sampling seeds depend on the --seed and the prompt, not on the checkpoint, so checkpoints are
+compared on the same draws. Writes bench.csv, bench.md and bench.png (x: step) to --output_dir
+(default: --ckpt_path). Runs on one process, or on several under torchrun (prompts are split).
+"""
+
+import argparse
+import csv
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_EXPORT = re.compile(r"^global_step(\d+)_hf$")
+_DS_CKPT = re.compile(r"^global_step(\d+)$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+
+def find_checkpoints(ckpt_path: str | Path, pretrain: str | None = None) -> tuple[list[Checkpoint], list[Path]]:
+    """The Hugging Face exports under `ckpt_path` in step order (with `pretrain` as step 0), and
+    the DeepSpeed checkpoints that have no export (not evaluated)."""
+    root = Path(ckpt_path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--ckpt_path {root} is not a folder; give the --ckpt_path of a train_ppo run")
+    found = [Checkpoint(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _EXPORT.match(p.name)) and (p / "config.json").exists()]
+    exported = {c.step for c in found}
+    without_export = []
+    if (root / "_actor").is_dir():
+        for p in (root / "_actor").iterdir():
+            m = _DS_CKPT.match(p.name)
+            if p.is_dir() and m and int(m.group(1)) not in exported:
+                without_export.append((int(m.group(1)), p))
+    if pretrain is not None:
+        found.append(Checkpoint(0, Path(pretrain)))
+    return sorted(found, key=lambda c: c.step), [p for _, p in sorted(without_export)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt_path", required=True, help="train_ppo's --ckpt_path (global_stepN_hf exports in it)")
+    parser.add_argument("--eval_data", required=True, help="held-out prompts: .jsonl/.json/.parquet/.csv or a "
+                                                           "saved datasets folder")
+    parser.add_argument("--pretrain", default=None, help="also evaluate this model folder, as step 0")
+    parser.add_argument("--output_dir", default=None, help="where bench.csv/.md/.png go (default: --ckpt_path)")
+    parser.add_argument("--input_key", default="input", help="field holding the prompt")
+    parser.add_argument("--label_key", default=None, help="field holding the reference answer")
+    parser.add_argument("--apply_chat_template", action="store_true", help="render prompts with the chat template")
+    parser.add_argument("--prompt_max_len", type=int, default=1024, help="most prompt tokens")
+    parser.add_argument("--truncate_long_prompts", action="store_true",
+                        help="keep the last --prompt_max_len tokens of longer prompts instead of rejecting the row")
+    parser.add_argument("--remote_rm_url", default=None,
+                        help="comma-separated reward sources: http(s) URLs, .py reward files, builtin rules (math, "
+                             "format)")
+    parser.add_argument("--reward_pretrain", default=None, help="reward model folder(s), comma-separated")
+    parser.add_argument("--value_head_prefix", default="score", help="attribute name of the value head")
+    parser.add_argument("--normalize_reward", action="store_true", help="normalise reward-model scores")
+    parser.add_argument("--reward_timeout", type=float, default=30.0, help="seconds per reward request")
+    parser.add_argument("--reward_retries", type=int, default=3, help="retries per reward request")
+    parser.add_argument("--eval_n_samples", type=int, default=1, help="k of pass@k (1: greedy reward only)")
+    parser.add_argument("--generate_max_len", type=int, default=1024, help="most new tokens per response")
+    parser.add_argument("--temperature", type=float, default=1.0, help="temperature of the pass@k samples")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass of the pass@k samples")
+    parser.add_argument("--top_k", type=int, default=0, help="top-k of the pass@k samples (0: all)")
+    parser.add_argument("--micro_rollout_batch_size", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--seed", type=int, default=42, help="seeds the pass@k samples")
+    parser.add_argument("--bf16", action="store_true", help="load models in bfloat16")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped in the folders")
+    return parser
+
+
+class Evaluator:
+    """Loads one checkpoint at a time and scores it with `evaluate_policy` (shared with train_ppo)."""
+
+    def __init__(self, args: argparse.Namespace, strategy):
+        from lightrft.models import RewardModel
+        from lightrft.rewards import make_reward_source
+
+        self.args = args
+        self.strategy = strategy
+        self.reward_models = [RewardModel(p.strip(), value_head_prefix=args.value_head_prefix,
+                                          normalize_reward=args.normalize_reward, bf16=args.bf16).eval()
+                              for p in (args.reward_pretrain or "").split(",") if p.strip()]
+        self.reward_sources = [make_reward_source(spec, timeout=args.reward_timeout, max_retries=args.reward_retries)
+                               for spec in (args.remote_rm_url or "").split(",") if spec.strip()]
+        self.generate_kwargs = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                "max_new_tokens": args.generate_max_len}
+
+    def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from lightrft.cli.train_ppo import stop_token_ids
+        from lightrft.datasets import PromptDataset
+        from lightrft.rollout.hf_engine import HFEngine
+        from lightrft.rollout.manager import RolloutManager
+        from lightrft.trainer.evaluation import evaluate_policy
+        from lightrft.trainer.experience_maker import NaiveExperienceMaker
+
+        args = self.args
+        path = str(checkpoint.path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                                     trust_remote_code=args.trust_remote_code)
+        model = model.to(self.strategy.device).eval()
+        eos = stop_token_ids(tokenizer, path)
+        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                          micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples)
+        # A fresh maker per checkpoint: its evaluation calls, and so its seeds, start from the same count.
+        maker = NaiveExperienceMaker(None, None, self.reward_models or None, None, tokenizer, args.prompt_max_len, None,
+                                     self.strategy, rollout_engine=RolloutManager(engine),
+                                     reward_sources=self.reward_sources, seed=args.seed,
+                                     micro_rollout_batch_size=args.micro_rollout_batch_size,
+                                     apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
+        prompts = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                                apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
+                                truncate_long_prompts=args.truncate_long_prompts)
+        dataloader = self.strategy.setup_dataloader(prompts, args.micro_rollout_batch_size, shuffle=False,
+                                                    collate_fn=prompts.collate_fn, drop_last=False)
+        return evaluate_policy(maker, self.strategy, dataloader, self.generate_kwargs, k=args.eval_n_samples)
+
+
+def write_results(rows: list[dict], output_dir: Path) -> list[Path]:
+    """bench.csv, bench.md (a markdown table) and bench.png (each metric against the step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightrft.utils.trackers import markdown_table
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    columns = list(rows[0])
+    with open(output_dir / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (output_dir / "bench.md").write_text(markdown_table(columns, [list(r.values()) for r in rows]) + "\n")
+    metrics = [c for c in columns if c.startswith("eval/")]
+    figure, axis = plt.subplots(figsize=(6, 4), dpi=100)
+    steps = [r["step"] for r in rows]
+    for name in metrics:
+        axis.plot(steps, [r[name] for r in rows], marker="o", label=name)
+    axis.set_xlabel("step")
+    axis.set_ylabel("score")
+    axis.set_title("evaluation per checkpoint")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(output_dir / "bench.png")
+    plt.close(figure)
+    return [output_dir / name for name in ("bench.csv", "bench.md", "bench.png")]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("eval_n_samples", "generate_max_len", "micro_rollout_batch_size", "prompt_max_len"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if not args.remote_rm_url and not args.reward_pretrain:
+        parser.error("no reward source: pass --remote_rm_url (a rule such as math, a .py reward file or a reward "
+                     "server URL) and/or --reward_pretrain")
+    try:
+        checkpoints, without_export = find_checkpoints(args.ckpt_path, args.pretrain)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    if not checkpoints:
+        parser.error(f"--ckpt_path {args.ckpt_path} holds no global_stepN_hf export: train with --save_hf_ckpt "
+                     "(and --save_steps N), or pass --pretrain to evaluate one model")
+
+    from lightrft.strategy import DeepspeedStrategy
+    from lightrft.strategy.config import StrategyConfig
+
+    strategy = DeepspeedStrategy(StrategyConfig(seed=args.seed, bf16=args.bf16))
+    strategy.setup_distributed()
+    for path in without_export:
+        strategy.print(f"bench: skipping {path}: a DeepSpeed checkpoint without a Hugging Face export "
+                       "(train with --save_hf_ckpt to evaluate every saved step)")
+    evaluator = Evaluator(args, strategy)
+    rows = []
+    for checkpoint in checkpoints:
+        logs = evaluator.evaluate(checkpoint)
+        rows.append({"step": checkpoint.step, "checkpoint": str(checkpoint.path), **logs})
+        strategy.print(f"bench: step {checkpoint.step} ({checkpoint.path}): "
+                       + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
+    if strategy.is_rank_0():
+        written = write_results(rows, Path(args.output_dir or args.ckpt_path))
+        print((Path(args.output_dir or args.ckpt_path) / "bench.md").read_text(), end="")
+        print("bench: wrote " + ", ".join(str(p) for p in written), flush=True)
+    strategy.close()
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
