@@ -1,0 +1,82 @@
+"""Data check: rows read and rejected (with reasons), prompt lengths, and the share that
+`--prompt_max_len` cuts (`--truncate_long_prompts`) or rejects.
+
+Reads every row with the run's own dataset code (`PromptDataset`, skip mode, no length limit), so
+a row is rejected here exactly when the run would reject it, and then measures each prompt in
+tokens the way rollouts tokenise it (`encode_prompts`)."""
+
+from collections import Counter
+
+from lightrft.datasets import PromptDataset
+from lightrft.datasets.prompt_dataset import encode_prompts
+from lightrft.doctor.report import CheckResult, percentile
+
+NO_LIMIT = 2**62
+
+
+def dataset_figures(path: str, flag: str, tokenizer, args) -> dict:
+    """Rows read, rows rejected by field checks with reasons, and prompt token lengths."""
+    dataset = PromptDataset(path, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                            apply_chat_template=args.apply_chat_template, prompt_max_len=NO_LIMIT,
+                            on_bad_row="skip", max_samples=args.max_samples)
+    report = dataset.skip_report
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [p for p, _ in dataset.items], args.apply_chat_template)]
+    over = [row for row, n in zip(dataset.row_indices, lengths) if n > args.prompt_max_len]
+    reasons = Counter(f"{e.field.split('[')[0]!r} {e.kind}" for e in report.errors)
+    return {"flag": flag, "path": str(path), "rows": report.total, "rejected": report.skipped,
+            "reasons": dict(reasons.most_common()), "first_error": str(report.errors[0]) if report.errors else None,
+            "over_long": len(over), "over_long_rows": over[:10],
+            "over_long_share": len(over) / max(len(lengths), 1),
+            "usable": len(lengths) - (0 if args.truncate_long_prompts else len(over)),
+            "p50": percentile(lengths, 50), "p90": percentile(lengths, 90), "p99": percentile(lengths, 99),
+            "max": max(lengths, default=0)}
+
+
+def check_data(args, tokenizer) -> CheckResult:
+    result = CheckResult("data", "rows read and rejected, prompt lengths in tokens, --prompt_max_len cuts")
+    cut = "cut" if args.truncate_long_prompts else "rejected"
+    result.rows.append(("data", "rows", "rejected", "usable", "p50", "p90", "p99", "max",
+                        f"> {args.prompt_max_len} ({cut})"))
+    sources = [("--prompt_data", args.prompt_data), ("--eval_data", args.eval_data)]
+    for flag, path in [(f, p) for f, p in sources if p]:
+        try:
+            figures = dataset_figures(path, flag, tokenizer, args)
+        except (ValueError, FileNotFoundError) as err:
+            result.add("FAIL", f"{flag} {path}: {err}")
+            continue
+        result.figures[flag.lstrip("-")] = figures
+        result.rows.append((flag, figures["rows"], figures["rejected"], figures["usable"],
+                            *(f"{figures[k]:.0f}" for k in ("p50", "p90", "p99", "max")),
+                            f"{figures['over_long']} ({figures['over_long_share']:.1%})"))
+        judge_dataset(result, figures, args)
+    if not result.findings:
+        result.add("PASS", "every row is usable and every prompt fits --prompt_max_len")
+    return result
+
+
+def judge_dataset(result: CheckResult, f: dict, args) -> None:
+    where = f"{f['flag']} {f['path']}"
+    if f["rejected"]:
+        reasons = "; ".join(f"{n} x {reason}" for reason, n in f["reasons"].items())
+        if args.on_bad_row == "error":
+            result.add("FAIL", f"{where}: {f['rejected']} of {f['rows']} rows are bad ({reasons}); the run stops at "
+                               f"the first: {f['first_error']}")
+        else:
+            result.add("WARN", f"{where}: {f['rejected']} of {f['rows']} rows will be skipped ({reasons})")
+    if f["over_long"]:
+        rows = ", ".join(map(str, f["over_long_rows"])) + (" ..." if f["over_long"] > 10 else "")
+        fix = f"--prompt_max_len {int(f['max'])} fits them all"
+        if args.truncate_long_prompts:
+            result.add("WARN", f"{where}: {f['over_long']} prompts ({f['over_long_share']:.1%}) are longer than "
+                               f"--prompt_max_len {args.prompt_max_len} and lose their first tokens "
+                               f"(--truncate_long_prompts; rows {rows}); {fix}")
+        elif args.on_bad_row == "error":
+            result.add("FAIL", f"{where}: {f['over_long']} prompts are longer than --prompt_max_len "
+                               f"{args.prompt_max_len} (rows {rows}) and stop the run; {fix}, or keep their last "
+                               "tokens with --truncate_long_prompts, or skip them with --on_bad_row skip")
+        else:
+            result.add("WARN", f"{where}: {f['over_long']} prompts ({f['over_long_share']:.1%}) are longer than "
+                               f"--prompt_max_len {args.prompt_max_len} and will be skipped (rows {rows}); {fix}")
+    if f["flag"] == "--prompt_data" and f["usable"] < args.rollout_batch_size:
+        result.add("FAIL", f"{where}: {f['usable']} usable rows, fewer than --rollout_batch_size "
+                           f"{args.rollout_batch_size}: not one rollout batch")

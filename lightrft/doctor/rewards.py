@@ -1,0 +1,138 @@
+"""Rewards check: every reward source and reward model scores real generated samples a few times.
+
+For each: what type it returns, how many scores (must be one per sample), whether they are finite
+numbers, whether a source that drops failures (`--reward_on_failure drop`) dropped any, their
+range, and the latency of a whole-batch call (p50 / p90 / max). A call near `--reward_timeout`
+is a warning: in training it would time out whenever the grader is a little slower."""
+
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+
+from lightrft.doctor.report import CheckResult, percentile
+from lightrft.rewards.remote import redact_url
+
+SLOW_SHARE = 0.5     # a call over half of --reward_timeout is a warning
+
+
+@contextmanager
+def captured_warnings(logger_name: str = "lightrft.rewards"):
+    """Collects the warnings reward sources log while dropping samples (the reason of each drop)."""
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, logger = Collect(level=logging.WARNING), logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def source_names(args, sources: list) -> list[str]:
+    specs = [s.strip() for s in (args.remote_rm_url or "").split(",") if s.strip()]
+    if len(specs) != len(sources):
+        return [repr(s) for s in sources]
+    return [redact_url(s) if s.startswith(("http://", "https://")) else s for s in specs]
+
+
+def describe(output) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"Tensor {str(output.dtype).replace('torch.', '')} {tuple(output.shape)}"
+    return type(output).__name__
+
+
+def score_source(source, batch: int, call, calls: int) -> dict:
+    """Calls `call()` up to `calls` times; stops at the first failure. Returns the figures."""
+    figures = {"latencies": [], "type": "-", "count": None, "finite": None, "dropped": 0, "error": None,
+               "min": float("nan"), "mean": float("nan"), "max": float("nan"), "distinct": 0}
+    for _ in range(calls):
+        started = time.perf_counter()
+        with captured_warnings() as warnings:
+            try:
+                output = call()
+            except Exception as err:            # the check reports any failure of user code
+                figures["error"] = f"{type(err).__name__}: {err}"
+                figures["latencies"].append(time.perf_counter() - started)
+                return figures
+        figures["latencies"].append(time.perf_counter() - started)
+        figures["type"] = describe(output)
+        if hasattr(output, "valid"):
+            figures["dropped"] += int((~output.valid.bool()).sum())
+            figures["drop_reasons"] = warnings[:3]
+            output = output.rewards
+        try:
+            scores = torch.as_tensor(output, dtype=torch.float32).detach().cpu().reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as err:
+            figures["error"] = f"returned {describe(output)}, not numbers ({err})"
+            return figures
+        finite = torch.isfinite(scores)
+        figures.update(count=scores.numel(), finite=bool(finite.all()), nonfinite=int((~finite).sum()))
+        if scores.numel() != batch or not finite.all():
+            return figures
+        figures.update(min=scores.min().item(), mean=scores.mean().item(), max=scores.max().item(),
+                       distinct=len(set(scores.tolist())))
+    return figures
+
+
+def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) -> CheckResult:
+    args, strategy, maker = run.args, run.strategy, run.trainer.experience_maker
+    result = CheckResult("rewards", f"each reward source on {rollout.sequences.size(0)} generated samples, "
+                                    f"{calls} calls")
+    n = args.n_samples_per_prompt
+    batch = rollout.sequences.size(0)
+    queries, sample_prompts = maker.decode(rollout, prompts, n)
+    sample_labels = [label for label in labels for _ in range(n)]
+    entries = [(name, source, lambda s=source: s(queries, sample_prompts, sample_labels))
+               for name, source in zip(source_names(args, maker.reward_sources), maker.reward_sources)]
+    for i, model in enumerate(maker.reward_models):
+        path = (args.reward_pretrain or "").split(",")[i].strip() if args.reward_pretrain else f"model {i}"
+        entries.append((f"reward model {path}", model, lambda m=model: reward_model_scores(run, m, rollout)))
+    result.rows.append(("source", "returns", "count", "finite", "min / mean / max", "p50 / p90 / max s"))
+    for name, source, call in entries:
+        figures = score_source(source, batch, call, calls)
+        lat = figures["latencies"]
+        figures.update(p50=percentile(lat, 50), p90=percentile(lat, 90), latency_max=max(lat, default=float("nan")))
+        result.figures[name] = figures
+        result.rows.append((name, figures["type"], f"{figures['count']}/{batch}", figures["finite"],
+                            f"{figures['min']:.3g} / {figures['mean']:.3g} / {figures['max']:.3g}",
+                            f"{figures['p50']:.3f} / {figures['p90']:.3f} / {figures['latency_max']:.3f}"))
+        judge_source(result, name, figures, batch, args)
+    if not result.findings:
+        result.add("PASS", f"{len(entries)} reward source(s) return {batch} finite scores per call")
+    return result
+
+
+@torch.no_grad()
+def reward_model_scores(run, model, rollout) -> torch.Tensor:
+    micro, device = run.args.micro_rollout_batch_size, run.strategy.device
+    return torch.cat([model(rollout.sequences[i:i + micro].to(device),
+                            attention_mask=rollout.attention_mask[i:i + micro].to(device)).float().cpu()
+                      for i in range(0, rollout.sequences.size(0), micro)])
+
+
+def judge_source(result: CheckResult, name: str, f: dict, batch: int, args) -> None:
+    if f["error"]:
+        result.add("FAIL", f"{name}: {f['error']}")
+        return
+    if f["count"] != batch:
+        result.add("FAIL", f"{name}: returned {f['count']} scores for {batch} samples; reward_func must return one "
+                           "score per query, in order")
+    elif not f["finite"]:
+        result.add("FAIL", f"{name}: {f['nonfinite']} of {batch} scores are NaN or infinite; return finite numbers "
+                           "(a failed grade is a low score, not NaN)")
+    if f["dropped"]:
+        reasons = "; ".join(f.get("drop_reasons") or []) or "see the warnings above"
+        result.add("FAIL", f"{name}: dropped {f['dropped']} samples under --reward_on_failure drop ({reasons})")
+    timeout = args.reward_timeout
+    if not name.startswith("reward model") and f["latency_max"] > SLOW_SHARE * timeout:
+        result.add("WARN", f"{name}: a call took {f['latency_max']:.2f} s, over {SLOW_SHARE:.0%} of --reward_timeout "
+                           f"{timeout:g}; raise --reward_timeout or speed the source up")
+    if f["count"] == batch and f["finite"] and f["distinct"] == 1 and batch > 1:
+        result.add("WARN", f"{name}: every sample got the same score {f['min']:.3g}; with group estimators "
+                           "(group_norm, rloo, ...) identical scores give zero advantages and no gradient")
