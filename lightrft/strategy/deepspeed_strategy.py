@@ -13,6 +13,7 @@ import os
 import warnings
 import resource
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -396,7 +397,8 @@ class DeepspeedStrategy:
             with deepspeed.zero.GatheredParameters([param], enabled=_is_zero3_param(param)):
                 yield name[len(prefix):], param.data
 
-    def iter_parameter_buckets(self, model: nn.Module, bucket_mb: float, prefix: str = ""):
+    def iter_parameter_buckets(self, model: nn.Module, bucket_mb: float, prefix: str = "",
+                               include: Callable[[str], bool] | None = None):
         """Yields lists of `(name, tensor)` covering every parameter of the (unwrapped) model whose
         name starts with `prefix` (stripped), each list gathered whole from ZeRO-3 shards for the
         time the caller holds it: peak memory grows by one bucket, never by the whole model.
@@ -412,7 +414,7 @@ class DeepspeedStrategy:
         module = self.unwrap_model(model)
         groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
         for name, param in module.named_parameters():
-            if name.startswith(prefix):
+            if name.startswith(prefix) and (include is None or include(name[len(prefix):])):
                 groups.setdefault(_fused_group_key(name[len(prefix):]), []).append((name[len(prefix):], param))
         limit = bucket_mb * 2**20
         bucket, size = [], 0
