@@ -191,9 +191,6 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         algorithm_config(args)
     except ValueError as err:
         parser.error(str(err))
-    if args.rollout_engine == "vllm" and args.lora_rank > 0:
-        parser.error("--rollout_engine vllm does not take LoRA weights yet; use --rollout_engine hf with --lora_rank, "
-                     "or train all weights")
 
 
 def algorithm_config(args: argparse.Namespace):
@@ -281,7 +278,9 @@ def build_run(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> PP
                                      normalize_reward=args.normalize_reward, **model_kwargs)
                          for path in (args.reward_pretrain or "").split(",") if path.strip()]
         needs_reference = args.init_kl_coef > 0
-        initial_model = (ActorLanguage(args.pretrain, temperature=args.temperature, **model_kwargs)
+        # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
+        initial_model = ((actor.adapter_disabled() if args.lora_rank > 0
+                          else ActorLanguage(args.pretrain, temperature=args.temperature, **model_kwargs))
                          if needs_reference else None)
         ema_model = ActorLanguage(args.pretrain, **model_kwargs) if args.enable_ema else None
 
@@ -358,6 +357,8 @@ def build_run(args: argparse.Namespace, *, trainer_cls=None, callbacks=()) -> PP
                                              sync_bucket_mb=args.vllm_sync_bucket_mb,
                                              **({"tensor_parallel_size": args.vllm_tensor_parallel_size}
                                                 if args.vllm_tensor_parallel_size != 1 else {}),
+                                             # a LoRA actor syncs only its adapter (RolloutManager.for_actor)
+                                             **({"lora_rank": args.lora_rank} if args.lora_rank > 0 else {}),
                                              # the trainer's precision: vLLM's "auto" runs float32 models in half
                                              dtype="bfloat16" if args.bf16 else "float32",
                                              pad_token_id=tokenizer.pad_token_id,

@@ -203,6 +203,14 @@ class ActorLanguage(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)
 
+    def adapter_disabled(self) -> nn.Module:
+        """This LoRA actor with its adapter switched off, as a reference policy with the actor's
+        call signature (`lightrft.models.reference.AdapterDisabledReference`): the KL reference of
+        a LoRA run without a second copy of the base weights."""
+        from lightrft.models.reference import AdapterDisabledReference  # it imports this module
+
+        return AdapterDisabledReference(self)
+
     def merged_model(self) -> PreTrainedModel:
         """The plain Hugging Face causal LM to export: without LoRA the model itself; with LoRA a
         copy with the adapters merged into the base weights (W + alpha/r * B A), which loads with
