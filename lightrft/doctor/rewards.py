@@ -99,7 +99,9 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
         lat = figures["latencies"]
         figures.update(p50=percentile(lat, 50), p90=percentile(lat, 90), latency_max=max(lat, default=float("nan")))
         result.figures[name] = figures
-        result.rows.append((name, figures["type"], f"{figures['count']}/{batch}", figures["finite"],
+        count = "-" if figures["count"] is None else figures["count"]
+        finite = "-" if figures["finite"] is None else ("yes" if figures["finite"] else "no")
+        result.rows.append((name, figures["type"], f"{count}/{batch}", finite,
                             f"{figures['min']:.3g} / {figures['mean']:.3g} / {figures['max']:.3g}",
                             f"{figures['p50']:.3f} / {figures['p90']:.3f} / {figures['latency_max']:.3f}"))
         judge_source(result, name, figures, batch, args)

@@ -1,0 +1,234 @@
+"""`python -m lightrft.cli.doctor`: every check passes a healthy configuration and catches a fault
+planted in it (a real faulty model, engine, reward file or data file; nothing mocked).
+
+The runs are in-process on one rank (as tests/trainer/ppo_harness.py runs train_ppo), on the tiny
+Qwen2-shaped model and the toy addition task; one torchrun test runs the doctor on two ranks."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightrft.cli.doctor import run_doctor, strip_doctor_flags
+from lightrft.doctor.report import CheckResult, DoctorReport, format_table, percentile
+from lightrft.rollout import HFEngine, RolloutManager
+from lightrft.utils.tiny import save_tiny_arch
+from lightrft.utils.toy import write_jsonl
+from tests.conftest import REPO_ROOT, read_json_lines, subprocess_env
+from tests.trainer.ppo_harness import LAUNCH_ENV, flags, make_task
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_task(tmp_path_factory.mktemp("doctor_task"))
+
+
+def doctor(task, tmp_path, *extra, prepare=None, **overrides) -> DoctorReport:
+    """The doctor in this process on one rank, with ppo_harness's GRPO flags (4 prompts x 4
+    samples, 8-token responses) plus `overrides` and the extra argv tokens."""
+    values = {"generate_max_len": 8, **overrides}
+    argv = flags(task, tmp_path / "user_run", **values) + [str(a) for a in extra]
+    for key in LAUNCH_ENV:
+        os.environ.pop(key, None)
+    try:
+        return run_doctor(argv, prepare=prepare)
+    finally:
+        for key in LAUNCH_ENV:
+            os.environ.pop(key, None)
+
+
+# ------------------------------------------------------------------------------------- report
+def test_percentile_interpolates_between_order_statistics():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 4.0
+    assert percentile(values, 50) == pytest.approx(2.5)        # halfway between 2 and 3
+    assert percentile(values, 90) == pytest.approx(3.7)        # position 2.7: 3 + 0.7 x (4 - 3)
+    assert percentile([], 50) != percentile([], 50)            # NaN
+
+
+def test_report_verdict_is_the_worst_finding_and_sets_the_exit_code():
+    ok, warn, bad = CheckResult("a", "t"), CheckResult("b", "t"), CheckResult("c", "t")
+    ok.add("PASS", "fine")
+    warn.add("WARN", "careful")
+    bad.add("FAIL", "broken")
+    assert (ok.status, warn.status, bad.status) == ("PASS", "WARN", "FAIL")
+    assert DoctorReport([ok, warn]).exit_code == 0 and DoctorReport([ok, warn]).verdict == "WARN"
+    report = DoctorReport([ok, warn, bad])
+    assert report.exit_code == 1
+    assert report.render().splitlines()[-1] == "verdict: FAIL (failed: c) (warnings: b)"
+    assert json.loads(report.to_json())["checks"][2]["status"] == "FAIL"
+    with pytest.raises(ValueError, match="PASS"):
+        ok.add("OK", "not a level")
+    assert format_table([("x", "value"), ("long name", 1)]) == ["x          value", "---------  -----", "long name  1"]
+
+
+def test_doctor_flags_are_stripped_before_train_ppo_parses():
+    argv = ["--pretrain", "m", "--doctor_report", "r.json", "--doctor_checks=data", "--seed", "1",
+            "--doctor_memory_budget_gb", "2"]
+    assert strip_doctor_flags(argv) == ["--pretrain", "m", "--seed", "1"]
+
+
+# ----------------------------------------------------------------------------- healthy config
+def test_healthy_configuration_passes_every_check(task, tmp_path, capsys):
+    json_report = tmp_path / "doctor.json"
+    report = doctor(task, tmp_path, "--doctor_report", json_report, prompt_max_len=24)
+    printed = capsys.readouterr().out
+    assert [c.name for c in report.checks] == ["data", "memory", "invariance", "engine", "rewards"]
+    assert {c.name: c.status for c in report.checks} == dict.fromkeys(
+        ["data", "memory", "invariance", "engine", "rewards"], "PASS")
+    assert report.exit_code == 0 and "verdict: PASS" in printed
+    assert json.loads(json_report.read_text())["verdict"] == "PASS"
+    # Nothing was written where the user's run would write.
+    assert not (tmp_path / "user_run").exists()
+
+    data = report.check("data").figures["prompt_data"]
+    assert (data["rows"], data["rejected"], data["usable"], data["over_long"]) == (32, 0, 32, 0)
+    memory = report.check("memory").figures
+    # One full step at the longest lengths: 4 prompts x 4 samples, 24 prompt and 8 response tokens each.
+    assert (memory["samples"], memory["prompt_tokens"]) == (16, 24)
+    assert memory["response_tokens_min"] == memory["response_tokens_max"] == 8
+    assert all(0 < peak < memory["budget_gib"] for peak in memory["peaks_all_ranks"].values())
+    invariance = report.check("invariance").figures
+    for layout in ("2 padded micro-batches", "1 packed micro-batch"):
+        assert invariance[layout]["loss"] == pytest.approx(invariance["1 padded micro-batch"]["loss"], abs=1e-6)
+        assert invariance[layout]["grad_norm_gap"] < 1e-5
+    assert invariance["train_vs_eval_log_prob_gap"] == 0.0
+    engine = report.check("engine").figures
+    assert engine["gap_mean"] < 1e-5 and engine["moved_gap_mean"] < 1e-5
+    assert engine["weight_change_effect_mean"] > 20 * 1e-3      # the move was visible to the check
+    rewards = report.check("rewards").figures[str(task["reward"])]
+    assert (rewards["count"], rewards["finite"], len(rewards["latencies"])) == (16, True, 3)
+    assert rewards["p50"] <= rewards["p90"] <= rewards["latency_max"]
+
+
+# ------------------------------------------------------------------------------ planted faults
+def bad_data_file(path):
+    """6 good rows of 4 characters (4 tokens), 2 over-long prompts (20 and 30 tokens, rows 6 and 7),
+    a row without the input field (8) and one with a blank input (9)."""
+    rows = [{"input": f"{i}+{i}=", "label": str(2 * i)} for i in range(1, 7)]
+    rows += [{"input": "1" * 20, "label": "0"}, {"input": "2" * 30, "label": "0"},
+             {"label": "3"}, {"input": "  ", "label": "1"}]
+    return write_jsonl(rows, path)
+
+
+def test_data_check_reports_bad_rows_and_prompts_over_the_limit(task, tmp_path):
+    task = {**task, "train": bad_data_file(tmp_path / "bad.jsonl")}
+    report = doctor(task, tmp_path, "--doctor_checks", "data")
+    data = report.check("data")
+    figures = data.figures["prompt_data"]
+    assert (figures["rows"], figures["rejected"], figures["over_long"], figures["usable"]) == (10, 2, 2, 6)
+    assert figures["reasons"] == {"'input' missing": 1, "'input' empty": 1}
+    assert figures["over_long_rows"] == [6, 7] and figures["over_long_share"] == 0.25
+    # Lengths of the 8 readable prompts: six 4s, 20 and 30; p90 at position 6.3 = 20 + 0.3 x 10.
+    assert (figures["p50"], figures["p90"], figures["max"]) == (4, pytest.approx(23.0), 30)
+    fails = [f.text for f in data.findings if f.level == "FAIL"]
+    assert len(fails) == 2 and report.exit_code == 1
+    assert "row 8, field 'input': missing" in fails[0]
+    assert "rows 6, 7" in fails[1] and "--prompt_max_len 30 fits them all" in fails[1]
+
+    # The same file with the rows skipped and long prompts cut only warns ...
+    report = doctor(task, tmp_path, "--doctor_checks", "data", on_bad_row="skip", truncate_long_prompts=True)
+    assert report.check("data").status == "WARN" and report.exit_code == 0
+    assert report.check("data").figures["prompt_data"]["usable"] == 8
+    # ... unless too few rows are left for one rollout batch (6 usable < 8).
+    report = doctor(task, tmp_path, "--doctor_checks", "data", on_bad_row="skip", rollout_batch_size=8)
+    assert report.exit_code == 1
+    assert "6 usable rows, fewer than --rollout_batch_size 8" in report.check("data").findings[-1].text
+
+
+def test_memory_check_fails_over_the_budget_and_names_the_flags(task, tmp_path):
+    report = doctor(task, tmp_path, "--doctor_checks", "memory", "--doctor_memory_budget_gb", "0.05",
+                    prompt_max_len=20, generate_max_len=12)
+    memory = report.check("memory")
+    assert memory.status == "FAIL" and report.exit_code == 1
+    assert (memory.figures["prompt_tokens"], memory.figures["response_tokens_max"]) == (20, 12)
+    assert memory.figures["budget_gib"] == 0.05
+    fails = {f.text.split(":")[0]: f.text for f in memory.findings if f.level == "FAIL"}
+    assert set(fails) == {"generate", "forwards", "train", "weight sync"}   # the process alone is > 50 MB
+    assert "--micro_train_batch_size (now 8)" in fails["train"] and "--gradient_checkpointing" in fails["train"]
+    assert "--zero_stage 3 (now 2)" in fails["train"]
+    assert "--micro_rollout_batch_size (now 16" in fails["generate"] and "--generate_max_len (now 12)" in fails["generate"]
+
+
+def test_invariance_check_catches_dropout_left_on(task, tmp_path):
+    task = {**task, "model": save_tiny_arch(tmp_path / "gpt2", "gpt2")}   # GPT-2's default dropout is 0.1
+    healthy = doctor(task, tmp_path, "--doctor_checks", "invariance")
+    assert healthy.check("invariance").status == "PASS"
+    faulty = doctor(task, tmp_path, "--doctor_checks", "invariance", keep_dropout=True)
+    invariance = faulty.check("invariance")
+    assert invariance.status == "FAIL" and faulty.exit_code == 1
+    assert invariance.figures["train_vs_eval_log_prob_gap"] > 1e-2
+    assert invariance.figures["2 padded micro-batches"]["loss_gap"] > 1e-3
+    assert all("--keep_dropout" in f.text for f in invariance.findings if f.level == "FAIL")
+
+
+class CopyEngine(HFEngine):
+    """The Hugging Face engine decoding with its own copy of the model, synced by copying weights in."""
+
+    shares_live_weights = False
+    sync_bucket_mb = 1.0
+
+    def update_weights(self, named_params):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_params:
+                params[name].copy_(tensor)
+
+
+class BrokenSyncEngine(CopyEngine):
+    """A planted fault: the weights sent to the engine never arrive."""
+
+    def update_weights(self, named_params):
+        list(named_params)
+
+
+def own_engine(engine_cls):
+    def prepare(run):
+        trainer = run.trainer
+        model = copy.deepcopy(run.strategy.unwrap_model(trainer.actor).model)
+        engine = engine_cls(model, pad_token_id=run.tokenizer.pad_token_id, eos_token_id=run.tokenizer.eos_token_id,
+                            micro_batch_size=run.args.micro_rollout_batch_size)
+        trainer.rollout = RolloutManager.for_actor(engine, run.strategy, trainer.actor)
+        trainer.experience_maker.engine = trainer.rollout
+    return prepare
+
+
+def test_engine_check_catches_a_weight_sync_that_does_not_arrive(task, tmp_path):
+    healthy = doctor(task, tmp_path, "--doctor_checks", "engine", prepare=own_engine(CopyEngine))
+    assert healthy.check("engine").status == "PASS"
+    assert healthy.check("engine").figures["syncs"] == 3          # first generate, after the move, restore
+    faulty = doctor(task, tmp_path, "--doctor_checks", "engine", prepare=own_engine(BrokenSyncEngine))
+    engine = faulty.check("engine")
+    assert engine.status == "FAIL" and faulty.exit_code == 1
+    assert engine.figures["gap_mean"] < 1e-5                       # as built the copy is the same model
+    assert engine.figures["moved_gap_mean"] > 20 * 1e-3            # but it never sees the moved weights
+    assert "weight sync does not reach" in engine.findings[0].text
+
+
+WRONG_LENGTH = "def reward_func(queries, prompts, labels):\n    return [0.0] * (len(queries) - 1)\n"
+NAN = "def reward_func(queries, prompts, labels):\n    return [float('nan')] + [0.0] * (len(queries) - 1)\n"
+SLEEPS = "import time\n\ndef reward_func(queries, prompts, labels):\n    time.sleep(30)\n    return [0.0] * len(queries)\n"
+
+
+def test_rewards_check_catches_wrong_length_nan_and_hanging_sources(task, tmp_path):
+    files = []
+    for name, text in (("wrong_length", WRONG_LENGTH), ("nan", NAN), ("sleeps", SLEEPS)):
+        files.append(tmp_path / f"{name}.py")
+        files[-1].write_text(text)
+    sources = ",".join(str(p) for p in [task["reward"], *files])
+    report = doctor(task, tmp_path, "--doctor_checks", "rewards", "--doctor_reward_calls", "2",
+                    remote_rm_url=sources, reward_timeout=2)
+    rewards = report.check("rewards")
+    assert rewards.status == "FAIL" and report.exit_code == 1
+    healthy = rewards.figures[str(task["reward"])]
+    assert (healthy["count"], healthy["finite"], healthy["error"], len(healthy["latencies"])) == (16, True, None, 2)
+    fails = [f.text for f in rewards.findings if f.level == "FAIL"]
+    assert len(fails) == 3
+    assert fails[0].startswith(str(files[0])) and "expected 16 rewards" in fails[0]
+    assert fails[1].startswith(str(files[1])) and "NaN or infinite" in fails[1]
+    assert fails[2].startswith(str(files[2])) and "no answer within timeout=2.0s" in fails[2]
+    assert rewards.figures[str(files[2])]["latency_max"] < 20        # stopped at the timeout, not after 30 s
