@@ -86,25 +86,16 @@ class HFEngine:
     def _generate_chunk(self, prompts: list[list[int]], sample_seeds: list[int],
                         params: SamplingParams) -> RolloutOutput:
         device = self.device
-        uniforms = None
-        if not params.greedy:
-            # One stream per sample; one uniform per decoding step, drawn up front on the CPU so
-            # the draws are the same on every device. Shape: (B, max_new_tokens).
-            uniforms = torch.stack([torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s),
-                                               dtype=torch.float64) for s in sample_seeds]).to(device)
-        prompt_len = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), prompt_len), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(prompts), prompt_len), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, prompt_len - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            prompt_mask[i, prompt_len - len(prompt):] = 1
+        uniforms = None if params.greedy else self._uniforms(sample_seeds, params.max_new_tokens).to(device)
+        input_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
         input_ids, prompt_mask = input_ids.to(device), prompt_mask.to(device)
 
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                tokens, log_probs, action_mask, unfinished = self._decode(input_ids, prompt_mask, params, uniforms)
+                tokens, log_probs, action_mask, unfinished = self._decode(
+                    input_ids, prompt_mask, distinct_rows(prompts), params, uniforms)
         finally:
             self.model.train(was_training)
 
@@ -117,47 +108,86 @@ class HFEngine:
             attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1),
             action_mask=action_mask,
             rollout_log_probs=log_probs,
-            prompt_len=prompt_len,
+            prompt_len=input_ids.shape[1],
             truncated=unfinished.cpu(),
         )
 
-    def _decode(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+    @staticmethod
+    def _uniforms(sample_seeds: list[int], steps: int) -> torch.Tensor:
+        """One stream per sample, one uniform per decoding step, drawn on the CPU so the draws are
+        the same on every device; one generator reseeded per sample (as many fresh generators
+        would draw the same numbers, at a higher cost). Shape: (B, steps) float64."""
+        uniforms = torch.empty((len(sample_seeds), steps), dtype=torch.float64)
+        generator = torch.Generator()
+        for row, seed in enumerate(sample_seeds):
+            torch.rand(steps, generator=generator.manual_seed(seed), dtype=torch.float64, out=uniforms[row])
+        return uniforms
+
+    def _decode(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
+                params: SamplingParams,
                 uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The cached decoding loop. Returns tokens (B, S) long, log-probs (B, S) float32, the
-        action mask (B, S) bool, where S is the number of steps decoded, and (B,) bool: rows that
-        never produced an EOS token (cut at the length limit)."""
-        batch = input_ids.shape[0]
+        """The cached decoding loop. `rows` is `distinct_rows(prompts)`: the prefill runs on the
+        distinct prompts only and its KV cache and last logits are then copied to every sample.
+        Returns tokens (B, S) long, log-probs (B, S) float32, the action mask (B, S) bool, where S
+        is the number of steps decoded, and (B,) bool: rows that never produced an EOS token (cut at
+        the length limit)."""
+        batch, prompt_len = input_ids.shape
         device = input_ids.device
+        steps = params.max_new_tokens
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, Tp)
-        attention_mask = prompt_mask
-        step_ids, step_positions = input_ids, position_ids
-        past_key_values = None
+        # Written in place, one column per step, and read as a prefix: no concatenation per step.
+        attention_mask = torch.zeros((batch, prompt_len + steps), dtype=prompt_mask.dtype, device=device)
+        attention_mask[:, :prompt_len] = prompt_mask
+        tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=device)
+        log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+        is_action = torch.zeros((batch, steps), dtype=torch.bool, device=device)
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        tokens, log_probs, is_action = [], [], []
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
 
-        for step in range(params.max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=step_positions,
-                             past_key_values=past_key_values, use_cache=True, **extra)
-            past_key_values = out.past_key_values
+        logits, past_key_values = self._prefill(input_ids, prompt_mask, position_ids, rows, extra)
+        decoded = 0
+        for step in range(steps):
+            if step > 0:
+                out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
+                                 position_ids=position_ids[:, -1:] + step, past_key_values=past_key_values,
+                                 use_cache=True, **extra)
+                logits, past_key_values = out.logits[:, -1, :], out.past_key_values
             banned = eos if step < params.min_new_tokens else None
             next_tokens, next_log_probs = sample_next_tokens(
-                out.logits[:, -1, :], params.temperature, params.top_k, params.top_p,
+                logits, params.temperature, params.top_k, params.top_p,
                 None if uniforms is None else uniforms[:, step], banned)
             # Rows that already ended get padding: action mask 0 and log-prob 0.
-            next_tokens = torch.where(unfinished, next_tokens, self.pad_token_id)
-            tokens.append(next_tokens)
-            log_probs.append(torch.where(unfinished, next_log_probs, 0.0))
-            is_action.append(unfinished.clone())
-            attention_mask = torch.cat([attention_mask, unfinished.long().unsqueeze(1)], dim=1)  # (B, Tp + step + 1)
-            unfinished = unfinished & ~torch.isin(next_tokens, eos)
-            step_ids = next_tokens.unsqueeze(1)  # (B, 1)
-            step_positions = step_positions[:, -1:] + 1  # (B, 1)
-            if not self._any_rank_unfinished(unfinished):
+            tokens[:, step] = torch.where(unfinished, next_tokens, self.pad_token_id)
+            log_probs[:, step] = torch.where(unfinished, next_log_probs, 0.0)
+            is_action[:, step] = unfinished
+            attention_mask[:, prompt_len + step] = unfinished
+            unfinished &= ~torch.isin(tokens[:, step], eos)
+            decoded = step + 1
+            if decoded == steps or not self._any_rank_unfinished(unfinished):
                 break
-        return (torch.stack(tokens, dim=1), torch.stack(log_probs, dim=1), torch.stack(is_action, dim=1),
-                unfinished)
+        return tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished
+
+    def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
+                 rows: tuple[torch.Tensor, torch.Tensor], extra: dict) -> tuple[torch.Tensor, object]:
+        """The prompt forward, once per distinct prompt: the n samples of a prompt share its KV
+        cache and next-token logits, so a group of G samples costs one prompt forward instead of
+        G. Returns the last position's logits (B, V) and the cache, both expanded to all B rows."""
+        first, expand = rows  # (U,), (B,)
+        dedupe = first.numel() < input_ids.shape[0]
+        if dedupe:
+            first = first.to(input_ids.device)
+            input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
+        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                         past_key_values=None, use_cache=True, **extra)
+        logits, cache = out.logits[:, -1, :], out.past_key_values
+        if dedupe:
+            expand = expand.to(logits.device)
+            if not hasattr(cache, "batch_select_indices"):
+                raise TypeError(f"HFEngine needs a transformers Cache with batch_select_indices, got {type(cache)}")
+            cache.batch_select_indices(expand)  # (U, ...) -> (B, ...) on every layer
+            logits = logits[expand]  # (U, V) -> (B, V)
+        return logits, cache
 
     def _any_rank_unfinished(self, unfinished: torch.Tensor) -> bool:
         """Whether decoding must go on: on this rank, or on any rank when `synced_gpus` is set."""
@@ -180,3 +210,23 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """Nothing to restore (see `sleep`)."""
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to the longest: token ids and the 0/1 mask of real tokens.
+    Shape: B prompts -> (B, Tp) long, (B, Tp) long."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    prompt_len = int(lengths.max())
+    mask = torch.arange(prompt_len) >= (prompt_len - lengths).unsqueeze(1)  # (B, Tp), True on real tokens
+    input_ids = torch.full((len(prompts), prompt_len), pad_token_id, dtype=torch.long)
+    input_ids[mask] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)  # row-major = prompt order
+    return input_ids, mask.long()
+
+
+def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of every run of equal consecutive prompts, and for each row the index of its
+    run: `first[expand]` maps every row to a row with the same prompt. Shape: (U,), (B,) long."""
+    starts = [row for row in range(len(prompts)) if row == 0 or prompts[row] != prompts[row - 1]]
+    expand = torch.zeros(len(prompts), dtype=torch.long)
+    expand[starts[1:]] = 1
+    return torch.tensor(starts, dtype=torch.long), expand.cumsum(dim=0)
