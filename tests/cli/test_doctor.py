@@ -232,3 +232,32 @@ def test_rewards_check_catches_wrong_length_nan_and_hanging_sources(task, tmp_pa
     assert fails[1].startswith(str(files[1])) and "NaN or infinite" in fails[1]
     assert fails[2].startswith(str(files[2])) and "no answer within timeout=2.0s" in fails[2]
     assert rewards.figures[str(files[2])]["latency_max"] < 20        # stopped at the timeout, not after 30 s
+
+
+# ------------------------------------------------------------------------------ command line
+def run_cli(args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightrft.cli.doctor", *map(str, args)], cwd=REPO_ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_command_line_exit_codes(task, tmp_path):
+    bad_flag = run_cli(flags(task, tmp_path / "run") + ["--doctor_checks", "data,speed"])
+    assert bad_flag.returncode == 2 and "unknown check(s) ['speed']" in bad_flag.stderr
+    failing = run_cli(flags({**task, "train": bad_data_file(tmp_path / "bad.jsonl")}, tmp_path / "run")
+                      + ["--doctor_checks", "data"])
+    assert failing.returncode == 1, failing.stderr[-2000:]
+    assert failing.stdout.strip().splitlines()[-1] == "verdict: FAIL (failed: data)"
+
+
+def test_two_ranks_under_zero3_agree_on_a_passing_report(task, tmp_path, torchrun):
+    report = tmp_path / "doctor.json"
+    proc = torchrun(["lightrft.cli.doctor", *flags(task, tmp_path / "run", zero_stage=3, generate_max_len=6),
+                     "--doctor_report", report], module=True, timeout=300)
+    assert proc.stdout.count("verdict: PASS") == 1            # printed by rank 0 only
+    result = json.loads(report.read_text())
+    assert result["verdict"] == "PASS"
+    checks = {c["name"]: c for c in result["checks"]}
+    # Each rank generated its 2 prompts x 4 samples at full length; CPU peaks add over the ranks.
+    assert (checks["memory"]["figures"]["samples"], checks["memory"]["figures"]["response_tokens_min"]) == (8, 6)
+    assert checks["engine"]["figures"]["moved_gap_mean"] < 1e-5
+    assert checks["invariance"]["figures"]["1 packed micro-batch"]["grad_norm_gap"] < 1e-5
