@@ -19,8 +19,10 @@ class AdapterDisabledReference(nn.Module):
     `reference(sequences, num_actions, attention_mask=...)` -> (B, A), as `ActorLanguage` returns.
 
     The actor is held outside this module's parameters on purpose: preparing the reference with
-    the strategy (`strategy.prepare(reference)`) wraps no weights, and the forward runs the
-    actor's own (possibly ZeRO-3-sharded) module, whose hooks gather its parameters as usual.
+    the strategy (`strategy.prepare(reference)`) wraps none of its weights, and the forward runs
+    the actor's own (possibly ZeRO-3-sharded) module, whose hooks gather its parameters as usual.
+    The one parameter the reference owns, `anchor` (a single frozen zero), exists because
+    DeepSpeed's ZeRO-3 wrapper reads the dtype of a module's first parameter and fails without one.
     """
 
     def __init__(self, actor: ActorLanguage):
@@ -29,6 +31,8 @@ class AdapterDisabledReference(nn.Module):
             raise ValueError("AdapterDisabledReference needs an ActorLanguage with a LoRA adapter (--lora_rank > 0); "
                              "without LoRA the reference is a separate ActorLanguage of --pretrain")
         self.__dict__["actor"] = actor  # not a submodule (see the class doc)
+        dtype = next(actor.parameters()).dtype
+        self.anchor = nn.Parameter(torch.zeros(1, dtype=dtype), requires_grad=False)
 
     @contextmanager
     def _base_model(self):
