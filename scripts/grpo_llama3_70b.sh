@@ -6,7 +6,8 @@
 #            the frozen reference model too (--ref_reward_offload)
 # Precision  bf16, gradient checkpointing
 # Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
-# Rollout    hf: Hugging Face generate on the live ZeRO-3-sharded actor (see Memory for why not vllm)
+# Rollout    vllm, colocated: one engine replica per node (--vllm_tensor_parallel_size 8, 4 replicas),
+#            --vllm_gpu_memory_utilization 0.5 while generating, asleep while training
 # Models     actor + reference (KL as a loss term, k3 estimator); no critic: group_norm advantages;
 #            reward: the builtin `math` rule (1 when the final answer equals the label)
 # Batches    rollout_batch_size 64 prompts x n_samples_per_prompt 8 = 512 samples per rollout
@@ -17,8 +18,10 @@
 # Lengths    prompt_max_len 1024, generate_max_len 2048
 # Memory     trainer: parameters, fp32 master and Adam states live in host RAM (70.6B x 2 + 70.6B x 12
 #            bytes = 988 GB, 247 GB per node, plus the reference's 141 GB / 4 = 35 GB); ZeRO-3 brings
-#            one layer at a time to the GPU. The rollout engine is hf: vLLM runs one whole copy per GPU
-#            (tensor parallel 1) and 70.6B x 2 bytes = 141 GB does not fit one GPU.
+#            one layer at a time to the GPU. vLLM per GPU (docs/scaling.md): 141 GB / 8 = 17.7 GB of
+#            weights + ~20 GB KV cache (40 KiB per token per GPU: ~520k tokens per replica, all 128 of
+#            its sequences at once) inside 0.5 x 80 GB, moved to host RAM while asleep (141 GB per node);
+#            sync bucket <= 2.1 GB (the embedding; a layer is 1.7 GB).
 # Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
 #
 # Run on every node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address) set.
@@ -45,7 +48,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
     --remote_rm_url math \
     --advantage_estimator group_norm --n_samples_per_prompt 8 \
-    --rollout_engine hf \
+    --rollout_engine vllm --vllm_tensor_parallel_size 8 --vllm_gpu_memory_utilization 0.5 \
     --rollout_batch_size 64 --micro_rollout_batch_size 2 \
     --train_batch_size 128 --micro_train_batch_size 1 \
     --prompt_max_len 1024 --generate_max_len 2048 --temperature 1.0 \

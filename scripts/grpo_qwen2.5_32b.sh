@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # GRPO on math prompts with Qwen2.5-32B-Instruct: 4 nodes x 8 GPUs.
 #
-# Hardware   8 GPUs per node x 4 nodes = 32 GPUs, 141 GB each (H200 141GB); host RAM >= 512 GB per node
+# Hardware   8 GPUs per node x 4 nodes = 32 GPUs, 80 GB each (A100/H100 80GB); host RAM >= 512 GB per node
 # ZeRO       stage 3; offload: Adam states to CPU (--adam_offload)
 # Precision  bf16, gradient checkpointing
 # Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
-# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.6
-#            while generating, asleep (memory released) while training
+# Rollout    vllm, colocated: one engine replica per 4 GPUs of a node (--vllm_tensor_parallel_size 4,
+#            8 replicas), --vllm_gpu_memory_utilization 0.5 while generating, asleep while training
 # Models     actor + reference (KL as a loss term, k3 estimator); no critic: group_norm advantages;
 #            reward: the builtin `math` rule (1 when the final answer equals the label)
 # Batches    rollout_batch_size 128 prompts x n_samples_per_prompt 8 = 1024 samples per rollout
@@ -15,10 +15,11 @@
 #            micro_train_batch_size 1 x 32 GPUs = 32 samples per forward: 256 / 32 = 8 gradient-accumulation steps
 #            micro_rollout_batch_size 2 samples per GPU per forward when scoring experience
 # Lengths    prompt_max_len 1024, generate_max_len 4096
-# Memory     vLLM holds one whole bf16 copy per GPU (tensor parallel 1): 66 GB of weights + 19 GB KV
-#            cache inside 0.6 x 141 GB, which is why this recipe assumes 141 GB GPUs (on 80 GB GPUs use
-#            --rollout_engine hf, as the 70B recipes do). Trainer: 32.8B x 4 bytes / 32 GPUs = 4.1 GB,
-#            fp32 master and Adam (394 GB) in host RAM, 99 GB per node; reference 2 GB.
+# Memory     per GPU (docs/scaling.md): vLLM 66 GB / 4 = 16.4 GB of weights + ~21 GB KV cache (64 KiB
+#            per token per GPU: ~340k tokens per replica) inside 0.5 x 80 GB; trainer bf16 weights and
+#            grads 32.8B x 4 bytes / 32 GPUs = 4.1 GB, reference 2 GB, sync bucket <= 1.6 GB (one layer or
+#            the embedding), activations ~8 GB while vLLM sleeps; fp32 master and Adam (394 GB) in host
+#            RAM, 99 GB per node.
 # Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
 #
 # Run on every node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address) set.
@@ -45,7 +46,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
     --remote_rm_url math \
     --advantage_estimator group_norm --n_samples_per_prompt 8 \
-    --rollout_engine vllm --vllm_gpu_memory_utilization 0.6 \
+    --rollout_engine vllm --vllm_tensor_parallel_size 4 --vllm_gpu_memory_utilization 0.5 \
     --rollout_batch_size 128 --micro_rollout_batch_size 2 \
     --train_batch_size 256 --micro_train_batch_size 1 \
     --prompt_max_len 1024 --generate_max_len 4096 --temperature 1.0 \

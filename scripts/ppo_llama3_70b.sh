@@ -6,7 +6,8 @@
 #            the frozen reference and reward models too (--ref_reward_offload)
 # Precision  bf16, gradient checkpointing
 # Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
-# Rollout    hf: Hugging Face generate on the live ZeRO-3-sharded actor (see Memory for why not vllm)
+# Rollout    vllm, colocated: one engine replica per node (--vllm_tensor_parallel_size 8, 8 replicas),
+#            --vllm_gpu_memory_utilization 0.5 while generating, asleep while training
 # Models     actor, critic (initialised from the reward model), reference, reward model; gae advantages.
 #            The reward model must share the actor's tokenizer (it scores the actor's token ids):
 #            train it with lightrft.cli.train_rm from the same base model
@@ -19,7 +20,8 @@
 # Memory     trainer: actor and critic parameters, fp32 master and Adam states in host RAM
 #            (2 x 70.6B x 14 bytes = 1.98 TB, 247 GB per node), reference and reward model parameters
 #            too (2 x 141 GB / 8 = 35 GB per node); ZeRO-3 brings one layer at a time to the GPU.
-#            The rollout engine is hf: 70.6B x 2 bytes = 141 GB does not fit one GPU for vLLM.
+#            vLLM per GPU (docs/scaling.md): 141 GB / 8 = 17.7 GB of weights + ~20 GB KV cache inside
+#            0.5 x 80 GB, in host RAM while asleep (141 GB per node); sync bucket <= 2.1 GB.
 # Data       PROMPT_DATA: jsonl (or parquet, ...) rows with a "prompt" field
 #
 # Run on every node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address) set.
@@ -45,7 +47,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --pretrain "$MODEL" --reward_pretrain "$REWARD_MODEL" --critic_pretrain "$CRITIC_MODEL" \
     --prompt_data "$PROMPT_DATA" --input_key prompt --apply_chat_template \
     --advantage_estimator gae --gamma 1.0 --lambd 0.95 --n_samples_per_prompt 1 \
-    --rollout_engine hf \
+    --rollout_engine vllm --vllm_tensor_parallel_size 8 --vllm_gpu_memory_utilization 0.5 \
     --rollout_batch_size 256 --micro_rollout_batch_size 1 \
     --train_batch_size 128 --micro_train_batch_size 1 \
     --prompt_max_len 1024 --generate_max_len 1024 --temperature 1.0 \

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # PPO with a reward model and a critic, Qwen2.5-32B-Instruct as the actor: 8 nodes x 8 GPUs.
 #
-# Hardware   8 GPUs per node x 8 nodes = 64 GPUs, 141 GB each (H200 141GB); host RAM >= 512 GB per node
+# Hardware   8 GPUs per node x 8 nodes = 64 GPUs, 80 GB each (A100/H100 80GB); host RAM >= 512 GB per node
 # ZeRO       stage 3; offload: Adam states to CPU (--adam_offload)
 # Precision  bf16, gradient checkpointing
 # Packing    on (--packing_samples; with flash-attn installed the packed rows use its varlen kernel)
-# Rollout    vllm, colocated: one engine per GPU (tensor parallel 1), --vllm_gpu_memory_utilization 0.6
-#            while generating, asleep (memory released) while training
+# Rollout    vllm, colocated: one engine replica per 4 GPUs of a node (--vllm_tensor_parallel_size 4,
+#            16 replicas), --vllm_gpu_memory_utilization 0.5 while generating, asleep while training
 # Models     actor, critic (initialised from the reward model), reference, reward model; gae advantages.
 #            The reward model must share the actor's tokenizer (it scores the actor's token ids):
 #            train it with lightrft.cli.train_rm from the same base model
@@ -16,9 +16,10 @@
 #            micro_train_batch_size 1 x 64 GPUs = 64 samples per forward: 128 / 64 = 2 gradient-accumulation steps
 #            micro_rollout_batch_size 2 samples per GPU per forward when scoring experience
 # Lengths    prompt_max_len 1024, generate_max_len 1024
-# Memory     vLLM: 66 GB of weights + KV cache inside 0.6 x 141 GB (one whole copy per GPU).
-#            actor and critic: 32.8B x 4 bytes / 64 GPUs = 2 GB each on GPU, fp32 master and Adam
-#            (394 GB each) in host RAM, 99 GB per node for both; reference and reward model 1 GB each.
+# Memory     per GPU (docs/scaling.md): vLLM 66 GB / 4 = 16.4 GB of weights + ~21 GB KV cache inside
+#            0.5 x 80 GB; actor and critic: 32.8B x 4 bytes / 64 GPUs = 2 GB each, fp32 master and Adam
+#            (394 GB each) in host RAM, 99 GB per node for both; reference and reward model 1 GB each;
+#            sync bucket <= 1.6 GB.
 # Data       PROMPT_DATA: jsonl (or parquet, ...) rows with a "prompt" field
 #
 # Run on every node with NNODES, NODE_RANK (0 .. NNODES-1) and MASTER_ADDR (node 0's address) set.
@@ -44,7 +45,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --pretrain "$MODEL" --reward_pretrain "$REWARD_MODEL" --critic_pretrain "$CRITIC_MODEL" \
     --prompt_data "$PROMPT_DATA" --input_key prompt --apply_chat_template \
     --advantage_estimator gae --gamma 1.0 --lambd 0.95 --n_samples_per_prompt 1 \
-    --rollout_engine vllm --vllm_gpu_memory_utilization 0.6 \
+    --rollout_engine vllm --vllm_tensor_parallel_size 4 --vllm_gpu_memory_utilization 0.5 \
     --rollout_batch_size 512 --micro_rollout_batch_size 2 \
     --train_batch_size 128 --micro_train_batch_size 1 \
     --prompt_max_len 1024 --generate_max_len 1024 --temperature 1.0 \
