@@ -3,7 +3,6 @@ application would; recording, reward feedback, one train_ppo step on the recordi
 server answering with the new weights. Plus the request parsing, the record files and the
 recorded-data checks on their own."""
 
-import json
 import os
 import subprocess
 import sys
@@ -163,7 +162,7 @@ LIMITS = ServeLimits(max_new_tokens=16, prompt_max_len=32)
     ({"prompt": "hi", "stop": 3}, "stop", "stop"),
 ])
 def test_bad_completion_requests_name_the_field(payload, param, words):
-    with pytest.raises(RequestError, match=None) as info:
+    with pytest.raises(RequestError) as info:
         parse_completion_request(payload, build_char_tokenizer(), LIMITS)
     assert info.value.param == param and words in str(info.value)
 
