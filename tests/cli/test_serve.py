@@ -24,6 +24,7 @@ from lightrft.trainer.recorded import RecordedExperienceDataset, check_recorded_
 from lightrft.utils.tiny import build_char_tokenizer, build_char_tokenizer_with_bos, save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env, to_flags
 from tests.trainer.ppo_harness import LAUNCH_ENV
+from tests.trainer.test_preview import parse_markdown_table, tensorboard_texts
 
 MAX_NEW = 8
 
@@ -119,11 +120,19 @@ def test_agent_session_record_feedback_train_and_reload(server):
         "rollout_batch_size": 4, "train_batch_size": 4, "micro_train_batch_size": 2, "micro_rollout_batch_size": 4,
         "init_kl_coef": 0, "actor_learning_rate": 1e-2, "lr_scheduler": "constant", "lr_warmup_ratio": 0,
         "max_steps": 1, "save_steps": 1, "save_hf_ckpt": True, "disable_ds_ckpt": True, "zero_stage": 2,
-        "seed": 3, "ckpt_path": server["ckpt"], "save_path": out / "model"})))
+        "seed": 3, "ckpt_path": server["ckpt"], "save_path": out / "model", "preview_steps": 1,
+        "use_tensorboard": out / "tb"})))
     for key in LAUNCH_ENV:
         os.environ.pop(key, None)
     assert logs["rollout/reward"] == pytest.approx(0.5)
     assert logs["rollout/policy_version"] == 0.0
+    # The preview shows the recorded responses with their rewards, served by version 0 (staleness 0).
+    [(step, table)] = tensorboard_texts(out / "tb", "rollout/preview")
+    served = {r.response: rewards[r.id] for r, _ in read_records(server["record"])[0] if r.id in rewards}
+    rows = parse_markdown_table(table)[1]
+    assert step == 1 and len(rows) == 4
+    assert sorted((r[2], float(r[3]), int(r[4]), int(r[5])) for r in rows) == \
+        sorted((text, reward, 0, 0) for text, reward in served.items())
 
     # 5. The server picks the export up as policy version 1 and answers with its weights.
     deadline = time.time() + 60
