@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
-from lightrft.cli.train_ppo import build_parser, build_run, parse_args
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
                              check_invariance, check_memory, check_rewards)
 from lightrft.doctor.engine import sampling_params
@@ -30,9 +30,9 @@ from lightrft.doctor.report import LEVELS
 DOCTOR_FLAGS = ("--doctor_checks", "--doctor_memory_budget_gb", "--doctor_reward_calls", "--doctor_report")
 
 
-def build_doctor_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """train_ppo's parser plus the doctor's own flags."""
-    parser = build_parser()
+    parser = train_ppo.build_parser()
     parser.prog = "python -m lightrft.cli.doctor"
     parser.description = __doc__
     group = parser.add_argument_group("doctor", "what the pre-flight check runs and where its report goes")
@@ -47,11 +47,11 @@ def build_doctor_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_doctor_args(argv: list[str], workdir: str):
-    """(the doctor's options, train_ppo's args as the user gave them, the args of the run to build).
-    The run's args are the user's flags with the output folders moved into `workdir` (a later flag
-    wins in argparse), and bad rows skipped so the other checks still run when the data check fails."""
-    parser = build_doctor_parser()
+def parse_args(argv=None):
+    """(the doctor's options, the run config `train_ppo` would build from the same flags). Bad
+    flags or combinations exit with code 2 and a message naming them, as train_ppo does."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     options = parse_command_line(parser, argv)
     checks = [c.strip() for c in options.doctor_checks.split(",") if c.strip()]
     unknown = [c for c in checks if c not in CHECKS]
@@ -60,12 +60,28 @@ def parse_doctor_args(argv: list[str], workdir: str):
     if options.doctor_reward_calls < 1:
         parser.error(f"--doctor_reward_calls must be >= 1, got {options.doctor_reward_calls}")
     options.doctor_checks = checks
+    return options, train_ppo.parse_args(strip_doctor_flags(argv))
+
+
+def run_config(argv: list[str], options, workdir: str):
+    """The config of the run the doctor builds: the user's flags with the output folders moved into
+    `workdir` (a later flag wins in argparse), and bad rows skipped so the other checks still run
+    when the data check fails."""
     overrides = ["--ckpt_path", os.path.join(workdir, "ckpt"), "--save_path", os.path.join(workdir, "model"),
                  "--on_bad_row", "skip"]
     if options.use_tensorboard:
         overrides += ["--use_tensorboard", os.path.join(workdir, "tensorboard")]
-    user_args = parse_args(strip_doctor_flags(argv))
-    return options, user_args, parse_args(strip_doctor_flags(argv) + overrides)
+    return train_ppo.parse_args(strip_doctor_flags(argv) + overrides)
+
+
+check_world_size = train_ppo.check_world_size
+
+
+def changed_options(options) -> dict:
+    """The train_ppo options of the command line that differ from their defaults."""
+    defaults = train_ppo.build_parser()
+    return {k: v for k, v in sorted(vars(options).items())
+            if not k.startswith("doctor_") and k != "config" and v != defaults.get_default(k)}
 
 
 def strip_doctor_flags(argv: list[str]) -> list[str]:
@@ -99,7 +115,8 @@ def run_doctor(argv: list[str], *, prepare=None) -> DoctorReport:
     report and writes `--doctor_report`."""
     workdir = tempfile.mkdtemp(prefix="lightrft-doctor-")
     try:
-        options, user_args, run_args = parse_doctor_args(list(argv), workdir)
+        options, user_args = parse_args(argv)
+        run_args = run_config(list(argv), options, workdir)
         os.environ.setdefault("WANDB_MODE", "disabled")      # a pre-flight check logs no run
         results = []
         if "data" in options.doctor_checks:
@@ -107,9 +124,7 @@ def run_doctor(argv: list[str], *, prepare=None) -> DoctorReport:
         model_checks = [c for c in options.doctor_checks if c != "data"]
         if model_checks:
             results += run_model_checks(run_args, options, model_checks, prepare)
-        defaults = build_parser()
-        changed = {k: v for k, v in sorted(vars(user_args).items()) if v != defaults.get_default(k) and k != "config"}
-        report = DoctorReport(results, config=changed)
+        report = DoctorReport(results, config=changed_options(options))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -124,7 +139,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
     from lightrft.rewards.base import RewardSourceError
 
     try:
-        run = build_run(args)
+        run = train_ppo.build_run(args)
     except (ValueError, FileNotFoundError, OSError, RewardSourceError) as err:
         failed = CheckResult("build", "building the run from the flags")
         failed.add("FAIL", f"the run cannot be built, so {', '.join(checks)} did not run: {err}")
