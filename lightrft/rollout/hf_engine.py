@@ -7,6 +7,11 @@ rather than delegated to `model.generate` so that every sample draws from its ow
 the sampled tokens are computed one step at a time, without keeping (A, B, V) logits around.
 Because each sample owns its stream, the result does not depend on `micro_batch_size` or on
 which other prompts share a call.
+
+Work a rollout does not need is left out, without changing what it computes (tests hold it equal
+to the plain loop): the n samples of a prompt share one prompt forward (its KV cache and
+next-token logits are copied to every sample), outputs and the attention mask are preallocated
+and written column by column, and the sample streams come from one reseeded generator.
 """
 
 import inspect
