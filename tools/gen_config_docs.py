@@ -30,6 +30,37 @@ as in OpenRLHF: `--rollout_batch_size` prompts per rollout over all ranks, `--tr
 samples per optimizer step over all ranks, `--micro_*_batch_size` samples per rank per forward;
 gradient accumulation is derived (see [recipes](recipes.md) for worked arithmetic). The formulas
 behind the algorithm flags are in [algorithms](algorithms.md).
+
+## One typed config, three ways to set it
+
+Every flag is a field of a frozen dataclass in `lightrft.config` (`PPORunConfig`, `SFTRunConfig`,
+`RMRunConfig`, made of the sections below: `distributed`, `model`, `rollout`, `algorithm`,
+`optim`, `data`, `rewards`, `logging`, `checkpoint`). The parsers are generated from those
+fields, so a default lives in one place, and the same checks run for a command line, a file and
+Python code (an impossible combination is refused at start-up with the flags named).
+
+- **Flags**: `--temperature 0.7`.
+- **A YAML file**: `--config run.yaml` reads option values, flat by flag name or nested by
+  section; flags on the command line override it. A mistyped key or a value of the wrong type
+  names the file and the key.
+
+  ```yaml
+  pretrain: ./models/qwen2.5-0.5b
+  rollout:
+    temperature: 0.7
+    generate_max_len: 512
+  algorithm:
+    advantage_estimator: group_norm
+    n_samples_per_prompt: 8
+  ```
+
+- **Python**: `PPORunConfig(model=PPOModelConfig(pretrain=...), ...)`, or `parse_args(argv)`; see
+  [extending](extending.md). `train(config)` runs it, `PPOTrainer.from_config(config, ...)` builds
+  a trainer from it.
+
+Each run prints the options that differ from the defaults at start-up and writes the whole
+resolved config to `<ckpt_path>/run_config.yaml` (nested by section), which `--config` reads back
+to repeat the run; every PPO checkpoint also carries it in its client state.
 """
 
 

@@ -1,114 +1,13 @@
-"""Argument groups shared by every lightrft command line (train_ppo, train_sft, train_rm).
-
-Each `add_*_args` adds one titled group so `--help` reads by topic, and every flag is defined
-once. The names follow OpenRLHF where a flag exists there, so recipes port unchanged.
+"""What every lightrft command line shares: reading `--config FILE.yaml` under the flags, saving
+the resolved config, the learning-rate schedule, the tracker, the closing summary line, and
+`run_command` (user errors as messages, the launcher lifeline and the checkpoint-folder lock).
+The flags themselves are generated from the typed run config (`lightrft.config`).
 """
 
 import argparse
 import json
 import os
 import sys
-
-
-def add_strategy_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("strategy", "distributed training and DeepSpeed")
-    group.add_argument("--seed", type=int, default=42, help="random seed shared by all ranks")
-    group.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; leave it")
-    group.add_argument("--zero_stage", type=int, default=2, help="DeepSpeed ZeRO stage: 0, 1, 2 or 3")
-    group.add_argument("--bf16", action="store_true", help="train in bfloat16 (fp32 master weights)")
-    group.add_argument("--adam_offload", action="store_true", help="keep Adam states on the CPU")
-    group.add_argument("--zero3_param_offload", action="store_true",
-                       help="with --zero_stage 3, keep parameters on the CPU between uses")
-    group.add_argument("--ref_reward_offload", action="store_true",
-                       help="keep the frozen reference and reward models' parameters on the CPU (ZeRO-3 offload)")
-    group.add_argument("--grad_accum_dtype", type=str, default=None, choices=["fp32", "bf16", "fp16"],
-                       help="dtype gradients are accumulated in (default: DeepSpeed's choice for the run dtype)")
-    group.add_argument("--gradient_checkpointing", action="store_true",
-                       help="recompute activations in the backward pass to save memory")
-    group.add_argument("--max_norm", type=float, default=1.0, help="gradient clipping norm")
-    group.add_argument("--micro_train_batch_size", type=int, default=4,
-                       help="samples per rank per forward/backward")
-    group.add_argument("--train_batch_size", type=int, default=128,
-                       help="samples per optimizer step over all ranks; gradient accumulation is derived")
-    group.add_argument("--dist_timeout", type=int, default=30, help="collective timeout in minutes")
-    return group
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("models", "model paths and adapters")
-    group.add_argument("--pretrain", type=str, required=True,
-                       help="Hugging Face folder of the model to train")
-    group.add_argument("--attn_implementation", type=str, default=None,
-                       help="attention kernel: flash_attention_2, sdpa, eager or flex_attention "
-                            "(default: flash_attention_2 when installed on CUDA, else lightrft_varlen: exact packing, "
-                            "sliding windows and soft-caps per layer)")
-    group.add_argument("--trust_remote_code", action="store_true",
-                       help="allow model code shipped inside the model folder to run")
-    group.add_argument("--lora_rank", type=int, default=0, help="LoRA rank; 0 trains all weights")
-    group.add_argument("--lora_alpha", type=int, default=16, help="LoRA scaling numerator")
-    group.add_argument("--lora_dropout", type=float, default=0.0, help="LoRA dropout")
-    group.add_argument("--target_modules", type=str, nargs="*", default=None,
-                       help="module names that get LoRA adapters (default: all linear layers)")
-    group.add_argument("--packing_samples", action="store_true",
-                       help="pack variable-length samples into one row instead of padding")
-    return group
-
-
-def add_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("data", "datasets and their fields")
-    group.add_argument("--input_key", type=str, default="input", help="field holding the prompt")
-    group.add_argument("--apply_chat_template", action="store_true",
-                       help="wrap inputs with the tokenizer's chat template")
-    group.add_argument("--max_samples", type=int, default=None, help="use at most this many rows")
-    group.add_argument("--on_bad_row", choices=["error", "skip"], default="error",
-                       help="a row with a missing, empty or non-string field stops the run (error) "
-                            "or is skipped and counted (skip)")
-    return group
-
-
-def add_logging_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("logging", "progress and metrics")
-    group.add_argument("--logging_steps", type=int, default=1, help="log metrics every N steps")
-    group.add_argument("--use_wandb", type=str, default=None,
-                       help="log to Weights & Biases: an API key, or 'offline' / 'online' to use the "
-                            "environment's login (offline needs no network)")
-    group.add_argument("--wandb_project", type=str, default="lightrft", help="W&B project")
-    group.add_argument("--wandb_org", type=str, default=None, help="W&B entity (team or user)")
-    group.add_argument("--wandb_run_name", type=str, default=None, help="W&B run name (default: generated)")
-    group.add_argument("--use_tensorboard", type=str, default=None,
-                       help="write TensorBoard scalars under this folder")
-    return group
-
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("checkpoint", "saving, exporting and resuming")
-    group.add_argument("--save_path", type=str, default="./ckpt/model",
-                       help="folder for the final Hugging Face export")
-    group.add_argument("--ckpt_path", type=str, default="./ckpt/checkpoints",
-                       help="folder for resumable training checkpoints")
-    group.add_argument("--save_steps", type=int, default=-1,
-                       help="save a resumable checkpoint every N steps (-1: only at the end)")
-    group.add_argument("--max_ckpt_num", type=int, default=3, help="keep at most N checkpoints")
-    group.add_argument("--load_checkpoint", nargs="?", const="required", default=None,
-                       choices=["required", "if_present"],
-                       help="resume from the newest complete checkpoint in --ckpt_path; a bare "
-                            "flag makes a missing checkpoint an error, 'if_present' starts fresh")
-    group.add_argument("--save_hf_ckpt", action="store_true",
-                       help="also export Hugging Face weights next to each checkpoint")
-    group.add_argument("--disable_ds_ckpt", action="store_true",
-                       help="skip DeepSpeed optimizer state in checkpoints (not resumable exactly)")
-    group.add_argument("--preemption_grace", type=float, default=600.0,
-                       help="seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit")
-    group.add_argument("--max_nonfinite_steps", type=int, default=3,
-                       help="consecutive optimizer steps skipped for a non-finite loss or gradient before the "
-                            "run saves and stops")
-    return group
-
-
-def add_config_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
-                        help="read flag values from a YAML mapping of flag names (without --) to values; "
-                             "flags given on the command line override it")
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -121,6 +20,16 @@ def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> argparse.N
     if known.config:
         parser.set_defaults(**_config_defaults(parser, known.config))
     return parser.parse_args(argv)
+
+
+def parse_run_config(config_cls, parser: argparse.ArgumentParser, argv=None):
+    """`config_cls` (a `lightrft.config.RunConfig`) of a command line, `--config FILE.yaml` first
+    and flags over it; a bad option or combination exits through `parser.error`, naming it."""
+    namespace = parse_command_line(parser, argv)
+    try:
+        return config_cls.from_namespace(namespace)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
@@ -136,8 +45,15 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     if not isinstance(values, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    defaults = {}
+    # Options may be flat (flag names) or nested under their section names (run_config.yaml).
+    items = []
     for key, value in values.items():
+        if isinstance(value, dict) and str(key) not in actions:
+            items.extend(value.items())
+        else:
+            items.append((key, value))
+    defaults = {}
+    for key, value in items:
         dest = str(key).lstrip("-").replace("-", "_")
         action = actions.get(dest)
         if action is None:
@@ -170,12 +86,14 @@ def _config_value(action: argparse.Action, value):
     return convert(value)
 
 
-def resolved_config(args: argparse.Namespace) -> dict:
-    """Every option of the run as plain YAML-able values (tuples as lists)."""
+def resolved_config(args) -> dict:
+    """Every option of the run as plain YAML-able values (tuples as lists), flat by flag name."""
+    if hasattr(args, "to_dict"):
+        return args.to_dict()
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())}
 
 
-def announce_config(parser: argparse.ArgumentParser, args: argparse.Namespace, strategy, ckpt_path: str | None) -> None:
+def announce_config(parser: argparse.ArgumentParser, args, strategy, ckpt_path: str | None) -> None:
     """Prints the options that differ from the defaults on rank 0 and writes the whole resolved
     config to `<ckpt_path>/run_config.yaml`, which `--config` reads back to repeat the run."""
     import yaml
@@ -183,23 +101,20 @@ def announce_config(parser: argparse.ArgumentParser, args: argparse.Namespace, s
     if not strategy.is_rank_0():
         return
     config = resolved_config(args)
-    changed = {k: v for k, v in config.items() if k != "config" and v != parser.get_default(k)}
+    changed = {k: v for k, v in config.items() if k != "config" and v != _plain(parser.get_default(k))}
     print("options: " + json.dumps(changed, default=str, sort_keys=True), flush=True)
     if ckpt_path:
         os.makedirs(ckpt_path, exist_ok=True)
         target = os.path.join(ckpt_path, "run_config.yaml")
         tmp = target + ".tmp"
+        nested = args.to_nested() if hasattr(args, "to_nested") else {k: v for k, v in config.items() if k != "config"}
         with open(tmp, "w") as f:
-            yaml.safe_dump({k: v for k, v in config.items() if k != "config"}, f, sort_keys=True)
+            yaml.safe_dump(nested, f, sort_keys=False)
         os.replace(tmp, target)
 
 
-def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    """Rejects zero or negative values of the named integer flags with a parser error."""
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            parser.error(f"--{name} must be positive, got {value}")
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def build_scheduler(optimizer, args, lr: float, total_steps: int):
@@ -217,7 +132,7 @@ def make_tracker(args, strategy):
     """The W&B / TensorBoard tracker the logging flags ask for (writes on rank 0 only)."""
     from lightrft.utils.trackers import MetricsTracker
 
-    return MetricsTracker(is_rank_0=strategy.is_rank_0(), config=vars(args), use_wandb=args.use_wandb,
+    return MetricsTracker(is_rank_0=strategy.is_rank_0(), config=resolved_config(args), use_wandb=args.use_wandb,
                           wandb_project=args.wandb_project, wandb_org=args.wandb_org,
                           wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
 

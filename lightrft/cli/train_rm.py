@@ -12,50 +12,19 @@ training set for `--normalize_reward`.
 import argparse
 import sys
 
-from lightrft.cli.common import (add_checkpoint_args, add_config_arg, add_data_args, add_logging_args,
-                                 add_model_args, add_strategy_args, announce_config, check_positive,
-                                 parse_command_line, run_command)
-from lightrft.cli.train_sft import add_eval_args, add_optimizer_args, load_tokenizer, run_supervised
+from lightrft.cli.common import announce_config, parse_run_config, run_command
+from lightrft.cli.train_sft import load_tokenizer, run_supervised
+from lightrft.config import RMRunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.train_rm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_strategy_args(parser)
-    models = add_model_args(parser)
-    models.add_argument("--value_head_prefix", type=str, default="score", help="attribute name of the value head")
-    data = add_data_args(parser)
-    data.add_argument("--dataset", type=str, required=True,
-                      help="preference rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
-    data.add_argument("--prompt_key", type=str, default=None,
-                      help="field holding the prompt; without it chosen/rejected are whole texts or conversations")
-    data.add_argument("--chosen_key", type=str, default="chosen", help="field holding the preferred answer")
-    data.add_argument("--rejected_key", type=str, default="rejected", help="field holding the other answer")
-    data.add_argument("--margin_key", type=str, default=None,
-                      help="optional field with a per-pair margin m: loss -log sigmoid(r_c - r_r - m)")
-    data.add_argument("--max_len", type=int, default=2048, help="most tokens per sequence; longer pairs are bad rows")
-    add_eval_args(parser)
-    add_optimizer_args(parser).set_defaults(learning_rate=9e-6)
-    add_logging_args(parser)
-    add_checkpoint_args(parser)
-    add_config_arg(parser)
-    return parser
+    """The flags, generated from `RMRunConfig` (lightrft/config)."""
+    return RMRunConfig.build_parser("python -m lightrft.cli.train_rm", __doc__)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parse_command_line(parser, argv)
-    check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
-                   "learning_rate")
-    if args.lora_rank > 0:
-        parser.error("--lora_rank is not supported by train_rm: the reward model trains all weights; drop it")
-    if args.packing_samples:
-        parser.error("--packing_samples is not supported by train_rm (pairs are padded); drop it")
-    if not 0.0 <= args.eval_split < 1.0:
-        parser.error(f"--eval_split must be in [0, 1), got {args.eval_split}")
-    if args.eval_split and args.eval_dataset:
-        parser.error("pass either --eval_dataset or --eval_split, not both")
-    return args
+def parse_args(argv=None) -> RMRunConfig:
+    """The typed run config of a command line; a bad option exits with a message naming it."""
+    return parse_run_config(RMRunConfig, build_parser(), argv)
 
 
 def build_datasets(args, tokenizer):
@@ -77,7 +46,7 @@ def build_datasets(args, tokenizer):
     return train_set, eval_set
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: RMRunConfig) -> dict:
     """Builds everything from parsed flags, trains the reward model and exports it; returns the
     last logged metrics with the reward statistics."""
     from lightrft.models import RewardModel

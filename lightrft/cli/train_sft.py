@@ -12,69 +12,19 @@ whose assistant turns are all trained. Evaluation loss comes from `--eval_datase
 import argparse
 import sys
 
-from lightrft.cli.common import (add_checkpoint_args, add_config_arg, add_data_args, add_logging_args,
-                                 add_model_args, add_strategy_args, announce_config, build_scheduler, check_positive,
-                                 make_tracker, parse_command_line, print_summary, run_command)
-
-
-def add_optimizer_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("optimizer", "learning rate and schedule")
-    group.add_argument("--max_epochs", type=int, default=1, help="passes over the training set")
-    group.add_argument("--learning_rate", type=float, default=5e-6, help="peak learning rate")
-    group.add_argument("--lr_warmup_ratio", type=float, default=0.03, help="fraction of steps spent warming up")
-    group.add_argument("--lr_scheduler", type=str, default="cosine_with_min_lr",
-                       help="a transformers scheduler name (cosine_with_min_lr decays to 10%% of the peak)")
-    group.add_argument("--adam_betas", type=float, nargs=2, default=(0.9, 0.95), help="Adam beta1 and beta2")
-    group.add_argument("--l2", type=float, default=0.0, help="weight decay")
-    return group
-
-
-def add_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("evaluation", "held-out loss")
-    group.add_argument("--eval_dataset", type=str, default=None, help="held-out rows in the training format")
-    group.add_argument("--eval_split", type=float, default=0.0,
-                       help="hold out this fraction of --dataset for evaluation instead (0: none)")
-    group.add_argument("--eval_steps", type=int, default=-1,
-                       help="evaluate every N steps (-1: only at the end)")
-    return group
+from lightrft.cli.common import (announce_config, build_scheduler, make_tracker, parse_run_config, print_summary,
+                                 run_command)
+from lightrft.config import SFTRunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightrft.cli.train_sft", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_strategy_args(parser)
-    add_model_args(parser)
-    data = add_data_args(parser)
-    data.add_argument("--dataset", type=str, required=True,
-                      help="training rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
-    data.add_argument("--output_key", type=str, default="output", help="field holding the response")
-    data.add_argument("--multiturn", action="store_true",
-                      help="--input_key holds whole conversations; train on every assistant turn "
-                           "(needs --apply_chat_template)")
-    data.add_argument("--input_template", type=str, default=None,
-                      help="format string for plain-text prompts, e.g. 'Question: {}\\nAnswer: '")
-    data.add_argument("--max_len", type=int, default=2048,
-                      help="most tokens per sample (prompt + response); longer responses are cut")
-    add_eval_args(parser)
-    add_optimizer_args(parser)
-    add_logging_args(parser)
-    add_checkpoint_args(parser)
-    add_config_arg(parser)
-    return parser
+    """The flags, generated from `SFTRunConfig` (lightrft/config)."""
+    return SFTRunConfig.build_parser("python -m lightrft.cli.train_sft", __doc__)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parse_command_line(parser, argv)
-    check_positive(parser, args, "max_epochs", "max_len", "train_batch_size", "micro_train_batch_size",
-                   "learning_rate")
-    if args.multiturn and not args.apply_chat_template:
-        parser.error("--multiturn needs --apply_chat_template (assistant turns are found through the template)")
-    if not 0.0 <= args.eval_split < 1.0:
-        parser.error(f"--eval_split must be in [0, 1), got {args.eval_split}")
-    if args.eval_split and args.eval_dataset:
-        parser.error("pass either --eval_dataset or --eval_split, not both")
-    return args
+def parse_args(argv=None) -> SFTRunConfig:
+    """The typed run config of a command line; a bad option exits with a message naming it."""
+    return parse_run_config(SFTRunConfig, build_parser(), argv)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool):
@@ -105,7 +55,7 @@ def build_datasets(args, tokenizer):
     return train_set, eval_set
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: SFTRunConfig) -> dict:
     """Builds everything from parsed flags and runs SFT; returns the last logged metrics."""
     from lightrft.models import ActorLanguage
     from lightrft.strategy import get_strategy
@@ -144,7 +94,8 @@ def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eva
     trainer = trainer_cls(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
                           eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
                           save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
-                          preemption_grace=args.preemption_grace, max_nonfinite_steps=args.max_nonfinite_steps)
+                          preemption_grace=args.preemption_grace, max_nonfinite_steps=args.max_nonfinite_steps,
+                          max_ckpt_num=args.max_ckpt_num)
     if args.load_checkpoint:
         trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader)

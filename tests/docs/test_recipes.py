@@ -2,7 +2,7 @@
 their header comments state the numbers the command really uses.
 
 Each recipe's torchrun command is read with `shell_commands` (line continuations, `${VAR:-default}`),
-parsed by the CLI's own `build_parser()` with exact flag names, and checked by its `validate_args`,
+parsed by the CLI's own `build_parser()` with exact flag names, and checked by its `parse_args`,
 its world-size check and the gradient-accumulation arithmetic for the launcher's GPU count. The
 reader itself is checked against bash: a recipe run by bash with a `torchrun` that only records its
 arguments must yield the very words the reader extracted.
@@ -258,7 +258,7 @@ def test_checker_rejects_an_abbreviated_flag():
 def test_checker_rejects_a_bad_choice_and_a_bad_combination():
     (problem,) = check_cli_command(one_command(GOOD.replace("group_norm", "grpo")))
     assert "--advantage_estimator" in problem and "grpo" in problem
-    # gae needs a critic: the parser accepts the flags, validate_args refuses the combination.
+    # gae needs a critic: the parser accepts the flags, parse_args refuses the combination.
     (problem,) = check_cli_command(one_command(GOOD.replace("group_norm", "gae")))
     assert "--critic_pretrain" in problem
 

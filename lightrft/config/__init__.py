@@ -1,0 +1,18 @@
+"""The typed run config: frozen dataclasses that hold every option and its default.
+
+The command lines are generated from it (`PPORunConfig.build_parser`), `--config FILE.yaml`
+loads into it, and research code builds trainers from it without argparse (see
+docs/configuration.md and docs/extending.md)."""
+
+from lightrft.config.options import add_section_flags, option, section_from_namespace
+from lightrft.config.run import PPORunConfig, RMRunConfig, RunConfig, SFTRunConfig
+from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DataConfig, DistributedConfig,
+                                      EvalConfig, LoggingConfig, ModelConfig, OptimConfig, PPODataConfig,
+                                      PPOLoggingConfig, PPOModelConfig, PPOOptimConfig, RewardConfig, RMDataConfig,
+                                      RMModelConfig, RMOptimConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig)
+
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
+           "LoggingConfig", "ModelConfig", "OptimConfig", "PPODataConfig", "PPOLoggingConfig", "PPOModelConfig",
+           "PPOOptimConfig", "PPORunConfig", "RMDataConfig", "RMModelConfig", "RMOptimConfig", "RMRunConfig",
+           "RewardConfig", "RolloutConfig", "RunConfig", "SFTDataConfig", "SFTRunConfig", "SupervisedOptimConfig",
+           "add_section_flags", "option", "section_from_namespace"]

