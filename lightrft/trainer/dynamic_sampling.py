@@ -72,3 +72,28 @@ def fill_to_size(kept: list[Experience], fallback: list[Experience], target: int
         out.append(without_training_signal(part) if filler else part)
         have += take
     return out
+
+
+def _any_rank_short(kept: list[Experience], target: int, strategy) -> bool:
+    have = sum(e.batch_size for e in kept)
+    short = torch.tensor([1.0 if have < target else 0.0])
+    return strategy.all_reduce(short, op="max").item() > 0
+
+
+def sample_informative_batch(experiences: list[Experience], more, target: int, group_size: int,
+                             max_rounds: int, strategy) -> tuple[list[Experience], int, int]:
+    """DAPO's dynamic sampling for one step: keeps the informative groups of `experiences` and of
+    further rollouts drawn from the iterator `more` until this rank has `target` samples, at most
+    `max_rounds` rollouts in all. Every rank draws the same number of rollouts (one all-reduce per
+    round), so collective calls stay matched. Returns (exactly `target` samples, dropped groups,
+    rounds); a batch still short after the last round is filled as `fill_to_size` describes."""
+    kept, rest = filter_informative_groups(experiences, group_size)
+    rounds = 1
+    while rounds < max_rounds and _any_rank_short(kept, target, strategy):
+        extra = next(more, None)
+        if extra is None:
+            break
+        new_kept, new_rest = filter_informative_groups(extra, group_size)
+        kept, rest, rounds = kept + new_kept, rest + new_rest, rounds + 1
+    dropped = sum(e.batch_size for e in rest) // group_size
+    return fill_to_size(kept, rest, target, group_size), dropped, rounds

@@ -22,10 +22,8 @@ from tqdm import tqdm
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
-from lightrft.strategy.checkpoint_io import CheckpointSaveError
-from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
-from lightrft.trainer.guards import NonFiniteGuard, nonfinite_grad_norms
-from lightrft.utils.faults import fault_now
+from lightrft.trainer.guards import nonfinite_grad_norms
+from lightrft.trainer.run_services import CheckpointPart, RunServices
 
 # Options that define an SFT experiment: resuming with a different value is an error.
 SFT_PINNED_OPTIONS = ("pretrain", "dataset", "input_key", "output_key", "apply_chat_template", "max_len",
@@ -47,7 +45,7 @@ class SupervisedTrainer:
                  eval_dataset: Optional[Sequence] = None, eval_collate_fn=None, tracker=None,
                  save_hf_ckpt: bool = False, disable_ds_ckpt: bool = False,
                  pinned_options: Sequence[str] = SFT_PINNED_OPTIONS, preemption_grace: float = 600.0,
-                 max_nonfinite_steps: int = 3):
+                 max_nonfinite_steps: int = 3, max_ckpt_num: int = 3):
         self.strategy = strategy
         self.model = model
         self.optim = optim
@@ -63,9 +61,8 @@ class SupervisedTrainer:
         self.global_step = 0
         self.consumed_samples = 0  # samples trained on, over all ranks
         self.last_logs: dict[str, float] = {}
-        self.preemption = PreemptionFlag(preemption_grace)
-        self.guard = NonFiniteGuard(max_nonfinite_steps)
-        self.failed_saves = 0
+        self.services = RunServices(strategy, preemption_grace=preemption_grace,
+                                    max_nonfinite_steps=max_nonfinite_steps, max_ckpt_num=max_ckpt_num)
         self.stop_reason: Optional[str] = None
 
     # ====================================================================================== fit
@@ -77,7 +74,7 @@ class SupervisedTrainer:
             raise ValueError(f"the training set has {len(train_dataloader.dataset)} samples, fewer than "
                              f"--train_batch_size {args.train_batch_size}; lower --train_batch_size")
         total_steps = steps_per_epoch * self.max_epochs
-        self.preemption.install()
+        self.services.start(self)
         bar = tqdm(total=total_steps, initial=self.global_step, desc=self.progress_desc,
                    disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
         try:
@@ -90,23 +87,19 @@ class SupervisedTrainer:
                 logs["perf/step_time"] = time.time() - started
                 logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * args.train_batch_size)
                 loss_ok = math.isfinite(logs["train/loss"])
-                self.guard.record(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(model=self.model))
-                logs["train/skipped_steps"] = float(self.guard.skipped)
+                self.services.record_step(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(model=self.model))
+                logs["train/skipped_steps"] = float(self.services.guard.skipped)
                 bar.update(1)
                 bar.set_postfix(loss=f"{logs['train/loss']:.4f}")
                 # 2. Logs, evaluation, checkpoints; stop early on preemption.
                 self.save_logs_and_checkpoints(args, logs, is_last=self.global_step == total_steps)
-                if self._preempted():
-                    self.stop_reason = "preempted"
-                elif self.guard.exhausted:
-                    self.strategy.print(self.guard.message(args.ckpt_path))
-                    self.stop_reason = "nonfinite"
+                self.stop_reason = self.services.stop_reason(args.ckpt_path)
                 if self.stop_reason is not None:
                     self.save_checkpoint(args)
                     break
         finally:
             bar.close()
-            self.preemption.restore()
+            self.services.stop()
 
     def _step_groups(self, dataloader, steps_per_epoch: int) -> Iterator[list]:
         """Lists of GAS micro-batches, one per optimizer step, from where `consumed_samples` left off."""
@@ -143,27 +136,24 @@ class SupervisedTrainer:
             self.save_checkpoint(args)
 
     def client_state(self) -> dict:
-        return {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
-                "rng": capture_rng_state(), "options": self._options(self.args)}
+        return RunServices.client_state({"global_step": self.global_step, "consumed_samples": self.consumed_samples},
+                                        self._options(self.args))
 
     def _options(self, args) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v
                 for k in self.pinned_options if hasattr(args, k) for v in [getattr(args, k)]}
+
+    @property
+    def failed_saves(self) -> int:
+        return self.services.failed_saves
 
     def save_checkpoint(self, args) -> None:
         """A resumable checkpoint (weights, optimizer, scheduler, counters, RNG of every rank) under
         `--ckpt_path`, and a Hugging Face export next to it with `--save_hf_ckpt`."""
         tag = f"global_step{self.global_step}"
         if not self.disable_ds_ckpt:
-            try:
-                self.strategy.save_ckpt(self.model, args.ckpt_path, tag, args.max_ckpt_num,
-                                        client_state=self.client_state())
-            except CheckpointSaveError as err:
-                # The earlier checkpoints are intact; a full disk may clear up before the next save.
-                self.failed_saves += 1
-                self.strategy.print(f"checkpoint {tag} was not saved: {err}. The previous checkpoints in "
-                                    f"{args.ckpt_path} are intact; training continues (failed saves so far: "
-                                    f"{self.failed_saves})")
+            if not self.services.save([CheckpointPart(args.ckpt_path, self.model, self.client_state())], tag,
+                                      args.ckpt_path):
                 return
         if self.save_hf_ckpt:
             self.export_hf(f"{args.ckpt_path}/{tag}_hf")
@@ -176,24 +166,14 @@ class SupervisedTrainer:
     def load_checkpoint(self, args, required: bool = True) -> int:
         """Restores the newest complete checkpoint under `--ckpt_path`; returns the consumed samples
         (0 when there is none and `required` is False)."""
-        path, state = self.strategy.load_ckpt(self.model, args.ckpt_path)
-        if path is None:
-            if required:
-                raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {args.ckpt_path}; pass "
-                                        "--load_checkpoint if_present to start fresh when none exists")
-            return 0
         self.args = args
-        check_resume_options(state.get("options", {}), self._options(args), path)
+        state = self.services.load(CheckpointPart(args.ckpt_path, self.model), required=required,
+                                   options=self._options(args))
+        if state is None:
+            return 0
         self.global_step = state["global_step"]
         self.consumed_samples = state["consumed_samples"]
-        restore_rng_state(state["rng"])  # each rank saved and loads its own client state
-        self.strategy.print(f"resumed from {path}: step {self.global_step}, {self.consumed_samples} samples consumed")
         return self.consumed_samples
-
-    def _preempted(self) -> bool:
-        """True on every rank once any rank got SIGTERM/SIGUSR1 (one all-reduce per step)."""
-        flag = torch.tensor([1.0 if self.preemption.raised else 0.0], device=self.strategy.device)
-        return self.strategy.all_reduce(flag, op="max").item() > 0
 
 
 class SFTTrainer(SupervisedTrainer):
@@ -212,10 +192,8 @@ class SFTTrainer(SupervisedTrainer):
         global_tokens = self.strategy.all_reduce(local_tokens.to(device), op="sum")
         scale = dp_loss_scale(self.strategy.world_size, len(micro_batches))
         step_loss = torch.zeros((), device=device)
-        for index, batch in enumerate(micro_batches):
+        for batch in micro_batches:
             loss = self.batch_loss(batch, global_tokens)
-            if index == 0 and fault_now("nan-loss", self.global_step + 1):
-                loss = loss * float("nan")
             self.strategy.backward(loss * scale, self.model, self.optim)
             self.strategy.optimizer_step(self.optim, self.model, self.scheduler)
             step_loss += loss.detach()
