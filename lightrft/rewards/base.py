@@ -1,5 +1,6 @@
 """What a reward source is, what it returns, and the checks every source applies to its scores."""
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ class RewardSource(Protocol):
     `queries[i]` is the full text of sample i (prompt followed by response), `prompts[i]` its
     prompt and `labels[i]` its reference answer or other per-row data (None when the dataset has
     no label column). Returns the rewards, Shape: (B,) float32.
+
+    Sources may also take `truncated`, a list of B bools (True where the response was cut at the
+    length limit instead of ending with a stop token); `call_reward_source` passes it to those
+    whose `__call__` accepts it, so sources written for the three-argument form keep working.
 
     A `RemoteRewardClient` built with `on_failure="drop"` returns a `RewardResult` instead, so
     that code unaware of dropped samples fails loudly rather than training on placeholders.
@@ -47,6 +52,24 @@ class RewardResult:
         return int((~self.valid).sum())
 
 
+def accepts_keyword(fn, name: str) -> bool:
+    """Whether calling `fn` with the keyword argument `name` is valid (named or `**kwargs`)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) or p.kind is p.VAR_KEYWORD
+               for p in params)
+
+
+def call_reward_source(source, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                       truncated: Sequence[bool] | None = None):
+    """Calls a reward source, with `truncated` when it takes it (see `RewardSource`)."""
+    if truncated is not None and accepts_keyword(source, "truncated"):
+        return source(queries, prompts, labels, truncated=list(truncated))
+    return source(queries, prompts, labels)
+
+
 class FailurePolicySource:
     """Shared front of the reward sources that can fail (servers, reward-file workers): `score`
     returns a `RewardResult`; calling the source gives what the trainer takes under the source's
@@ -54,12 +77,14 @@ class FailurePolicySource:
 
     on_failure: str
 
-    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]):
+    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                 truncated: Sequence[bool] | None = None):
         """Rewards, Shape: (B,) float32, under on_failure="error"; a `RewardResult` under "drop"."""
-        result = self.score(queries, prompts, labels)
+        result = self.score(queries, prompts, labels, truncated=truncated)
         return result if self.on_failure == "drop" else result.rewards
 
-    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> "RewardResult":
+    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+              truncated: Sequence[bool] | None = None) -> "RewardResult":
         raise NotImplementedError
 
 

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, check_batch_lengths,
-                                   to_reward_tensor)
+from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, accepts_keyword,
+                                   check_batch_lengths, to_reward_tensor)
 from lightrft.utils.lifeline import set_parent_death_signal
 
 logger = logging.getLogger(__name__)
@@ -62,11 +62,14 @@ def check_reward_output(output: Any, num_queries: int, where: str) -> RewardResu
 
 
 def call_reward_func(func, path: Path, queries: Sequence[str], prompts: Sequence[str],
-                     labels: Sequence[Any]) -> RewardResult:
-    """Calls `func` and checks its output; any exception becomes a `RewardSourceError` naming the file."""
+                     labels: Sequence[Any], truncated: Sequence[bool] | None = None) -> RewardResult:
+    """Calls `func` and checks its output; any exception becomes a `RewardSourceError` naming the file.
+    A function that takes a `truncated` keyword gets, per query, whether the response was cut at
+    the length limit (no stop token)."""
     where = f"reward_func in {path}"
+    extra = {"truncated": list(truncated)} if truncated is not None and accepts_keyword(func, "truncated") else {}
     try:
-        output = func(list(queries), list(prompts), list(labels))
+        output = func(list(queries), list(prompts), list(labels), **extra)
     except Exception as err:
         raise RewardSourceError(f"{where} raised {type(err).__name__}: {err}") from err
     return check_reward_output(output, len(queries), where)
@@ -82,12 +85,14 @@ class RewardFuncSource:
     def __repr__(self) -> str:
         return f"RewardFuncSource({str(self.path)!r})"
 
-    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> torch.Tensor:
-        return self.score(queries, prompts, labels).rewards
+    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                 truncated: Sequence[bool] | None = None) -> torch.Tensor:
+        return self.score(queries, prompts, labels, truncated).rewards
 
-    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardResult:
+    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+              truncated: Sequence[bool] | None = None) -> RewardResult:
         """Rewards and the file's "extra_logs" (each checked to one finite value per query)."""
-        return call_reward_func(self.func, self.path, queries, prompts, labels)
+        return call_reward_func(self.func, self.path, queries, prompts, labels, truncated)
 
 
 def check_reward_file(path: str | Path) -> Path:
@@ -184,7 +189,8 @@ class RewardFuncProcess(FailurePolicySource):
     def __repr__(self) -> str:
         return f"RewardFuncProcess({str(self.path)!r}, timeout={self.timeout}, on_failure={self.on_failure!r})"
 
-    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardResult:
+    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+              truncated: Sequence[bool] | None = None) -> RewardResult:
         """Rewards, validity and extra_logs of every sample; raises `RewardSourceError` under "error"."""
         check_batch_lengths(queries, prompts, labels)
         count = len(queries)
@@ -195,7 +201,7 @@ class RewardFuncProcess(FailurePolicySource):
             self._start_worker()
         process, conn = self._worker["process"], self._worker["conn"]
         try:
-            conn.send((list(queries), list(prompts), list(labels)))
+            conn.send((list(queries), list(prompts), list(labels), None if truncated is None else list(truncated)))
             answered = conn.poll(self.timeout)
             answer = conn.recv() if answered else None
         except (EOFError, OSError):
@@ -288,11 +294,11 @@ def _worker_main(path: str, conn, parent_pid: int, watch_with_signal: bool) -> N
     conn.send(("ready",))
     while True:
         try:
-            queries, prompts, labels = conn.recv()
+            queries, prompts, labels, truncated = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            result = call_reward_func(func, Path(path), queries, prompts, labels)
+            result = call_reward_func(func, Path(path), queries, prompts, labels, truncated)
         except RewardSourceError as err:
             conn.send(("error", str(err)))
             continue

@@ -133,8 +133,10 @@ class RemoteRewardClient(FailurePolicySource):
     def __repr__(self) -> str:
         return f"RemoteRewardClient({self.url!r}, on_failure={self.on_failure!r})"
 
-    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> RewardResult:
-        """Rewards and validity of every sample; raises `RewardSourceError` under "error"."""
+    def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+              truncated: Sequence[bool] | None = None) -> RewardResult:
+        """Rewards and validity of every sample; raises `RewardSourceError` under "error". The
+        request carries "truncated" (per query: cut at the length limit) when it is known."""
         check_batch_lengths(queries, prompts, labels)
         total = len(queries)
         rewards = torch.zeros(total, dtype=torch.float32)
@@ -144,6 +146,8 @@ class RemoteRewardClient(FailurePolicySource):
             end = min(start + step, total)
             payload = {"query": list(queries[start:end]), "prompts": list(prompts[start:end]),
                        "labels": list(labels[start:end])}
+            if truncated is not None:
+                payload["truncated"] = [bool(t) for t in truncated[start:end]]
             try:
                 scores = self._score_chunk(payload)
             except _ChunkFailure as failure:

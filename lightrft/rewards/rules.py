@@ -217,6 +217,9 @@ class RuleRewardSource:
     name: str
     fn: RuleFn
 
-    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any]) -> torch.Tensor:
+    def __call__(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
+                 truncated: Sequence[bool] | None = None) -> torch.Tensor:
+        # A cut response is scored like any other; --mask_truncated_samples or DAPO's overlong
+        # shaping decide what truncation costs.
         responses = [q[len(p):] if p and q.startswith(p) else q for q, p in zip(queries, prompts)]
         return self.fn(responses, labels)

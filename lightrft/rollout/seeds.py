@@ -30,15 +30,17 @@ def mix_seed(*parts: int) -> int:
     return h >> 1
 
 
-def request_seeds(run_seed: int, step: int, first_position: int, count: int, stream: str = "train") -> list[int]:
-    """Seeds for `count` prompts at global positions `first_position ...` of rollout `step`.
+def request_seeds(run_seed: int, step: int, first_position: int, count: int, stream: str = "train",
+                  stride: int = 1) -> list[int]:
+    """Seeds for `count` prompts at global positions `first_position + i * stride` of rollout `step`.
 
     `step` counts rollouts (or evaluations) from 1; the position is the prompt's index in the
-    global rollout batch (over all ranks), so a rank passes `rank * prompts_per_rank` as
-    `first_position`."""
+    global rollout batch (over all ranks). `DistributedSampler` deals global position k to rank
+    k % R, so rank r passes `first_position=r, stride=R`: the same prompt at the same place then
+    gets the same stream on any number of ranks."""
     if stream not in STREAMS:
         raise ValueError(f"unknown seed stream {stream!r}: choose one of {sorted(STREAMS)}")
-    return [mix_seed(run_seed, STREAMS[stream], step, first_position + i) for i in range(count)]
+    return [mix_seed(run_seed, STREAMS[stream], step, first_position + i * stride) for i in range(count)]
 
 
 def sample_seed(request_seed: int, sample_index: int) -> int:

@@ -18,15 +18,17 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightrft.algorithms.advantages import AdvantageInputs, compute_advantages, get_advantage_estimator
+from lightrft.algorithms.advantages import (AdvantageInputs, AdvantageOutputs, compute_advantages,
+                                            get_advantage_estimator)
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean
+from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
+from lightrft.rewards.base import call_reward_source
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
 from lightrft.trainer.experience import Experience
-from lightrft.utils.faults import fault_now
 
 
 @dataclass
@@ -46,8 +48,9 @@ class NaiveExperienceMaker:
     def __init__(self, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
                  kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
                  rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
-                 kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = 1.0,
-                 lambd: float = 1.0, micro_rollout_batch_size: int = 8, reward_sources: Sequence = (),
+                 kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
+                 lambd: float = AlgorithmConfig.lambd,
+                 micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size, reward_sources: Sequence = (),
                  overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
                  apply_chat_template: bool = False, mask_truncated_samples: bool = False,
                  eos_token_ids: Optional[Sequence[int]] = None):
@@ -86,7 +89,6 @@ class NaiveExperienceMaker:
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
         self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
         self.eval_calls = 0
-        self.step = 0                  # the trainer's step being made (1-based), for fault hooks
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
 
@@ -109,7 +111,8 @@ class NaiveExperienceMaker:
         else:
             self.eval_calls += 1
             call = self.eval_calls
-        seeds = request_seeds(self.seed, call, self.strategy.rank * len(prompts), len(prompts), stream)
+        # Global position of local prompt i: DistributedSampler deals position k to rank k % R.
+        seeds = request_seeds(self.seed, call, self.strategy.rank, len(prompts), stream, stride=self.strategy.world_size)
         return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
 
     def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
@@ -151,8 +154,9 @@ class NaiveExperienceMaker:
             queries, sample_prompts = self.decode(rollout, prompts, n)
             sample_labels = [lab for lab in (labels if labels is not None else [None] * len(prompts))
                              for _ in range(n)]
+            truncated = self.truncated_rows(rollout).tolist()
             for source in self.reward_sources:
-                result = source(queries, sample_prompts, sample_labels)
+                result = call_reward_source(source, queries, sample_prompts, sample_labels, truncated)
                 if hasattr(result, "valid"):
                     valid &= result.valid.cpu().bool()
                     result = result.rewards
@@ -242,10 +246,6 @@ class NaiveExperienceMaker:
         base_log_probs = self._forward_all(self.initial_model, rollout, "reference") if self.kl_in_use() else None
         values = self._forward_all(self.critic, rollout, "critic") if self.critic is not None else None
         scores = rewards.scores.clone()
-        if fault_now("nan-reward", self.step):
-            scores[0] = float("nan")
-        if fault_now("nan-logprob", self.step):
-            action_log_probs[0, 0] = float("nan")
         truncated = self.truncated_rows(rollout)
 
         valid = self._valid_samples(rewards.valid, scores, action_mask, n, action_log_probs, base_log_probs, values,
@@ -261,12 +261,9 @@ class NaiveExperienceMaker:
             kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, kl_estimator=self.kl_estimator)
         # The KL penalty enters the advantages (per token, before the returns) unless it is a loss term.
         kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
-        outputs = compute_advantages(self.estimator, AdvantageInputs(
-            action_mask=mask_f, scores=scores, values=values, group_size=n, gamma=self.gamma, lambd=self.lambd),
-            kl=kl, kl_coef=kl_coef)
+        outputs = self.advantages(AdvantageInputs(action_mask=mask_f, scores=scores, values=values, group_size=n,
+                                                  gamma=self.gamma, lambd=self.lambd), kl, kl_coef)
         advantages, returns = outputs.advantages, outputs.returns
-        if fault_now("nan-advantage", self.step):
-            advantages[0, 0] = float("nan")
         checked = valid & self._finite_rows(action_mask, advantages, returns)
         self._count_invalid("advantage", valid, checked)
         valid = checked
@@ -291,6 +288,12 @@ class NaiveExperienceMaker:
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
             values=values, kl=kl, info=info)
         return [exp]
+
+    def advantages(self, inputs: AdvantageInputs, kl: Optional[Tensor], kl_coef: float) -> AdvantageOutputs:
+        """Advantages and returns of the configured estimator, with the per-token KL penalty
+        (`kl_coef` x kl) in the rewards before the returns. Override to try another estimator on
+        the same experience."""
+        return compute_advantages(self.estimator, inputs, kl=kl, kl_coef=kl_coef)
 
     def _valid_samples(self, reward_valid: Tensor, scores: Tensor, action_mask: Tensor, n: int,
                        *per_action: Optional[Tensor]) -> Tensor:

@@ -2,6 +2,7 @@
 train_ppo's own wiring: options that must change the update do, and options that must not, don't."""
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_a_kl_penalty_in_the_reward_changes_the_update_of_group_estimators(task,
 
 
 def test_a_kl_loss_defaults_to_an_estimator_with_a_gradient(task, tmp_path):
-    assert parse_args(flags(task, tmp_path, use_kl_loss=True, init_kl_coef=0.5)).kl_estimator is None
+    assert parse_args(flags(task, tmp_path, use_kl_loss=True, init_kl_coef=0.5)).kl_estimator == "k3"
     assert AlgorithmConfig(use_kl_loss=True).kl_estimator == "k3"
     assert AlgorithmConfig(use_kl_loss=False).kl_estimator == "k1"
     _, without = run(task, tmp_path / "zero", use_kl_loss=True, init_kl_coef=0)
@@ -241,3 +242,61 @@ def test_copies_of_one_prompt_get_independent_samples(task):
     for other in (rollout_groups(task, seed=0, rank=1), rollout_groups(task, seed=0, calls=1),
                   rollout_groups(task, seed=1)):
         assert not set(other) & set(groups)
+
+
+TRUNCATION_REWARD = """
+import torch
+
+def reward_func(queries, prompts, labels, truncated):
+    return torch.tensor([1.0 if cut else 0.0 for cut in truncated])
+"""
+
+
+def test_reward_functions_can_tell_a_cut_response_from_a_finished_one(task, tmp_path):
+    # Before: reward functions saw only text, so a response cut at --generate_max_len looked like
+    # one that ended. Up to 8 tokens sampled hot (temperature 4) from an untrained model: most are
+    # cut, some end with EOS; the reward is the flag itself, so it must equal the engine's flags.
+    reward = tmp_path / "cut_reward.py"
+    reward.write_text(TRUNCATION_REWARD)
+    logs, _ = run(task, tmp_path, remote_rm_url=reward, generate_max_len=8, temperature=4.0, max_steps=1)
+    assert 0.0 < logs["rollout/truncated"] < 1.0
+    assert logs["rollout/reward"] == pytest.approx(logs["rollout/truncated"], abs=1e-7)
+
+
+def test_reward_sources_get_the_truncation_flags_only_when_they_take_them():
+    from lightrft.rewards.base import call_reward_source
+
+    def three(queries, prompts, labels):
+        return [len(q) for q in queries]
+
+    def four(queries, prompts, labels, truncated):
+        return [float(t) for t in truncated]
+
+    assert call_reward_source(three, ["ab", "c"], ["", ""], [None, None], [True, False]) == [2, 1]
+    assert call_reward_source(four, ["ab", "c"], ["", ""], [None, None], [True, False]) == [1.0, 0.0]
+
+
+# Every prompt of the tiny task whose label is even gets 0 for every sample: a group without signal.
+HALF_SILENT_REWARD = """
+import torch
+
+def reward_func(queries, prompts, labels):
+    out = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        response = query[len(prompt):]
+        out.append(0.0 if int(label) % 2 == 0 else sum(c.isdigit() for c in response) / max(len(response), 1))
+    return torch.tensor(out)
+"""
+
+
+def test_dynamic_sampling_takes_the_planned_optimizer_steps(task, tmp_path, capsys):
+    # Before: extra sampling rounds used up the prompts, the run ended after about half of the 8
+    # planned steps (32 prompts / 4), and the linear schedule stopped half way to zero.
+    reward = tmp_path / "half_silent.py"
+    reward.write_text(HALF_SILENT_REWARD)
+    logs, _ = run(task, tmp_path, remote_rm_url=reward, dynamic_sampling=True, max_steps=-1, lr_scheduler="linear",
+                  actor_learning_rate=1e-3, micro_train_batch_size=16)
+    summary = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+    assert summary["step"] == 8 and summary["stop_reason"] == "finished"
+    assert logs["train/sampling_rounds"] > 8        # extra prompt batches were drawn ...
+    assert logs["train/actor_lr"] == 0.0            # ... and the schedule still ended at its last step
