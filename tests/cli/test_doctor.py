@@ -250,6 +250,7 @@ def test_command_line_exit_codes(task, tmp_path):
     assert failing.stdout.strip().splitlines()[-1] == "verdict: FAIL (failed: data)"
 
 
+@pytest.mark.dist
 def test_two_ranks_under_zero3_agree_on_a_passing_report(task, tmp_path, torchrun):
     report = tmp_path / "doctor.json"
     proc = torchrun(["lightrft.cli.doctor", *flags(task, tmp_path / "run", zero_stage=3, generate_max_len=6),
