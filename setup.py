@@ -38,6 +38,9 @@ setup(
             "lightrft-train-sft=lightrft.cli.train_sft:main",
             "lightrft-train-rm=lightrft.cli.train_rm:main",
             "lightrft-serve-rm=lightrft.cli.serve_rm:main",
+            "lightrft-doctor=lightrft.cli.doctor:main",
+            "lightrft-serve=lightrft.cli.serve:main",
+            "lightrft-bench=lightrft.cli.bench:main",
         ]
     },
     license="Apache-2.0",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = REPO_ROOT / "docs" / "configuration.md"
-CLI_MODULES = ("train_ppo", "train_sft", "train_rm", "serve_rm")
+CLI_MODULES = ("train_ppo", "train_sft", "train_rm", "serve_rm", "doctor", "serve", "bench")
 REGENERATE = "python tools/gen_config_docs.py"
 
 INTRO = f"""# Configuration reference
@@ -114,15 +114,21 @@ def _help(action: argparse.Action, prog: str) -> str:
     return _cell(text)
 
 
-def render_cli(name: str, parser: argparse.ArgumentParser) -> str:
+# Commands that take every train_ppo flag: only their own flags are listed.
+EXTENDS_TRAIN_PPO = ("doctor",)
+
+
+def render_cli(name: str, parser: argparse.ArgumentParser, inherited: frozenset = frozenset()) -> str:
     lines = [f"## {name}", "", f"`{parser.prog} [flags]`", ""]
     description = (parser.description or "").strip().split("\n\n")[0]
     if description:
         lines += [" ".join(description.split()), ""]
+    if inherited:
+        lines += ["Takes every [train_ppo](#train_ppo) flag, and these:", ""]
     # argparse keeps its groups in `_action_groups`; there is no public accessor.
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS
-                   and not isinstance(a, argparse._HelpAction)]
+                   and not isinstance(a, argparse._HelpAction) and a.dest not in inherited]
         if not actions:
             continue
         title = group.title if group.title not in ("options", "optional arguments") else "other"
@@ -151,7 +157,12 @@ def render() -> str:
                   file=sys.stderr)
             continue
         contents.append(f"- [{name}](#{name})")
-        sections.append(render_cli(name, module.build_parser()))
+        inherited = frozenset()
+        if name in EXTENDS_TRAIN_PPO:
+            from lightrft.cli import train_ppo
+
+            inherited = frozenset(a.dest for a in train_ppo.build_parser()._actions)
+        sections.append(render_cli(name, module.build_parser(), inherited))
     return "\n".join([INTRO, *contents, "", *sections]).rstrip() + "\n"
 
 

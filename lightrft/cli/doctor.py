@@ -175,10 +175,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
 
 def begin_training(run) -> None:
     """What `PPOTrainer.fit` sets before its loop, so a step can run outside `fit`."""
-    trainer = run.trainer
-    trainer.args = run.args
-    trainer.prompts_dataloader = run.dataloader
-    trainer.pretrain_iter = trainer._cycle(run.pretrain_dataloader) if run.pretrain_dataloader is not None else None
+    run.trainer.begin(run.args, run.pretrain_dataloader)
 
 
 def sample_batch(run):

@@ -35,7 +35,7 @@ from lightrft.trainer.run_services import CheckpointPart, RunServices
 # Options that define the experiment: resuming with a different value is an error.
 PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
                   "train_batch_size", "micro_train_batch_size", "policy_loss", "loss_agg_mode",
-                  "kl_estimator", "use_kl_loss", "seed", "prompt_data", "max_epochs")
+                  "kl_estimator", "use_kl_loss", "seed", "prompt_data", "recorded_data", "max_epochs")
 
 class PPOTrainer:
     """Trains `actor` with PPO-family updates. `critic=None` selects a critic-free method.
@@ -156,8 +156,7 @@ class PPOTrainer:
             num_update_steps_per_episodes: int = 1, eval_dataloader=None) -> None:
         """Runs `args.num_episodes` passes over the prompts (resuming after `consumed_samples`);
         `args` is the run config (or an argparse namespace with the same names)."""
-        self.args = args
-        self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
+        self.begin(args, pretrain_dataloader)
         self.consumed_samples = consumed_samples
         total_steps = self.planned_steps(args, prompts_dataloader)
         prompt_batches = self._prompt_batches(args, prompts_dataloader)
@@ -211,6 +210,12 @@ class PPOTrainer:
             bar.close()
             self.services.stop()
         self.callbacks.on_train_end(self)
+
+    def begin(self, args, pretrain_dataloader=None) -> None:
+        """What a step needs before the loop: the run config and the pretraining data stream
+        (`lightrft.cli.doctor` calls it to run steps outside `fit`)."""
+        self.args = args
+        self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
 
     def planned_steps(self, args, dataloader) -> int:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
