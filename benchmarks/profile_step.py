@@ -7,7 +7,8 @@ overhead, the functions a step is made of: each is wrapped by a timer at class l
 figures are inclusive wall seconds per GRPO step, averaged over the steps after the first:
 
     step                     one rollout + training round, logging and checkpoints included
-      generate               HFEngine decoding (prompt forward, decode loop, sampling)
+      generate               tokenising, the rollout manager and the engine's call
+        HFEngine.generate    decoding (prompt forward, decode loop, sampling)
       reward                 scoring the responses (the `math` rule)
       experience forwards    old-policy / reference / critic forwards (per kind)
       experience, rest       advantages, masks, splitting into micro-batches
@@ -42,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 # older checkout) is skipped and reported.
 TIMED = [
     ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "generate", "generate"),
+    ("lightrft.rollout.hf_engine", "HFEngine", "generate", "engine"),
     ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "compute_rewards", "reward"),
     ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "experience_from_rollout", "experience"),
     ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "_forward_all", "experience forwards"),
@@ -54,7 +56,7 @@ TIMED = [
     ("lightrft.strategy.deepspeed_strategy", "DeepspeedStrategy", "optimizer_step", "optimizer step"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "save_logs_and_checkpoints", "logging + checkpoints"),
 ]
-ORDER = ["generate", "reward", "experience forwards", "experience, rest", "buffer", "train",
+ORDER = ["generate", "  HFEngine.generate", "reward", "experience forwards", "experience, rest", "buffer", "train",
          "  collate", "  forward + loss", "  backward", "  optimizer step", "logging + checkpoints", "other"]
 
 
@@ -109,7 +111,7 @@ def instrument(clock: PhaseClock) -> list[str]:
 def step_breakdown(step_seconds: float, phases: dict) -> dict:
     """Inclusive phase times of one step turned into the exclusive rows of ORDER."""
     get = phases.get
-    rows = {"generate": get("generate", 0.0), "reward": get("reward", 0.0),
+    rows = {"generate": get("generate", 0.0), "  HFEngine.generate": get("engine", 0.0), "reward": get("reward", 0.0),
             "experience forwards": get("experience forwards", 0.0),
             "experience, rest": max(get("experience", 0.0) - get("experience forwards", 0.0), 0.0),
             "buffer": get("buffer", 0.0), "train": get("train", 0.0),
