@@ -31,6 +31,7 @@ from lightrft.strategy.param_groups import weight_decay_groups
 from lightrft.strategy.seeding import set_seed
 from lightrft.utils.distributed import get_rank, get_world_size, is_dist_initialized
 from lightrft.utils.distributed_sampler import DistributedSampler
+from lightrft.utils.threads import configure_threads
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -94,7 +95,8 @@ class DeepspeedStrategy:
 
         Backend: `config.backend`, else NCCL on CUDA and gloo on CPU; timeout
         `config.dist_timeout_minutes`. Seeds every generator with `config.seed`, the same on all
-        ranks (see `lightrft.strategy.seeding`). Calling it again only re-seeds."""
+        ranks (see `lightrft.strategy.seeding`). Calling it again only re-seeds. CPU threads are
+        split over the node's ranks (`lightrft.utils.threads.configure_threads`)."""
         present = [k for k in LAUNCH_ENV if k in os.environ]
         if not present:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -104,6 +106,7 @@ class DeepspeedStrategy:
             raise RuntimeError(f"incomplete launcher environment: {', '.join(missing)} not set (found "
                                f"{', '.join(present)}); launch with torchrun, or set none of them to run "
                                f"as a single process")
+        configure_threads()
         cuda = torch.cuda.is_available()
         backend = self.config.backend or ("nccl" if cuda else "gloo")
         if cuda:

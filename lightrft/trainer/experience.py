@@ -28,7 +28,8 @@ class Experience:
     action_mask: Tensor                     # (B, A) bool
     num_actions: int | list[int]            # A when padded; B response lengths when packed
     packed_seq_lens: Optional[list[int]]    # B sequence lengths when packed, else None
-    action_log_probs: Tensor                # (B, A) policy log-probs at rollout time ("old")
+    action_log_probs: Optional[Tensor]      # (B, A) policy log-probs at rollout time ("old"); None when the
+                                            # update is exactly on-policy and reuses its own forward
     advantages: Tensor                      # (B, A)
     returns: Tensor                         # (B, A)
     base_action_log_probs: Optional[Tensor] = None   # (B, A) reference policy
@@ -101,6 +102,7 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     for name in PER_ACTION_FIELDS:
         if name in samples[0].per_action:
             per_action[name] = _pad_rows([s.per_action[name] for s in samples], width)
+    per_action.setdefault("action_log_probs", None)
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
     if packing:
         sequences = torch.cat([s.sequence for s in samples]).unsqueeze(0)      # (1, P)

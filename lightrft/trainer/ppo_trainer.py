@@ -50,6 +50,12 @@ class PPOTrainer:
     from a `lightrft.config.PPORunConfig`. The classic arguments (`init_kl_coef`, `kl_target`,
     `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) override the same fields of `algo`."""
 
+    # Whether the old log-probs come from the update's own forward instead of a separate forward
+    # at rollout time: None decides per run (yes when one epoch and one optimizer step per rollout
+    # make the update exactly on-policy, no KL term needs the policy's log-probs at rollout time,
+    # and the actor has no active dropout); False always runs the separate forward.
+    reuse_old_log_probs: Optional[bool] = None
+
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
                  critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
                  init_kl_coef: float = 0.001, kl_target: Optional[float] = None, kl_horizon: int = 10000,
@@ -157,6 +163,7 @@ class PPOTrainer:
         """Runs `args.num_episodes` passes over the prompts (resuming after `consumed_samples`);
         `args` is the run config (or an argparse namespace with the same names)."""
         self.begin(args, pretrain_dataloader)
+        self.experience_maker.reuse_policy_log_probs = self.on_policy(args)
         self.consumed_samples = consumed_samples
         total_steps = self.planned_steps(args, prompts_dataloader)
         prompt_batches = self._prompt_batches(args, prompts_dataloader)
@@ -216,6 +223,15 @@ class PPOTrainer:
         (`lightrft.cli.doctor` calls it to run steps outside `fit`)."""
         self.args = args
         self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
+
+    def on_policy(self, args) -> bool:
+        """Whether each update is exactly on-policy, so its ratio is 1 and the old log-probs are the
+        update's own forward, detached: one epoch, one optimizer step per rollout, no dropout."""
+        if self.reuse_old_log_probs is not None:
+            return self.reuse_old_log_probs
+        one_step = args.rollout_batch_size * self.algo.n_samples_per_prompt == args.train_batch_size
+        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.strategy.unwrap_model(self.actor).modules())
+        return self.max_epochs == 1 and one_step and not dropout
 
     def planned_steps(self, args, dataloader) -> int:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
@@ -324,8 +340,11 @@ class PPOTrainer:
         self.actor.train()
         mask = experience.loss_mask
         log_probs, output = self._actor_forward(self.actor, experience, return_entropy=self.algo.entropy_coef != 0)
+        old_log_probs = experience.action_log_probs
+        if old_log_probs is None:        # exactly on-policy: the old policy is this forward's
+            old_log_probs = log_probs.detach()
         policy_loss, metrics = self.actor_loss_fn(
-            log_probs, experience.action_log_probs, experience.advantages, action_mask=mask,
+            log_probs, old_log_probs, experience.advantages, action_mask=mask,
             rollout_log_probs=experience.rollout_log_probs, return_metrics=True, global_num_tokens=counts["tokens"],
             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len)
         metrics["nonfinite_policy_loss"] = (~torch.isfinite(policy_loss.detach())).float()

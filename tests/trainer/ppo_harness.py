@@ -52,11 +52,11 @@ def flags(task: dict, out: Path, **overrides) -> list[str]:
     return to_flags(values)
 
 
-def run(task: dict, out: Path, **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
+def run(task: dict, out: Path, trainer_cls=None, callbacks=(), **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
     """Runs train_ppo in-process; returns its last logs and the exported weights."""
     for key in LAUNCH_ENV:          # a fresh one-rank group (and port) for every run
         os.environ.pop(key, None)
-    logs = train(parse_args(flags(task, out, **overrides)))
+    logs = train(parse_args(flags(task, out, **overrides)), trainer_cls=trainer_cls, callbacks=callbacks)
     for key in LAUNCH_ENV:
         os.environ.pop(key, None)
     return logs, load_file(str(Path(out) / "model" / "model.safetensors"))

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lightrft.algorithms.kl import FixedKLController
 from lightrft.cli.common import build_scheduler
@@ -105,7 +106,6 @@ def test_evaluation_with_overlong_shaping_reports_the_unshaped_task_reward(task,
 def test_a_zero_learning_rate_runs_and_leaves_the_policy_unchanged(task, tmp_path):
     # Before: ZeroDivisionError inside the cosine_with_min_lr scheduler.
     logs, weights = run(task, tmp_path, actor_learning_rate=0, lr_scheduler="cosine_with_min_lr")
-    from safetensors.torch import load_file
 
     initial = load_file(str(task["model"] / "model.safetensors"))
     assert logs["train/actor_lr"] == 0.0
@@ -224,7 +224,7 @@ def rollout_groups(task, seed: int, rank: int = 0, calls: int = 0) -> list[tuple
     maker.tokenizer, maker.prompt_max_len, maker.apply_chat_template = tokenizer, 16, False
     maker.seed, maker.calls, maker.eval_calls, maker.n_samples_per_prompt = seed, calls, 0, 4
     maker.micro_rollout_batch_size = 4
-    maker.strategy = SimpleNamespace(rank=rank)
+    maker.strategy = SimpleNamespace(rank=rank, world_size=2)
     maker.engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=4)
     rollout = maker.generate(["3+4="] * 8, maker.sampling_params(max_new_tokens=6))
     rows = [tuple(r) for r in rollout.sequences.tolist()]
@@ -300,3 +300,37 @@ def test_dynamic_sampling_takes_the_planned_optimizer_steps(task, tmp_path, caps
     assert summary["step"] == 8 and summary["stop_reason"] == "finished"
     assert logs["train/sampling_rounds"] > 8        # extra prompt batches were drawn ...
     assert logs["train/actor_lr"] == 0.0            # ... and the schedule still ended at its last step
+
+
+def test_the_on_policy_shortcut_computes_what_the_separate_forward_computes(task, tmp_path):
+    # One epoch and one optimizer step per rollout: the old log-probs are the update's own forward,
+    # so the experience maker skips its actor forward. The update must equal the full path's.
+    from lightrft.trainer.callbacks import TrainerCallback
+    from lightrft.trainer.ppo_trainer import PPOTrainer
+
+    class FullPath(PPOTrainer):
+        reuse_old_log_probs = False
+
+    class OldLogProbs(TrainerCallback):
+        def __init__(self):
+            self.skipped = []
+
+        def on_rollout_end(self, trainer, experiences):
+            self.skipped.append(all(e.action_log_probs is None for e in experiences))
+
+    short_seen, full_seen = OldLogProbs(), OldLogProbs()
+    common = dict(actor_learning_rate=1e-4, micro_train_batch_size=16)
+    short_logs, short = run(task, tmp_path / "short", callbacks=[short_seen], **common)
+    full_logs, full = run(task, tmp_path / "full", trainer_cls=FullPath, callbacks=[full_seen], **common)
+    assert short_seen.skipped == [True, True] and full_seen.skipped == [False, False]
+    assert short_logs["train/ratio_max"] == 1.0                           # exactly on-policy
+    assert full_logs["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)   # equal up to rounding
+    assert short_logs["rollout/reward"] == pytest.approx(full_logs["rollout/reward"], abs=1e-6)
+    assert short_logs["train/policy_loss"] == pytest.approx(full_logs["train/policy_loss"], abs=1e-5)
+    initial = load_file(str(task["model"] / "model.safetensors"))
+    moved = max_weight_change(initial, short)
+    assert moved > 1e-5 and max_weight_change(short, full) < 0.02 * moved
+    # Two epochs over the batch are not on-policy after the first pass: the forward runs.
+    two_epochs_seen = OldLogProbs()
+    run(task, tmp_path / "epochs", callbacks=[two_epochs_seen], max_epochs=2, max_steps=1, **common)
+    assert two_epochs_seen.skipped == [False]
