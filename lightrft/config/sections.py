@@ -268,6 +268,7 @@ class PPODataConfig(DataConfig):
                                                 "rejecting the row")
     eval_data: Optional[str] = option(None, "held-out prompts for eval/* metrics")
     eval_steps: int = option(-1, "evaluate every N steps (-1: never during training)")
+    eval_on_startup: bool = option(False, "evaluate once before the first step (logged at step 0) with --eval_data")
     eval_n_samples: int = option(1, "k of pass@k in evaluation")
     pretrain_data: Optional[str] = option(None, "SFT-style data for the PTX loss")
     pretrain_output_key: str = option("output", "response field of --pretrain_data")

@@ -169,6 +169,8 @@ class PPOTrainer:
         prompt_batches = self._prompt_batches(args, prompts_dataloader)
         self.services.start(self)
         self.callbacks.on_train_begin(self)
+        if eval_dataloader is not None and getattr(args, "eval_on_startup", False) and self.global_step == 0:
+            self.log(self.evaluate(eval_dataloader), step=0)         # the starting point of the curve
         bar = tqdm(total=total_steps, initial=self.global_step, desc="PPO steps",
                    disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
         try:
@@ -445,9 +447,14 @@ class PPOTrainer:
                      **reward_source_metrics(self.experience_maker.reward_sources, self.strategy)}
         if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
             logs_dict.update(self.evaluate(eval_dataloader))
-        if self.tracker is not None and global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
-            self.tracker.log(logs_dict, step=global_step)
+        if global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
+            self.log(logs_dict, step=global_step)
         self.last_logs = logs_dict
+
+    def log(self, logs: dict, step: int) -> None:
+        """Sends metrics to the tracker (W&B / TensorBoard), if there is one."""
+        if self.tracker is not None:
+            self.tracker.log(logs, step=step)
 
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:

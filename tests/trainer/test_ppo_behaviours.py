@@ -334,3 +334,26 @@ def test_the_on_policy_shortcut_computes_what_the_separate_forward_computes(task
     two_epochs_seen = OldLogProbs()
     run(task, tmp_path / "epochs", callbacks=[two_epochs_seen], max_epochs=2, max_steps=1, **common)
     assert two_epochs_seen.skipped == [False]
+
+
+def test_eval_on_startup_logs_the_starting_policy_at_step_0(task, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.e2e.conftest import tensorboard_scalars
+
+    run(task, tmp_path, eval_data=task["eval"], eval_on_startup=True, eval_steps=-1, generate_max_len=4,
+        max_steps=1, use_tensorboard=tmp_path / "tb")
+    series = dict(tensorboard_scalars(tmp_path / "tb")["eval/reward_greedy"])
+    # Independent reference: the initial model's greedy responses scored with the task's reward
+    # (share of digits in the response, tests/trainer/ppo_harness.py).
+    tokenizer = AutoTokenizer.from_pretrained(task["model"])
+    model = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32).eval()
+    shares = []
+    with torch.no_grad():
+        for row in task["eval_rows"]:
+            ids = tokenizer(row["input"], return_tensors="pt")["input_ids"]
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+            response = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            shares.append(sum(c.isdigit() for c in response) / max(len(response), 1))
+    assert series[0] == pytest.approx(sum(shares) / len(shares), abs=1e-6)
