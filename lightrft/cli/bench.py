@@ -1,12 +1,18 @@
 """Evaluate every saved checkpoint of a run on held-out prompts: a table and a plot of the curve.
 
-    python -m lightrft.cli.bench --ckpt_path ./ckpt/checkpoints --eval_data eval.jsonl \
-        --input_key input --label_key label --remote_rm_url math --eval_n_samples 4
+    python -m lightrft.cli.bench --ckpt_path ./ckpt/checkpoints --pretrain ./base-model \
+        --eval_data eval.jsonl --input_key input --label_key label --remote_rm_url math --eval_n_samples 4
 
-Checkpoints are the Hugging Face exports train_ppo writes with --save_hf_ckpt
-(`<ckpt_path>/global_stepN_hf`, step N); `--pretrain MODEL` adds the starting model as step 0.
-DeepSpeed checkpoints (`<ckpt_path>/_actor/global_stepN`) are listed but not evaluated: they need
-the run's exact model and ZeRO layout to load, and an export is what serving uses anyway.
+Checkpoints, one per step:
+- the Hugging Face exports train_ppo writes with --save_hf_ckpt (`<ckpt_path>/global_stepN_hf`);
+- the resumable DeepSpeed checkpoints every run with --save_steps writes
+  (`<ckpt_path>/_actor/global_stepN`, ZeRO-0 to 3, LoRA merged): only the weights are read, into
+  the model of --pretrain (the base model folder: config and tokenizer; default: the pretrain of
+  the run's run_config.yaml); see `lightrft.serving.checkpoint_weights`. A step with both is
+  evaluated once, from its export (the weights serving uses, no consolidation needed).
+`--pretrain MODEL` also adds the starting model as step 0. A checkpoint that cannot be read
+(incomplete, torn, another model) is named with the reason and skipped; bench fails only when no
+checkpoint could be evaluated.
 
 Each checkpoint is scored with the evaluation train_ppo runs (`lightrft.trainer.evaluation`):
 `eval/reward_greedy`, the mean task reward of greedy decoding, and with --eval_n_samples k > 1,
@@ -31,35 +37,57 @@ _DS_CKPT = re.compile(r"^global_step(\d+)$")
 class Checkpoint:
     step: int
     path: Path
+    kind: str = "hf"            # "hf": a Hugging Face folder; "deepspeed": a save_ckpt folder (_actor/global_stepN)
 
 
 def find_checkpoints(ckpt_path: str | Path, pretrain: str | None = None) -> tuple[list[Checkpoint], list[Path]]:
-    """The Hugging Face exports under `ckpt_path` in step order (with `pretrain` as step 0), and
-    the DeepSpeed checkpoints that have no export (not evaluated)."""
+    """The checkpoints under `ckpt_path` in step order, one per step (with `pretrain` as step 0):
+    the Hugging Face exports, and the DeepSpeed checkpoints of the steps without one. Also returns
+    the DeepSpeed checkpoints left out because their step has an export."""
     root = Path(ckpt_path)
     if not root.is_dir():
         raise FileNotFoundError(f"--ckpt_path {root} is not a folder; give the --ckpt_path of a train_ppo run")
     found = [Checkpoint(int(m.group(1)), p) for p in root.iterdir()
              if p.is_dir() and (m := _EXPORT.match(p.name)) and (p / "config.json").exists()]
     exported = {c.step for c in found}
-    without_export = []
+    shadowed = []
     if (root / "_actor").is_dir():
         for p in (root / "_actor").iterdir():
-            m = _DS_CKPT.match(p.name)
-            if p.is_dir() and m and int(m.group(1)) not in exported:
-                without_export.append((int(m.group(1)), p))
+            if not (p.is_dir() and (m := _DS_CKPT.match(p.name))):
+                continue
+            if int(m.group(1)) in exported:
+                shadowed.append(p)
+            else:
+                found.append(Checkpoint(int(m.group(1)), p, "deepspeed"))
     if pretrain is not None:
         found.append(Checkpoint(0, Path(pretrain)))
-    return sorted(found, key=lambda c: c.step), [p for _, p in sorted(without_export)]
+    return sorted(found, key=lambda c: c.step), sorted(shadowed, key=lambda p: int(_DS_CKPT.match(p.name).group(1)))
+
+
+def run_pretrain(ckpt_path: str | Path) -> str | None:
+    """The --pretrain recorded in `<ckpt_path>/run_config.yaml` (nested or flat), None without one."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(ckpt_path) / "run_config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    section = config.get("model") if isinstance(config.get("model"), dict) else config
+    pretrain = section.get("pretrain")
+    return str(pretrain) if pretrain else None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightrft.cli.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt_path", required=True, help="train_ppo's --ckpt_path (global_stepN_hf exports in it)")
+    parser.add_argument("--ckpt_path", required=True,
+                        help="train_ppo's --ckpt_path (global_stepN_hf exports and/or _actor/global_stepN DeepSpeed "
+                             "checkpoints in it)")
     parser.add_argument("--eval_data", required=True, help="held-out prompts: .jsonl/.json/.parquet/.csv or a "
                                                            "saved datasets folder")
-    parser.add_argument("--pretrain", default=None, help="also evaluate this model folder, as step 0")
+    parser.add_argument("--pretrain", default=None,
+                        help="the base model folder: evaluated as step 0, and the config and tokenizer of the "
+                             "DeepSpeed checkpoints (default for those: the run's run_config.yaml pretrain)")
     parser.add_argument("--output_dir", default=None, help="where bench.csv/.md/.png go (default: --ckpt_path)")
     parser.add_argument("--input_key", default="input", help="field holding the prompt")
     parser.add_argument("--label_key", default=None, help="field holding the reference answer")
@@ -104,10 +132,44 @@ class Evaluator:
         self.generate_kwargs = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                                 "max_new_tokens": args.generate_max_len}
 
-    def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
+    def load(self, checkpoint: Checkpoint):
+        """(model, tokenizer, folder of its tokenizer and generation config) of one checkpoint;
+        CheckpointReadError when a DeepSpeed checkpoint cannot be read or has no base model."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepspeed_policy, require_complete
+
+        args = self.args
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        if checkpoint.kind == "deepspeed":
+            require_complete(checkpoint.path)
+            base = args.pretrain or run_pretrain(args.ckpt_path)
+            if base is None or not Path(base).is_dir():
+                raise CheckpointReadError(f"{checkpoint.path}: a DeepSpeed checkpoint holds weights only; pass "
+                                          f"--pretrain BASE_MODEL_FOLDER (the model the run started from, for its "
+                                          f"config and tokenizer)" + (f"; the run's {base} is not a folder here"
+                                                                      if base else ""))
+            model = load_deepspeed_policy(checkpoint.path, base, dtype=dtype, trust_remote_code=args.trust_remote_code)
+            source = str(base)
+        else:
+            source = str(checkpoint.path)
+            try:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                             trust_remote_code=args.trust_remote_code)
+            except Exception as err:  # a torn or foreign folder raises many types (OSError, safetensors, ...)
+                raise CheckpointReadError(f"{source}: not a loadable Hugging Face model ({type(err).__name__}: "
+                                          f"{err})") from err
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+        return model, tokenizer, source
+
+    def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
+        """Loads `checkpoint` and scores it (see `score`)."""
+        return self.score(*self.load(checkpoint))
+
+    def score(self, model, tokenizer, source: str) -> dict[str, float]:
+        """The evaluation metrics of `model` on --eval_data; `source` is the folder of its
+        tokenizer and generation config (for the stop tokens)."""
         from lightrft.cli.train_ppo import stop_token_ids
         from lightrft.datasets import PromptDataset
         from lightrft.rollout.hf_engine import HFEngine
@@ -116,15 +178,11 @@ class Evaluator:
         from lightrft.trainer.experience_maker import NaiveExperienceMaker
 
         args = self.args
-        path = str(checkpoint.path)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if args.bf16 else torch.float32,
-                                                     trust_remote_code=args.trust_remote_code)
         model = model.to(self.strategy.device).eval()
-        eos = stop_token_ids(tokenizer, path)
+        eos = stop_token_ids(tokenizer, source)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                           micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples)
         # A fresh maker per checkpoint: its evaluation calls, and so its seeds, start from the same count.
@@ -183,28 +241,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error("no reward source: pass --remote_rm_url (a rule such as math, a .py reward file or a reward "
                      "server URL) and/or --reward_pretrain")
     try:
-        checkpoints, without_export = find_checkpoints(args.ckpt_path, args.pretrain)
+        checkpoints, shadowed = find_checkpoints(args.ckpt_path, args.pretrain)
     except FileNotFoundError as err:
         parser.error(str(err))
     if not checkpoints:
-        parser.error(f"--ckpt_path {args.ckpt_path} holds no global_stepN_hf export: train with --save_hf_ckpt "
-                     "(and --save_steps N), or pass --pretrain to evaluate one model")
+        parser.error(f"--ckpt_path {args.ckpt_path} holds no checkpoint (no global_stepN_hf export, no "
+                     "_actor/global_stepN DeepSpeed checkpoint): train with --save_steps N, or pass --pretrain "
+                     "to evaluate one model")
 
+    from lightrft.serving.checkpoint_weights import CheckpointReadError
     from lightrft.strategy import DeepspeedStrategy
     from lightrft.strategy.config import StrategyConfig
 
     strategy = DeepspeedStrategy(StrategyConfig(seed=args.seed, bf16=args.bf16))
     strategy.setup_distributed()
-    for path in without_export:
-        strategy.print(f"bench: skipping {path}: a DeepSpeed checkpoint without a Hugging Face export "
-                       "(train with --save_hf_ckpt to evaluate every saved step)")
+    for path in shadowed:
+        strategy.print(f"bench: step {path.name.removeprefix('global_step')}: evaluating its Hugging Face export, "
+                       f"not the DeepSpeed checkpoint {path}")
     evaluator = Evaluator(args, strategy)
-    rows = []
+    rows, skipped = [], []
     for checkpoint in checkpoints:
-        logs = evaluator.evaluate(checkpoint)
+        # Every rank reads the same files, so a checkpoint fails to load on all ranks alike.
+        try:
+            policy = evaluator.load(checkpoint)
+        except CheckpointReadError as err:
+            skipped.append(str(err))
+            strategy.print(f"bench: skipping step {checkpoint.step}: {err}")
+            continue
+        logs = evaluator.score(*policy)
         rows.append({"step": checkpoint.step, "checkpoint": str(checkpoint.path), **logs})
         strategy.print(f"bench: step {checkpoint.step} ({checkpoint.path}): "
                        + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))
+    if not rows:
+        strategy.close()
+        raise SystemExit("bench: no checkpoint could be evaluated:\n  " + "\n  ".join(skipped))
     if strategy.is_rank_0():
         written = write_results(rows, Path(args.output_dir or args.ckpt_path))
         print((Path(args.output_dir or args.ckpt_path) / "bench.md").read_text(), end="")
