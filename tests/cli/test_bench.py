@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from safetensors.torch import load_file
 
-from lightrft.cli.bench import find_checkpoints, main
+from lightrft.cli.bench import find_checkpoints, main, run_pretrain
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.seeds import request_seeds
@@ -170,6 +170,7 @@ def test_bench_evaluates_deepspeed_checkpoints_of_a_run(tmp_path, zero_stage, lo
     ppo_harness.run(task, tmp_path / "run", zero_stage=zero_stage, save_steps=1, lora_rank=lora_rank or None)
     ckpt, export = tmp_path / "run" / "ckpt", tmp_path / "run" / "model"
     assert not list(ckpt.glob("*_hf"))
+    assert run_pretrain(ckpt) == str(task["model"])     # bench's base model when --pretrain is left out
 
     final = load_file(str(export / "model.safetensors"))
     loaded = {step: load_deepspeed_policy(ckpt / "_actor" / f"global_step{step}", task["model"]).state_dict()
