@@ -26,8 +26,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from lightrft.strategy.checkpoint_io import MARKER_NAME, is_complete
+from lightrft.strategy.deepspeed_strategy import DS_SUBDIR  # save_ckpt's DeepSpeed tag in each checkpoint folder
 
-DS_SUBDIR = "deepspeed"            # DeepspeedStrategy.save_ckpt's tag inside each checkpoint folder
 FULL_STATES = "mp_rank_00_model_states.pt"
 WRAPPER_PREFIX = "model."          # ActorLanguage keeps the Hugging Face model as `.model`
 RUN_CONFIG = "run_config.yaml"

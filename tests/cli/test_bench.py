@@ -131,7 +131,7 @@ def test_find_checkpoints_orders_by_step_and_adds_pretrain(run_folder):
     assert shadowed == [run_folder["ckpt"] / "_actor" / "global_step5"]
 
 
-def test_bench_fails_when_no_checkpoint_can_be_read(tmp_path, run_folder, capsys):
+def test_bench_fails_when_no_checkpoint_can_be_read(tmp_path, run_folder):
     (tmp_path / "_actor" / "global_step3").mkdir(parents=True)
     with pytest.raises(SystemExit) as exit_info:
         run_bench(tmp_path, run_folder["eval"], run_folder["reward"], tmp_path / "report")
