@@ -304,7 +304,7 @@ def trl_worker(config_path: str) -> None:
     dataset = datasets.Dataset.from_list([{"prompt": r["input"], "label": r["label"]} for r in rows])
     grpo_config = trl.GRPOConfig(
         output_dir=str(out / "trainer"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        disable_tqdm=True, logging_steps=10**6, seed=config["seed"], activation_checkpointing=False,
+        disable_tqdm=True, logging_steps=10**6, seed=config["seed"], gradient_checkpointing=False,
         # one optimizer step = train_batch samples in micro-batches of micro_batch ...
         per_device_train_batch_size=work.micro_batch,
         gradient_accumulation_steps=work.train_batch // work.micro_batch,
