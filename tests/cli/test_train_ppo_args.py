@@ -26,7 +26,8 @@ def error_of(argv, capsys) -> str:
     (["--advantage_estimator", "reinforce", "--rollout_batch_size", "10", "--train_batch_size", "4"],
      ["10 samples per rollout", "--train_batch_size 4"]),
     (["--advantage_estimator", "reinforce", "--micro_train_batch_size", "0"], ["--micro_train_batch_size must be positive"]),
-    (["--advantage_estimator", "reinforce", "--rollout_engine", "vllm", "--lora_rank", "8"], ["LoRA"]),
+    (["--advantage_estimator", "reinforce", "--vllm_tensor_parallel_size", "0"],
+     ["--vllm_tensor_parallel_size must be positive"]),
     (["--advantage_estimator", "nope"], ["invalid choice", "group_norm"]),
 ])
 def test_incompatible_options_are_start_up_errors(argv, words, capsys):
