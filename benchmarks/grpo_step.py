@@ -239,20 +239,10 @@ def run_trl(data: dict, work: Workload, out: Path, args) -> dict:
             "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
 
 
-def trl_worker(config_path: str) -> None:
-    """The TRL side of the benchmark (runs in its own process, see `run_trl`)."""
-    import datasets
-    import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    from lightrft.rewards import math_answer_reward
-
-    config = json.loads(Path(config_path).read_text())
-    work = Workload(**{**config["workload"], "adam_betas": tuple(config["workload"]["adam_betas"])})
-    out = Path(config["out"])
-    torch.set_num_threads(config["threads"])
-
-    rounds: list[dict] = []  # per generation round: seconds generating, scoring, and the rest of the experience
+def timed_grpo_trainer(trl, rounds: list[dict]):
+    """A `trl.GRPOTrainer` subclass that appends, per generation round, the seconds spent
+    generating, scoring and computing the rest of the experience (old log-probs, advantages) to
+    `rounds` (also used by vs_trl.py)."""
 
     class TimedGRPOTrainer(trl.GRPOTrainer):
         """GRPOTrainer that records, per generation round, the seconds spent generating, scoring
@@ -277,6 +267,26 @@ def trl_worker(config_path: str) -> None:
             result = super()._calculate_rewards(*a, **kw)
             rounds[-1]["reward"] += time.perf_counter() - started
             return result
+
+    return TimedGRPOTrainer
+
+
+def trl_worker(config_path: str) -> None:
+    """The TRL side of the benchmark (runs in its own process, see `run_trl`)."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from lightrft.rewards import math_answer_reward
+
+    config = json.loads(Path(config_path).read_text())
+    work = Workload(**{**config["workload"], "adam_betas": tuple(config["workload"]["adam_betas"])})
+    out = Path(config["out"])
+    torch.set_num_threads(config["threads"])
+
+    rounds: list[dict] = []  # per generation round: seconds generating, scoring, and the rest of the experience
+
+    TimedGRPOTrainer = timed_grpo_trainer(trl, rounds)
 
     class StepClock(TrainerCallback):
         """Wall-clock time at the start of training and at the end of every optimizer step."""

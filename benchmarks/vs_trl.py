@@ -167,27 +167,7 @@ def trl_worker(config: dict) -> dict:
     clock = TrainingClock(work.samples_per_step)
     rounds: list[dict] = []
 
-    class TimedGRPOTrainer(trl.GRPOTrainer):
-        """Records per generation round the seconds generating, scoring and the rest of the experience."""
-
-        def _generate_and_score_completions(self, inputs):
-            rounds.append({"generate": 0.0, "reward": 0.0})
-            started = time.perf_counter()
-            result = super()._generate_and_score_completions(inputs)
-            rounds[-1]["experience"] = time.perf_counter() - started - rounds[-1]["generate"] - rounds[-1]["reward"]
-            return result
-
-        def _generate(self, prompts):
-            started = time.perf_counter()
-            result = super()._generate(prompts)
-            rounds[-1]["generate"] += time.perf_counter() - started
-            return result
-
-        def _calculate_rewards(self, *a, **kw):
-            started = time.perf_counter()
-            result = super()._calculate_rewards(*a, **kw)
-            rounds[-1]["reward"] += time.perf_counter() - started
-            return result
+    TimedGRPOTrainer = grpo_step.timed_grpo_trainer(trl, rounds)
 
     per_step: list[dict] = []
 

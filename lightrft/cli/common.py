@@ -88,9 +88,9 @@ def _config_value(action: argparse.Action, value):
 
 def resolved_config(args) -> dict:
     """Every option of the run as plain YAML-able values (tuples as lists), flat by flag name."""
-    if hasattr(args, "to_dict"):
-        return args.to_dict()
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())}
+    from lightrft.config.run import plain_options
+
+    return plain_options(args)
 
 
 def announce_config(parser: argparse.ArgumentParser, args, strategy, ckpt_path: str | None) -> None:

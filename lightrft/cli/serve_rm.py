@@ -26,6 +26,7 @@ import torch
 
 from lightrft.datasets import encode_for_reward
 from lightrft.datasets.padding import right_pad
+from lightrft.utils.http import send_json
 
 logger = logging.getLogger("lightrft.serve_rm")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -140,15 +141,7 @@ def make_handler(scorer: RewardScorer) -> type[BaseHTTPRequestHandler]:
             return self.rfile.read(length)
 
         def _reply(self, status: HTTPStatus, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            if status >= 400:
-                # An unread or half-read request body would corrupt the next request on this connection.
-                self.close_connection = True
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, status, payload)
 
         def log_message(self, format: str, *args) -> None:
             logger.info("%s %s", self.address_string(), format % args)

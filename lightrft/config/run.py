@@ -1,6 +1,6 @@
 """Run configs: one frozen tree of sections per command, the single home of options and defaults.
 
-    config = PPORunConfig.from_argv(["--pretrain", "model", "--prompt_data", "p.jsonl", ...])
+    config = lightrft.cli.train_ppo.parse_args(["--pretrain", "model", "--prompt_data", "p.jsonl", ...])
     config = PPORunConfig(model=PPOModelConfig(pretrain="model"), data=PPODataConfig(prompt_data=...))
     config.rollout.temperature          # by section
     config.temperature                  # by flag name (every flag name is unique in a run config)
@@ -93,6 +93,15 @@ class RunConfig:
         flat = self.to_dict()
         return {f.name: {g.name: flat[g.name] for g in flag_fields(type(getattr(self, f.name)))}
                 for f in dataclasses.fields(self)}
+
+
+def plain_options(args) -> dict[str, Any]:
+    """Every option of a run as plain YAML-able values (tuples as lists), flat by flag name: a
+    `RunConfig`'s, or the plain attributes of an argparse namespace."""
+    if isinstance(args, RunConfig):
+        return args.to_dict()
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
+            if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}
 
 
 def _summary(section: type) -> str:

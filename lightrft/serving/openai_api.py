@@ -27,6 +27,7 @@ from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.seeds import mix_seed
 from lightrft.serving.policy import Sample, ServedPolicy
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder
+from lightrft.utils.http import send_json
 
 logger = logging.getLogger("lightrft.serve")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -357,15 +358,7 @@ def make_handler(api: OpenAIServer) -> type[BaseHTTPRequestHandler]:
                                                  "code": None}})
 
         def _reply(self, status: HTTPStatus, payload: dict) -> None:
-            body = json.dumps(payload).encode()
-            if status >= 400:
-                # An unread or half-read request body would corrupt the next request on this connection.
-                self.close_connection = True
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, status, payload)
 
         def _stream(self, chunks) -> None:
             # Server-sent events without a length: the connection closes after "data: [DONE]".

@@ -57,8 +57,10 @@ def check_resume_options(saved: Mapping[str, Any], current: Mapping[str, Any], s
 
 
 def pinned_options(args: Any, names: tuple[str, ...]) -> dict:
-    """The values of the named flags on `args` (missing ones skipped), for `check_resume_options`."""
-    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+    """The values of the named flags on `args` (missing ones skipped; tuples as lists, as a
+    checkpoint stores them), for `check_resume_options`."""
+    return {name: list(value) if isinstance(value, tuple) else value
+            for name in names if hasattr(args, name) for value in [getattr(args, name)]}
 
 
 class PreemptionFlag:

@@ -18,11 +18,13 @@ from tqdm import tqdm
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
+from lightrft.config.run import plain_options
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.manager import RolloutManager
 from lightrft.trainer.callbacks import CallbackList
+from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.dynamic_sampling import sample_informative_batch
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience import Experience
@@ -232,7 +234,8 @@ class PPOTrainer:
         if self.reuse_old_log_probs is not None:
             return self.reuse_old_log_probs
         one_step = args.rollout_batch_size * self.algo.n_samples_per_prompt == args.train_batch_size
-        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.strategy.unwrap_model(self.actor).modules())
+        modules = self.strategy.unwrap_model(self.actor).modules()
+        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in modules)
         return self.max_epochs == 1 and one_step and not dropout
 
     def planned_steps(self, args, dataloader) -> int:
@@ -462,18 +465,14 @@ class PPOTrainer:
         return args.save_steps > 0 and global_step % args.save_steps == 0
 
     def pinned_options(self, args) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k in PINNED_OPTIONS if hasattr(args, k)
-                for v in [getattr(args, k)]}
+        return pinned_options(args, PINNED_OPTIONS)
 
     def client_state(self) -> dict:
-        config = self.args.to_dict() if hasattr(self.args, "to_dict") else {
-            k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(self.args).items())
-            if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}
         counters = {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
                     "kl_ctl": self.kl_ctl.state_dict(), "rollout_calls": self.experience_maker.calls,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
                     "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
-                    "config": config}      # the resolved run config travels with every checkpoint
+                    "config": plain_options(self.args)}   # the resolved run config travels with every checkpoint
         return RunServices.client_state(counters, self.pinned_options(self.args))
 
     def checkpoint_parts(self, args, client_state: Optional[dict] = None) -> list[CheckpointPart]:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
+from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.guards import nonfinite_grad_norms
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 
@@ -140,8 +141,7 @@ class SupervisedTrainer:
                                         self._options(self.args))
 
     def _options(self, args) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v
-                for k in self.pinned_options if hasattr(args, k) for v in [getattr(args, k)]}
+        return pinned_options(args, self.pinned_options)
 
     @property
     def failed_saves(self) -> int:

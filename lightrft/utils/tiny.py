@@ -39,6 +39,15 @@ CHAT_TEMPLATE = (
 )
 
 
+def _char_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """The Hugging Face tokenizer around a character-level `backend`, with the special tokens,
+    left padding and the chat template every tiny model uses."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                        eos_token="</s>", unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: 4 special tokens, then the 95 printable ASCII characters and
     newline (100 tokens). Decoding concatenates characters, so `decode(encode(s)) == s`.
@@ -48,16 +57,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return _char_tokenizer(backend)
 
 
 def build_tiny_causal_lm(
@@ -118,16 +118,7 @@ def build_char_tokenizer_with_bos() -> PreTrainedTokenizerFast:
     backend.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.bos_token_id)]
     )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return _char_tokenizer(backend)
 
 
 # Every tiny architecture: hidden 64, 2 layers, 2 query heads of head_dim 32 (>= 32 so vLLM's CPU

@@ -52,3 +52,17 @@ def grpo_flags(toy: dict, out: Path, **overrides) -> list[str]:
     }
     flags.update(overrides)
     return to_flags(flags)
+
+
+def assert_resumed_like_uninterrupted(uninterrupted: Path, resumed: Path) -> None:
+    """A run resumed from step 2 logs the same step-3/4 rewards and losses as the uninterrupted
+    run (TensorBoard under `tb`) and exports bit-identical weights (under `model`)."""
+    from safetensors.torch import load_file
+
+    full = {t: dict(s) for t, s in tensorboard_scalars(uninterrupted / "tb").items()}
+    again = {t: dict(s) for t, s in tensorboard_scalars(resumed / "tb").items()}
+    for tag in ("rollout/reward", "train/policy_loss"):
+        assert [again[tag][s] for s in (3, 4)] == [full[tag][s] for s in (3, 4)], tag
+    expected = load_file(uninterrupted / "model" / "model.safetensors")
+    got = load_file(resumed / "model" / "model.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun
-from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
+                               tensorboard_scalars)
 
 pytestmark = pytest.mark.dist
 
@@ -86,13 +86,7 @@ def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(to
 
     resumed = summary_line(launch(toy, tmp_path, load_checkpoint=True).stdout)
     assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
-    full = {t: dict(s) for t, s in tensorboard_scalars(uninterrupted / "tb").items()}
-    again = {t: dict(s) for t, s in tensorboard_scalars(tmp_path / "tb").items()}
-    for tag in ("rollout/reward", "train/policy_loss"):
-        assert [again[tag][s] for s in (3, 4)] == [full[tag][s] for s in (3, 4)], tag
-    expected = load_file(uninterrupted / "model" / "model.safetensors")
-    got = load_file(tmp_path / "model" / "model.safetensors")
-    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert_resumed_like_uninterrupted(uninterrupted, tmp_path)
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, tmp_path):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl
 from tests.conftest import run_torchrun
-from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
+                               tensorboard_scalars)
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -88,10 +88,4 @@ def test_preempted_vllm_run_resumes_exactly(toy_vllm, tmp_path, uninterrupted):
     assert summary["stop_reason"] == "preempted" and summary["step"] == 2
     resumed = summary_line(launch(toy_vllm, tmp_path, load_checkpoint=True, **SMALL).stdout)
     assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
-    full = {t: dict(s) for t, s in tensorboard_scalars(uninterrupted / "tb").items()}
-    again = {t: dict(s) for t, s in tensorboard_scalars(tmp_path / "tb").items()}
-    for tag in ("rollout/reward", "train/policy_loss"):
-        assert [again[tag][s] for s in (3, 4)] == [full[tag][s] for s in (3, 4)], tag
-    expected = load_file(uninterrupted / "model" / "model.safetensors")
-    got = load_file(tmp_path / "model" / "model.safetensors")
-    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert_resumed_like_uninterrupted(uninterrupted, tmp_path)

@@ -56,16 +56,23 @@ def compare(manager, module, hf, prompt_ids, rank: int, step: int) -> dict:
             "sync_bytes": manager.last_sync_bytes}
 
 
-def main(out_path: str, model_dir: str) -> None:
+def start_with_saved_model(model_dir: str):
+    """A two-rank ZeRO-3 strategy and the contract model, saved by rank 0 to `model_dir` (where the
+    vLLM engines load it from). Returns (strategy, tokenizer, model, model bytes)."""
     strategy = DeepspeedStrategy(StrategyConfig(zero_stage=3, train_batch_size=2, micro_train_batch_size=1))
     strategy.setup_distributed()
-    rank = strategy.rank
     tokenizer, model = build_contract_model(seed=0, hidden_size=128)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if rank == 0:
+    if strategy.rank == 0:
         model.save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
     dist.barrier()
+    return strategy, tokenizer, model, model_bytes
+
+
+def main(out_path: str, model_dir: str) -> None:
+    strategy, tokenizer, model, model_bytes = start_with_saved_model(model_dir)
+    rank = strategy.rank
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
 
     optimizer = strategy.create_optimizer(model, lr=0.05)

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams, VLLMEngine
-from lightrft.strategy import DeepspeedStrategy, StrategyConfig
-from tests.rollout.contract import PROMPTS, build_contract_model
-from tests.rollout.dist_vllm_sync import responses, train_step, trainer_log_probs
+from tests.rollout.contract import PROMPTS
+from tests.rollout.dist_vllm_sync import responses, start_with_saved_model, train_step, trainer_log_probs
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, n=2)
@@ -55,15 +54,8 @@ def compare(manager, rollout, module, hf, tokenizer, rank: int, step: int) -> di
 
 
 def main(out_path: str, model_dir: str) -> None:
-    strategy = DeepspeedStrategy(StrategyConfig(zero_stage=3, train_batch_size=2, micro_train_batch_size=1))
-    strategy.setup_distributed()
+    strategy, tokenizer, model, model_bytes = start_with_saved_model(model_dir)
     rank = strategy.rank
-    tokenizer, model = build_contract_model(seed=0, hidden_size=128)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if rank == 0:
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-    dist.barrier()
     optimizer = strategy.create_optimizer(model, lr=0.05)
     engine, optimizer, _ = strategy.prepare((model, optimizer, None))
     module = strategy.unwrap_model(engine)
