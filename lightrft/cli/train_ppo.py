@@ -65,13 +65,67 @@ def check_world_size(args: PPORunConfig, world_size: int) -> None:
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
+def actor_model_kwargs(args: PPORunConfig) -> dict:
+    """How every policy-shaped model of the run is built (actor, reference, EMA, explorer copies)."""
+    # Dropout off by default: with it on, even the first on-policy update has ratios != 1.
+    return dict(bf16=args.bf16, attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+                disable_dropout=not args.keep_dropout, packing_samples=args.packing_samples)
+
+
+def load_tokenizer(args: PPORunConfig):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def prompt_dataset(args: PPORunConfig, tokenizer):
+    from lightrft.datasets import PromptDataset
+
+    return PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
+                         apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
+                         on_bad_row=args.on_bad_row, max_samples=args.max_samples,
+                         truncate_long_prompts=args.truncate_long_prompts)
+
+
+def reward_sources(args: PPORunConfig) -> list:
+    """The --remote_rm_url sources (HTTP servers, reward files, builtin rules)."""
+    if not args.remote_rm_url:
+        return []
+    from lightrft.rewards import make_reward_source
+
+    return [make_reward_source(spec.strip(), timeout=args.reward_timeout, max_retries=args.reward_retries,
+                               on_failure=args.reward_on_failure)
+            for spec in args.remote_rm_url.split(",") if spec.strip()]
+
+
+def make_vllm_engine(args: PPORunConfig, tokenizer, seed: int):
+    """A vLLM engine of --pretrain with the run's vLLM options."""
+    from lightrft.rollout import make_rollout_engine
+
+    return make_rollout_engine("vllm", model_path=args.pretrain, seed=seed,
+                               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               kv_cache_gb=args.vllm_kv_cache_gb,
+                               enable_sleep={"auto": None, "on": True, "off": False}[args.vllm_enable_sleep],
+                               sync_bucket_mb=args.vllm_sync_bucket_mb,
+                               **({"tensor_parallel_size": args.vllm_tensor_parallel_size}
+                                  if args.vllm_tensor_parallel_size != 1 else {}),
+                               # a LoRA actor syncs only its adapter (RolloutManager.for_actor)
+                               **({"lora_rank": args.lora_rank} if args.lora_rank > 0 else {}),
+                               # the trainer's precision: vLLM's "auto" runs float32 models in half
+                               dtype="bfloat16" if args.bf16 else "float32",
+                               pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=stop_token_ids(tokenizer, args.pretrain))
+
+
 def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
     """Everything a PPO run needs, built from parsed flags on every rank: the process group, the
     models prepared by the strategy, the data loaders and the trainer (nothing trained yet).
     `train` runs it; `lightrft.cli.doctor` builds the same run to check it. `args` is the run
     config (an argparse namespace of the same flags is converted to one)."""
-    from transformers import AutoTokenizer
-
     from lightrft.datasets import PromptDataset, SFTDataset
     from lightrft.models import ActorLanguage, Critic, RewardModel
     from lightrft.strategy import get_strategy
@@ -84,10 +138,7 @@ def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
     announce_config(build_parser(), args, strategy, args.ckpt_path)
     check_world_size(args, strategy.world_size)
 
-    # Dropout off by default: with it on, even the first on-policy update has ratios != 1.
-    model_kwargs = dict(bf16=args.bf16, attn_implementation=args.attn_implementation,
-                        trust_remote_code=args.trust_remote_code, disable_dropout=not args.keep_dropout,
-                        packing_samples=args.packing_samples)
+    model_kwargs = actor_model_kwargs(args)
     # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
     with strategy.zero3_init_context():
         actor = ActorLanguage(args.pretrain, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -106,10 +157,7 @@ def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
                          if needs_reference else None)
         ema_model = ActorLanguage(args.pretrain, **model_kwargs) if args.enable_ema else None
 
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(args)
 
     if args.recorded_data:
         # Served traffic as training data: see lightrft/trainer/recorded.py.
@@ -118,10 +166,7 @@ def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
         prompts = RecordedExperienceDataset(args.recorded_data, tokenizer, max_samples=args.max_samples)
         trainer_cls = trainer_cls or RecordedPPOTrainer
     else:
-        prompts = PromptDataset(args.prompt_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
-                                apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
-                                on_bad_row=args.on_bad_row, max_samples=args.max_samples,
-                                truncate_long_prompts=args.truncate_long_prompts)
+        prompts = prompt_dataset(args, tokenizer)
     per_rank = args.rollout_batch_size // strategy.world_size
     if len(prompts) < args.rollout_batch_size:
         raise ValueError(f"--{'recorded' if args.recorded_data else 'prompt'}_data "
@@ -168,38 +213,18 @@ def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
     ema_model = strategy.prepare(ema_model) if ema_model is not None else None
 
     rollout_engine = None
-    if args.rollout_engine == "vllm":
-        from lightrft.rollout import make_rollout_engine
-
-        rollout_engine = make_rollout_engine("vllm", model_path=args.pretrain, seed=args.seed + strategy.rank,
-                                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                                             kv_cache_gb=args.vllm_kv_cache_gb,
-                                             enable_sleep={"auto": None, "on": True, "off": False}[args.vllm_enable_sleep],
-                                             sync_bucket_mb=args.vllm_sync_bucket_mb,
-                                             **({"tensor_parallel_size": args.vllm_tensor_parallel_size}
-                                                if args.vllm_tensor_parallel_size != 1 else {}),
-                                             # a LoRA actor syncs only its adapter (RolloutManager.for_actor)
-                                             **({"lora_rank": args.lora_rank} if args.lora_rank > 0 else {}),
-                                             # the trainer's precision: vLLM's "auto" runs float32 models in half
-                                             dtype="bfloat16" if args.bf16 else "float32",
-                                             pad_token_id=tokenizer.pad_token_id,
-                                             eos_token_id=stop_token_ids(tokenizer, args.pretrain))
+    if args.rollout_engine == "vllm" and args.explorer_ranks == 0:   # explorers generate in decoupled runs
+        rollout_engine = make_vllm_engine(args, tokenizer, seed=args.seed + strategy.rank)
 
     tracker = make_tracker(args, strategy)
     if args.preview_steps > 0:
         from lightrft.trainer.preview import RolloutPreview
 
         callbacks = [*callbacks, RolloutPreview(every=args.preview_steps)]
-    remote = None
-    if args.remote_rm_url:
-        from lightrft.rewards import make_reward_source
-
-        remote = [make_reward_source(spec.strip(), timeout=args.reward_timeout, max_retries=args.reward_retries,
-                                     on_failure=args.reward_on_failure)
-                  for spec in args.remote_rm_url.split(",") if spec.strip()]
+    remote = reward_sources(args)
     trainer = (trainer_cls or PPOTrainer).from_config(
         args, strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
-        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=remote or (),
+        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=remote,
         rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
         eos_token_ids=stop_token_ids(tokenizer, args.pretrain))
 
@@ -217,8 +242,22 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
         args = parse_args([...])
         train(args, trainer_cls=MyTrainer, callbacks=[MyCallback()])
     """
+    if isinstance(args, argparse.Namespace):
+        args = PPORunConfig.from_namespace(args)
+    link = None
+    if args.explorer_ranks > 0:
+        # Split the job into explorers and trainers before any process group starts.
+        from lightrft.trainer.decoupled import ExplorerLink, run_explorer
+        from lightrft.trainer.roles import join_roles
+
+        link = join_roles(args.explorer_ranks, args.dist_timeout)
+        if link.layout.is_explorer:
+            return run_explorer(args, link)
     run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks)
     args, trainer = run.args, run.trainer
+    if link is not None:
+        trainer.attach_explorers(ExplorerLink(link, args.roles, args.sync_dir or f"{args.ckpt_path}/explorer_weights",
+                                              timeout_s=args.dist_timeout * 60.0))
     consumed = 0
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")

@@ -9,10 +9,11 @@ from lightrft.config.run import PPORunConfig, RMRunConfig, RunConfig, SFTRunConf
 from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DataConfig, DistributedConfig,
                                       EvalConfig, LoggingConfig, ModelConfig, OptimConfig, PPODataConfig,
                                       PPOLoggingConfig, PPOModelConfig, PPOOptimConfig, RewardConfig, RMDataConfig,
-                                      RMModelConfig, RMOptimConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig)
+                                      RMModelConfig, RMOptimConfig, RolesConfig, RolloutConfig, SFTDataConfig,
+                                      SupervisedOptimConfig)
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
            "LoggingConfig", "ModelConfig", "OptimConfig", "PPODataConfig", "PPOLoggingConfig", "PPOModelConfig",
            "PPOOptimConfig", "PPORunConfig", "RMDataConfig", "RMModelConfig", "RMOptimConfig", "RMRunConfig",
-           "RewardConfig", "RolloutConfig", "RunConfig", "SFTDataConfig", "SFTRunConfig", "SupervisedOptimConfig",
+           "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig", "SFTDataConfig", "SFTRunConfig", "SupervisedOptimConfig",
            "add_section_flags", "option", "section_from_namespace"]

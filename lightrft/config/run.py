@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 from lightrft.config.options import add_section_flags, flag_fields, section_from_namespace
 from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig, EvalConfig,
                                       LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig, PPOOptimConfig,
-                                      RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolloutConfig,
-                                      SFTDataConfig, SupervisedOptimConfig, ModelConfig)
+                                      RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig,
+                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ class PPORunConfig(RunConfig):
 
     GROUPS: ClassVar = (("distributed", "distributed"), ("model", "models"), ("rollout", "rollout"),
                         ("algorithm", "algorithm"), ("optim", "optimisation"), ("data", "data"),
-                        ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"))
+                        ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"),
+                        ("roles", "explorer and trainer roles"))
 
     distributed: DistributedConfig = _section(DistributedConfig)
     model: PPOModelConfig = _section(PPOModelConfig)
@@ -144,6 +145,7 @@ class PPORunConfig(RunConfig):
     rewards: RewardConfig = _section(RewardConfig)
     logging: PPOLoggingConfig = _section(PPOLoggingConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    roles: RolesConfig = _section(RolesConfig)
 
     def __post_init__(self):
         from lightrft.algorithms.advantages import get_advantage_estimator, validate_group_size
@@ -176,6 +178,20 @@ class PPORunConfig(RunConfig):
         if samples % self.optim.train_batch_size != 0:
             raise ConfigError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must "
                               f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
+        if self.roles.explorer_ranks > 0:
+            self._check_roles()
+
+    def _check_roles(self) -> None:
+        """What decoupled explorers cannot do yet, each refused with the flag to change."""
+        unsupported = {"--dynamic_sampling": self.algorithm.dynamic_sampling,
+                       "--recorded_data": self.data.recorded_data, "--reward_pretrain": self.model.reward_pretrain,
+                       "--lora_rank": self.model.lora_rank > 0,
+                       "--vllm_tensor_parallel_size > 1": self.rollout.vllm_tensor_parallel_size > 1}
+        used = [flag for flag, value in unsupported.items() if value]
+        if used:
+            raise ConfigError(f"--explorer_ranks {self.roles.explorer_ranks} cannot be combined with "
+                              f"{', '.join(used)} yet: explorers score with --remote_rm_url sources (rules, files, "
+                              "HTTP servers); drop those flags or use --explorer_ranks 0")
 
     @property
     def updates_per_step(self) -> int:

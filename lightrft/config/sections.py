@@ -165,6 +165,50 @@ class RolloutConfig:
                        "vllm_tensor_parallel_size")
 
 
+@dataclass(frozen=True)
+class RolesConfig:
+    """Explorer and trainer roles (decoupled, bounded-staleness rollouts; docs/async.md).
+
+    With `explorer_ranks` N > 0 the last N ranks of the job only generate and score; the others
+    only train. Batch b is generated with policy version >= the newest multiple of
+    `sync_interval` at or below b - `sync_offset`, so the trainer consumes it at most
+    `sync_offset + sync_interval - 1` versions old (the staleness bound)."""
+
+    explorer_ranks: int = option(0, "ranks that only generate and score (the last N ranks); 0 keeps the colocated "
+                                    "loop where every rank generates, then trains")
+    sync_interval: int = option(1, "trainer steps between weight syncs to the explorers")
+    sync_offset: int = option(0, "steps the explorers may run ahead of the trainers (0: on-policy; 1: generation of "
+                                 "step k+1 overlaps training of step k)")
+    sync_method: str = option("broadcast", "how new weights reach the explorers: broadcast (collective over the "
+                                           "job's process group) or checkpoint (a weights folder written by the "
+                                           "trainers and read by the explorers)", choices=("broadcast", "checkpoint"))
+    sync_dir: Optional[str] = option(None, "weights folder of --sync_method checkpoint (default: "
+                                           "<ckpt_path>/explorer_weights)")
+    staleness_policy: str = option("wait", "an explorer whose weights are older than the bound waits for new ones "
+                                           "(wait), or generates anyway and the trainers drop what arrives too "
+                                           "stale and have it generated again (drop)", choices=("wait", "drop"))
+    experience_queue_size: int = option(2, "rollout batches a trainer holds received but not yet trained (the "
+                                           "explorers wait when it is full)")
+
+    def __post_init__(self):
+        check_positive(self, "sync_interval", "experience_queue_size")
+        if self.explorer_ranks < 0 or self.sync_offset < 0:
+            raise ConfigError(f"--explorer_ranks and --sync_offset must be >= 0, got {self.explorer_ranks} and "
+                              f"{self.sync_offset}")
+
+    @property
+    def max_staleness(self) -> int:
+        """The most versions a trained experience may lag the trainer's weights."""
+        return self.sync_offset + self.sync_interval - 1
+
+    def required_version(self, batch: int) -> int:
+        """The oldest policy version batch `batch` (0-based; trained at step batch + 1) may be
+        generated with: the newest sync point (a multiple of sync_interval) at or below
+        batch - sync_offset."""
+        behind = max(0, batch - self.sync_offset)
+        return behind // self.sync_interval * self.sync_interval
+
+
 # Aggregation each policy loss must use, where it has only one correct one: GSPO's ratio is per
 # sequence, so only a mean over sequences of token means is the GSPO objective (as OpenRLHF and
 # verl force it).

@@ -25,6 +25,7 @@ from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.manager import RolloutManager
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import pinned_options
+from lightrft.trainer.decoupled import planned_rollout_steps
 from lightrft.trainer.dynamic_sampling import sample_informative_batch
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience import Experience
@@ -136,6 +137,7 @@ class PPOTrainer:
         self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
         self.stop_reason = None
         self._warned_no_aux_loss = False
+        self.explorers = None          # an ExplorerLink when explorer ranks generate (--explorer_ranks)
 
     @classmethod
     def from_config(cls, config, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
@@ -159,6 +161,11 @@ class PPOTrainer:
                    max_new_tokens=r.generate_max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                    **kwargs)
 
+    def attach_explorers(self, explorers) -> None:
+        """Takes each step's rollouts from explorer ranks (`lightrft.trainer.decoupled.ExplorerLink`)
+        instead of generating them here."""
+        self.explorers = explorers
+
     # ====================================================================================== fit
     def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
             num_update_steps_per_episodes: int = 1, eval_dataloader=None) -> None:
@@ -170,6 +177,8 @@ class PPOTrainer:
         total_steps = self.planned_steps(args, prompts_dataloader)
         prompt_batches = self._prompt_batches(args, prompts_dataloader)
         self.services.start(self)
+        if self.explorers is not None:
+            self.explorers.start(self, total_steps)
         self.callbacks.on_train_begin(self)
         if eval_dataloader is not None and getattr(args, "eval_on_startup", False) and self.global_step == 0:
             self.log(self.evaluate(eval_dataloader), step=0)         # the starting point of the curve
@@ -202,6 +211,9 @@ class PPOTrainer:
                 self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
                                    args.rollout_batch_size * self.algo.n_samples_per_prompt)
                 self.global_step += 1
+                if self.explorers is not None:
+                    self.explorers.after_step(self)
+                    rollout_logs.update(self.explorers.logs())
                 bar.update(1)
                 bar.set_postfix(reward=f"{rollout_logs.get('rollout/reward', float('nan')):.3f}")
                 # 5. Logs, evaluation, checkpoints; stop early on preemption or non-finite streaks.
@@ -219,6 +231,8 @@ class PPOTrainer:
                 self.save_checkpoint(args)
         finally:
             bar.close()
+            if self.explorers is not None:
+                self.explorers.stop()
             self.services.stop()
         self.callbacks.on_train_end(self)
 
@@ -242,8 +256,7 @@ class PPOTrainer:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
         episodes, capped by --max_steps. The LR schedule spans exactly these steps, and the run
         takes them all: with dynamic sampling, prompts are drawn past the last episode if needed."""
-        steps = len(dataloader.dataset) // args.rollout_batch_size * args.num_episodes
-        return min(steps, args.max_steps) if getattr(args, "max_steps", -1) > 0 else steps
+        return planned_rollout_steps(args, len(dataloader.dataset))
 
     # ============================================================================ rollout phase
     def _prompt_batches(self, args, dataloader):
@@ -262,6 +275,8 @@ class PPOTrainer:
     def make_experience(self, prompt_batches) -> Optional[list[Experience]]:
         """One rollout batch of experience; None when the prompts are exhausted. With dynamic
         sampling (DAPO), groups whose rewards are all equal are dropped and more prompts drawn."""
+        if self.explorers is not None:
+            return self.explorers.experience(self)
         batch = next(prompt_batches, None)
         if batch is None:
             return None
@@ -473,6 +488,8 @@ class PPOTrainer:
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
                     "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
                     "config": plain_options(self.args)}   # the resolved run config travels with every checkpoint
+        if self.explorers is not None:
+            counters["prompt_ledger"] = self.explorers.ledger.state_dict()
         return RunServices.client_state(counters, self.pinned_options(self.args))
 
     def checkpoint_parts(self, args, client_state: Optional[dict] = None) -> list[CheckpointPart]:
@@ -510,6 +527,8 @@ class PPOTrainer:
         self.services.failed_saves = state.get("failed_saves", state.get("counters", {}).get("failed_saves", 0))
         self.services.guard.skipped = self.counters["skipped_steps"]
         self.experience_maker.nonfinite_counts.update(state.get("nonfinite_counts", {}))
+        if self.explorers is not None and "prompt_ledger" in state:
+            self.explorers.ledger.load_state_dict(state["prompt_ledger"])
         return self.consumed_samples
 
     # ================================================================================ evaluation

@@ -1,0 +1,187 @@
+"""Explorer and trainer roles inside one torchrun job (`--explorer_ranks N`).
+
+The job's W ranks split in two: ranks 0 ... W-N-1 train (DeepSpeed data parallel among
+themselves, rank 0 logs and saves), ranks W-N ... W-1 explore (generate and score). Each role
+gets its own default process group, so everything written for "the ranks" (the strategy,
+DeepSpeed, the samplers, the run services) works unchanged among the trainers, and torchrun's
+`RANK`/`WORLD_SIZE` are rewritten to the role's own. The roles talk over two extra gloo groups
+built on the job's rendezvous store:
+
+- the experience channel (all W ranks): explorers send scored rollouts to the trainers,
+  point to point;
+- the control channel (trainer rank 0 and the explorers): weights, retries and the stop signal,
+  broadcast from trainer rank 0.
+
+Both carry host tensors, so they work the same on CPU and on GPUs (weights are copied to the host
+once per sync; see docs/async.md for what that costs).
+"""
+
+import io
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+JOB_RANK_ENV, JOB_WORLD_ENV = "LIGHTRFT_JOB_RANK", "LIGHTRFT_JOB_WORLD_SIZE"
+HEADER_TAG, PAYLOAD_TAG = 1, 2
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """Which ranks of a job of `world_size` explore (the last `explorers`) and which train."""
+
+    world_size: int
+    rank: int
+    explorers: int
+
+    def __post_init__(self):
+        if self.explorers < 1 or self.explorers >= self.world_size:
+            raise ValueError(f"--explorer_ranks {self.explorers} needs at least one trainer rank besides the "
+                             f"explorers, but the job has {self.world_size} rank(s): launch with torchrun "
+                             f"--nproc_per_node (or --nnodes) giving more than {self.explorers} ranks")
+
+    @property
+    def trainers(self) -> int:
+        return self.world_size - self.explorers
+
+    @property
+    def is_explorer(self) -> bool:
+        return self.rank >= self.trainers
+
+    @property
+    def role(self) -> str:
+        return "explorer" if self.is_explorer else "trainer"
+
+    @property
+    def role_rank(self) -> int:
+        """Rank within the role: a trainer's DeepSpeed rank, an explorer's index."""
+        return self.rank - self.trainers if self.is_explorer else self.rank
+
+    @property
+    def role_size(self) -> int:
+        return self.explorers if self.is_explorer else self.trainers
+
+    def explorer_job_rank(self, index: int) -> int:
+        return self.trainers + index
+
+    def explorer_of_batch(self, batch: int) -> int:
+        """Explorers take rollout batches in turn: batch b is explorer b % N's."""
+        return batch % self.explorers
+
+
+@dataclass
+class JobLink:
+    """This rank's place in a split job and the two channels between the roles."""
+
+    layout: RoleLayout
+    experience_group: object         # gloo, all ranks
+    control_group: object | None     # gloo, trainer rank 0 and the explorers (None on other trainers)
+
+    @property
+    def control_rank(self) -> int:
+        """This rank's place in the control group: 0 for trainer rank 0, 1 + i for explorer i."""
+        return 0 if not self.layout.is_explorer else 1 + self.layout.role_rank
+
+
+def join_roles(explorers: int, timeout_minutes: float, backend: str | None = None) -> JobLink:
+    """Splits the torchrun job: the role's default process group, the environment rewritten to
+    the role's rank and size, and the channels between the roles. Call it on every rank before
+    anything else joins a process group."""
+    if dist.is_initialized():
+        raise RuntimeError("--explorer_ranks: the job must be split into roles before a process group starts")
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"--explorer_ranks needs a torchrun launch (missing {', '.join(missing)}): run "
+                         f"torchrun --nproc_per_node <explorers + trainers> -m lightrft.cli.train_ppo ...")
+    layout = RoleLayout(int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), explorers)
+    timeout = timedelta(minutes=timeout_minutes)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    assert (rank, world_size) == (layout.rank, layout.world_size)
+    backend = backend or ("nccl" if torch.cuda.is_available() and not layout.is_explorer else "gloo")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lightrft/{layout.role}", store),
+                            rank=layout.role_rank, world_size=layout.role_size, timeout=timeout)
+    os.environ.update({JOB_RANK_ENV: str(layout.rank), JOB_WORLD_ENV: str(layout.world_size),
+                       "RANK": str(layout.role_rank), "WORLD_SIZE": str(layout.role_size)})
+    experience = dist.ProcessGroupGloo(dist.PrefixStore("lightrft/experience", store), layout.rank,
+                                       layout.world_size, timeout)
+    control = None
+    if layout.is_explorer or layout.rank == 0:
+        link_rank = 1 + layout.role_rank if layout.is_explorer else 0
+        control = dist.ProcessGroupGloo(dist.PrefixStore("lightrft/control", store), link_rank,
+                                        layout.explorers + 1, timeout)
+    return JobLink(layout, experience, control)
+
+
+def encode(obj) -> torch.Tensor:
+    """A picklable object (tensors included) as a uint8 tensor."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode(data: torch.Tensor):
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def send_object(group, obj, dst: int) -> None:
+    """Sends `obj` to rank `dst` of `group` (blocks until it is received)."""
+    data = encode(obj)
+    group.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, HEADER_TAG).wait()
+    group.send([data], dst, PAYLOAD_TAG).wait()
+
+
+def recv_object(group, src: int | None = None):
+    """The next object sent to this rank by `src` (any rank when None); returns (obj, src)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    if src is None:
+        work = group.recv_anysource([size], HEADER_TAG)
+        work.wait()
+        src = work._source_rank()
+    else:
+        group.recv([size], src, HEADER_TAG).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([data], src, PAYLOAD_TAG).wait()
+    return decode(data), src
+
+
+def broadcast_tensor(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+    """Fills `tensor` on every member of `group` with `root`'s (in place; returns it)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait()
+    return tensor
+
+
+def broadcast_object(group, obj=None, root: int = 0):
+    """`obj` from `root` of `group` on every member (pass None on the others)."""
+    data = encode(obj) if group.rank() == root else None
+    size = broadcast_tensor(group, torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64), root)
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    return decode(broadcast_tensor(group, data, root))
+
+
+def tensor_nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel * torch.empty(0, dtype=dtype).element_size()
+
+
+def flatten_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of `tensors` back to back (host memory, one uint8 tensor)."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def unflatten_tensors(data: torch.Tensor, spec: list[tuple[str, tuple, torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
+    """Inverse of `flatten_tensors` for tensors of the given (name, shape, dtype)."""
+    out, offset = [], 0
+    for name, shape, dtype in spec:
+        nbytes = tensor_nbytes(shape, dtype)
+        out.append((name, data[offset:offset + nbytes].view(dtype).reshape(shape)))
+        offset += nbytes
+    return out
