@@ -93,12 +93,12 @@ class ExplorerLink:
     # ---------------------------------------------------------------------------------- steps
     def experience(self, trainer) -> Optional[list]:
         """The experience of this step's rollout batch, built on this trainer; None when the
-        explorers ended first. A batch staler than the bound is dropped and asked for again
+        explorers ended first or the run was preempted while waiting. A batch staler than the bound is dropped and asked for again
         (--staleness_policy drop)."""
         index = trainer.global_step
         while True:
             started = time.perf_counter()
-            batch = self.receiver.take(index)
+            batch = self.receiver.take(index, interrupted=lambda: trainer.services.preemption.raised)
             self._wait_seconds += time.perf_counter() - started
             if batch is None:
                 return None
@@ -180,9 +180,9 @@ class Explorer:
         """Explores until the trainers say stop; returns the batches sent."""
         subscriber = WeightSubscriber(self.link.control_group, self.index)
         try:
-            subscriber.wait(lambda: subscriber.latest is not None)
-            if subscriber.latest is not None:
-                self._explore(subscriber, start=subscriber.latest["start_batch"])
+            subscriber.wait(lambda: subscriber.start_batch is not None)
+            if subscriber.start_batch is not None:
+                self._explore(subscriber, start=subscriber.start_batch)
         finally:
             for trainer_rank in range(self.layout.trainers):
                 send_done(self.link.experience_group, trainer_rank)
@@ -193,9 +193,9 @@ class Explorer:
             self._serve_retries(subscriber)
             if self.layout.explorer_of_batch(batch) != self.index:
                 continue
+            needed = self.roles.required_version(batch)
             if self.roles.staleness_policy == "wait":
-                needed = self.roles.required_version(batch)
-                subscriber.wait(lambda: subscriber.version() >= needed)
+                subscriber.wait(lambda: subscriber.newest() >= needed)
             if subscriber.stopped:
                 return
             self._generate_and_send(batch, subscriber)
@@ -207,15 +207,18 @@ class Explorer:
         while subscriber.retries and not subscriber.stopped:
             self._generate_and_send(subscriber.retries.pop(0), subscriber)
 
-    def _refresh(self, subscriber: WeightSubscriber) -> None:
-        latest = subscriber.latest
-        if latest["version"] == self.loaded_version:
+    def _refresh(self, batch: int, subscriber: WeightSubscriber) -> None:
+        """Loads the weights batch `batch` is generated with: exactly the version it calls for
+        when waiting (the newest received under --staleness_policy drop)."""
+        version, named = subscriber.take(self.roles.required_version(batch),
+                                         newest=self.roles.staleness_policy == "drop")
+        if version == self.loaded_version:
             return
         if self.module is not None:
-            load_named_weights(self.module, latest["named"])
+            load_named_weights(self.module, named)
         else:
-            self.engine.update_weights(latest["named"])
-        self.loaded_version = latest["version"]
+            self.engine.update_weights(named)
+        self.loaded_version = version
 
     def _order(self, episode: int) -> list[int]:
         if episode not in self._orders:
@@ -224,7 +227,7 @@ class Explorer:
         return self._orders[episode]
 
     def _generate_and_send(self, batch: int, subscriber: WeightSubscriber) -> None:
-        self._refresh(subscriber)
+        self._refresh(batch, subscriber)
         args, maker, n = self.args, self.maker, self.args.n_samples_per_prompt
         size = args.rollout_batch_size
         episode, position = divmod(batch, self.per_episode)

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from lightrft.rollout.base import RolloutOutput
-from lightrft.trainer.roles import (broadcast_object, broadcast_tensor, flatten_tensors, recv_object, send_object,
-                                    tensor_nbytes, unflatten_tensors)
+from lightrft.trainer.roles import (broadcast_object, broadcast_tensor, flat_size, flatten_tensors, recv_object,
+                                    send_object, unflatten_tensors)
 
 
 @dataclass
@@ -101,15 +101,22 @@ class ExperienceReceiver:
             self.finished = True
             self.cond.notify_all()
 
-    def take(self, batch: int) -> Optional[RolloutBatch]:
-        """Waits for rollout batch `batch`; None when the explorers ended without sending it."""
+    def take(self, batch: int, interrupted=lambda: False) -> Optional[RolloutBatch]:
+        """Waits for rollout batch `batch`; None when the explorers ended without sending it, or
+        as soon as `interrupted()` holds (checked twice a second: a preempted trainer must not
+        wait for explorers that may be gone)."""
         with self.cond:
             self.wanted = batch
             self.cond.notify_all()
-            self.cond.wait_for(lambda: batch in self.pending or self.finished)
+            while not self.cond.wait_for(lambda: batch in self.pending or self.finished, timeout=0.5):
+                if interrupted():
+                    return None
             if self.error is not None:
                 raise RuntimeError(f"the experience channel from the explorers failed: {self.error}") from self.error
-            return self.pending.pop(batch, None)
+            taken = self.pending.pop(batch, None)
+            self.wanted = None
+            self.cond.notify_all()      # room for the next batch
+            return taken
 
     def drain(self) -> None:
         """From now on: receive (and drop) whatever the explorers still send, until each has said
@@ -196,12 +203,13 @@ def latest_published(sync_dir: str | os.PathLike) -> Optional[tuple[int, list[tu
 
 class WeightSubscriber:
     """An explorer's side of the control channel: a thread that receives every message at once
-    and keeps the newest weights, the retry requests addressed to this explorer and the stop
-    signal."""
+    and keeps the published weights the explorer may still need (by version), the retry
+    requests addressed to this explorer and the stop signal."""
 
     def __init__(self, group, explorer_index: int):
         self.group, self.explorer_index = group, explorer_index
-        self.latest: Optional[dict] = None      # {"version", "start_batch", "named"}
+        self.versions: dict[int, list] = {}     # version -> named weights, oldest first
+        self.start_batch: Optional[int] = None  # the first message's: where the trainers stand
         self.retries: list[int] = []
         self.stopped = False
         self.error: Optional[BaseException] = None
@@ -215,15 +223,15 @@ class WeightSubscriber:
                 message = broadcast_object(self.group)
                 if message["kind"] == "weights":
                     if "path" in message:
-                        state = torch.load(message["path"], weights_only=False)
-                        data = state["data"]
+                        data = torch.load(message["path"], weights_only=False)["data"]
                     else:
-                        nbytes = sum(tensor_nbytes(shape, dtype) for _, shape, dtype in message["spec"])
-                        data = broadcast_tensor(self.group, torch.empty(nbytes, dtype=torch.uint8))
-                    update = {"version": message["version"], "start_batch": message["start_batch"],
-                              "named": unflatten_tensors(data, message["spec"])}
+                        size = flat_size(message["spec"])
+                        data = broadcast_tensor(self.group, torch.empty(size, dtype=torch.uint8))
+                    named = unflatten_tensors(data, message["spec"])
                     with self.cond:
-                        self.latest = update
+                        self.versions[message["version"]] = named
+                        if self.start_batch is None:
+                            self.start_batch = message["start_batch"]
                         self.cond.notify_all()
                 elif message["kind"] == "retry":
                     if message["explorer"] == self.explorer_index:
@@ -245,8 +253,21 @@ class WeightSubscriber:
         if self.error is not None:
             raise RuntimeError(f"the control channel from the trainers failed: {self.error}") from self.error
 
-    def version(self) -> int:
-        return -1 if self.latest is None else self.latest["version"]
+    def newest(self) -> int:
+        """The newest version received; -1 before the first."""
+        with self.cond:
+            return max(self.versions, default=-1)
+
+    def take(self, needed: int, newest: bool = False) -> tuple[int, list]:
+        """The oldest received version >= `needed` (or the newest one), forgetting older ones:
+        an explorer generates with exactly the version its batch calls for, so a run is
+        reproducible whatever the timing."""
+        with self.cond:
+            candidates = [v for v in self.versions if v >= needed]
+            version = max(self.versions) if newest or not candidates else min(candidates)
+            for old in [v for v in self.versions if v < version]:
+                del self.versions[old]
+            return version, self.versions[version]
 
 
 class PromptLedger:

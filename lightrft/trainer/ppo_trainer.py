@@ -191,7 +191,8 @@ class PPOTrainer:
                 self.experience_maker.timings = dict.fromkeys(self.experience_maker.timings, 0.0)
                 experiences = self.make_experience(prompt_batches)
                 self.rollout.sleep()
-                if experiences is None:
+                if experiences is None:      # prompts exhausted, or preempted while waiting for explorers
+                    self.stop_reason = self.services.stop_reason(args.ckpt_path)
                     break
                 rollout_time = time.time() - started
                 self.callbacks.on_rollout_end(self, experiences)

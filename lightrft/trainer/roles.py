@@ -170,18 +170,34 @@ def tensor_nbytes(shape: tuple, dtype: torch.dtype) -> int:
     return numel * torch.empty(0, dtype=dtype).element_size()
 
 
+ALIGN = 16   # bytes: each tensor starts at a multiple, so it can be viewed in place as any dtype
+
+
+def _padded(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def flat_size(spec: list[tuple[str, tuple, torch.dtype]]) -> int:
+    """Bytes `flatten_tensors` takes for tensors of the given (name, shape, dtype)."""
+    return sum(_padded(tensor_nbytes(shape, dtype)) for _, shape, dtype in spec)
+
+
 def flatten_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The bytes of `tensors` back to back (host memory, one uint8 tensor)."""
-    if not tensors:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) for t in tensors])
+    """The bytes of `tensors` back to back, each padded to a multiple of 16 bytes (host memory,
+    one uint8 tensor)."""
+    parts = []
+    for t in tensors:
+        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        parts += [data, torch.zeros(_padded(data.numel()) - data.numel(), dtype=torch.uint8)]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
 def unflatten_tensors(data: torch.Tensor, spec: list[tuple[str, tuple, torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
-    """Inverse of `flatten_tensors` for tensors of the given (name, shape, dtype)."""
+    """Inverse of `flatten_tensors` for tensors of the given (name, shape, dtype): views into
+    `data`, no copy."""
     out, offset = [], 0
     for name, shape, dtype in spec:
         nbytes = tensor_nbytes(shape, dtype)
         out.append((name, data[offset:offset + nbytes].view(dtype).reshape(shape)))
-        offset += nbytes
+        offset += _padded(nbytes)
     return out

@@ -1,0 +1,199 @@
+"""Explorer/trainer roles in one process: the staleness arithmetic, the role layout, the prompt
+ledger, and the two channels over real gloo groups (two ranks as two threads of this process)."""
+
+import datetime
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightrft.config import ConfigError, PPORunConfig, RolesConfig
+from lightrft.rollout.base import RolloutOutput
+from lightrft.trainer.decoupled import load_named_weights, select_rows
+from lightrft.trainer.experience_queue import (ExperienceReceiver, PromptLedger, WeightPublisher, WeightSubscriber,
+                                               latest_published, send_done)
+from lightrft.trainer.roles import RoleLayout, flatten_tensors, join_roles, send_object, unflatten_tensors
+from tests.conftest import to_flags
+
+
+# --------------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize("offset, interval, expected", [
+    (0, 1, [0, 1, 2, 3, 4, 5, 6]),        # on-policy: batch b by version b
+    (1, 1, [0, 0, 1, 2, 3, 4, 5]),        # one step ahead
+    (0, 2, [0, 0, 2, 2, 4, 4, 6]),        # weights every 2 steps
+    (1, 2, [0, 0, 0, 2, 2, 4, 4]),
+    (2, 3, [0, 0, 0, 0, 0, 3, 3]),
+])
+def test_each_batch_calls_for_the_newest_sync_point_at_most_offset_behind(offset, interval, expected):
+    roles = RolesConfig(explorer_ranks=1, sync_offset=offset, sync_interval=interval)
+    versions = [roles.required_version(b) for b in range(7)]
+    assert versions == expected
+    # Batch b trains at version b: its staleness never passes the bound, and reaches it.
+    staleness = [b - v for b, v in enumerate(versions)]
+    assert max(staleness) == roles.max_staleness == offset + interval - 1
+
+
+def config(**flags) -> PPORunConfig:
+    values = dict(pretrain="m", prompt_data="p.jsonl", remote_rm_url="math", advantage_estimator="group_norm",
+                  n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32, **flags)
+    return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+
+
+def test_what_explorers_cannot_do_yet_is_refused_with_the_flags():
+    for flag, value in (("dynamic_sampling", True), ("reward_pretrain", "rm"), ("lora_rank", 8)):
+        with pytest.raises(ConfigError, match=f"--explorer_ranks 1 cannot be combined with --{flag}"):
+            config(explorer_ranks=1, **{flag: value})
+        config(**{flag: value})     # fine without explorers
+    with pytest.raises(ConfigError, match="--sync_interval must be positive"):
+        RolesConfig(sync_interval=0)
+    with pytest.raises(ConfigError, match="--sync_offset must be >= 0"):
+        RolesConfig(sync_offset=-1)
+
+
+def test_role_layout_puts_explorers_last_and_needs_a_trainer():
+    layout = [RoleLayout(4, rank, 1) for rank in range(4)]
+    assert [l.role for l in layout] == ["trainer", "trainer", "trainer", "explorer"]
+    assert [l.role_rank for l in layout] == [0, 1, 2, 0] and [l.role_size for l in layout] == [3, 3, 3, 1]
+    two = RoleLayout(5, 3, 2)
+    assert two.explorer_job_rank(1) == 4 and [two.explorer_of_batch(b) for b in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="needs at least one trainer rank.*torchrun"):
+        RoleLayout(2, 0, 2)
+
+
+def test_join_roles_outside_torchrun_names_the_launch(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="--explorer_ranks needs a torchrun launch"):
+        join_roles(1, timeout_minutes=1)
+
+
+# ------------------------------------------------------------------------------ data helpers
+def test_flattened_weights_come_back_bit_exact_in_every_dtype():
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(6).view(2, 3)),
+             ("d", torch.randn(2, 2, 2).half())]
+    spec = [(n, tuple(t.shape), t.dtype) for n, t in named]
+    back = unflatten_tensors(flatten_tensors([t for _, t in named]).clone(), spec)
+    assert [n for n, _ in back] == ["a", "b", "c", "d"]
+    assert all(t.dtype == u.dtype and torch.equal(t, u) for (_, t), (_, u) in zip(named, back))
+
+
+def test_select_rows_keeps_the_widths_and_picks_the_rows():
+    g = torch.Generator().manual_seed(0)
+    rollout = RolloutOutput(torch.randint(0, 9, (6, 5), generator=g), torch.ones(6, 5, dtype=torch.long),
+                            torch.rand(6, 3, generator=g) > 0.5, torch.randn(6, 3, generator=g), 2,
+                            torch.tensor([True, False] * 3))
+    part = select_rows(rollout, [4, 1])
+    assert torch.equal(part.sequences, rollout.sequences[[4, 1]]) and part.prompt_len == 2
+    assert torch.equal(part.rollout_log_probs, rollout.rollout_log_probs[[4, 1]])
+    assert part.truncated.tolist() == [True, False]
+
+
+def test_load_named_weights_copies_in_place_and_refuses_strangers():
+    module = torch.nn.Linear(2, 2)
+    load_named_weights(module, [("weight", torch.ones(2, 2)), ("bias", torch.zeros(2))])
+    assert torch.equal(module.weight, torch.ones(2, 2))
+    with pytest.raises(ValueError, match="unknown.*'lm_head.weight'"):
+        load_named_weights(module, [("lm_head.weight", torch.ones(2, 2))])
+
+
+def test_the_ledger_refuses_a_prompt_trained_twice_in_one_episode():
+    ledger = PromptLedger()
+    batch = lambda b, ep, ids: SimpleNamespace(batch=b, episode=ep, version=b, prompt_ids=ids)  # noqa: E731
+    ledger.record_trained(1, batch(0, 0, [3, 1]))
+    ledger.record_trained(2, batch(1, 0, [0, 2]))
+    ledger.record_trained(3, batch(2, 1, [1, 3]))          # the next episode draws them again
+    with pytest.raises(RuntimeError, match=r"rows \[3\] of episode 1 would be trained a second time at step 4"):
+        ledger.record_trained(4, batch(3, 1, [3, 0]))
+    again = PromptLedger()
+    again.load_state_dict(ledger.state_dict())
+    assert [e["prompts"] for e in again.trained] == [[3, 1], [0, 2], [1, 3]]
+
+
+# ------------------------------------------------------------------------------- the channels
+def gloo_pair() -> tuple:
+    """Two ranks of one gloo group, as two groups in this process (built concurrently)."""
+    store, groups = dist.HashStore(), {}
+
+    def build(rank):
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return groups[0], groups[1]
+
+
+def wait_until(predicate, what: str) -> None:
+    deadline = time.time() + 30
+    while not predicate():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
+    trainer_group, explorer_group = gloo_pair()
+    receiver = ExperienceReceiver(trainer_group, explorer_ranks=[1], capacity=2)
+    receiver.start()
+    sent = []
+
+    def explore():
+        for b in range(6):
+            send_object(explorer_group, SimpleNamespace(batch=b), 0)
+            sent.append(b)
+        send_done(explorer_group, 0)
+
+    explorer = threading.Thread(target=explore)
+    explorer.start()
+    wait_until(lambda: len(sent) == 2, "the first two batches were never received")
+    time.sleep(0.3)
+    assert sent == [0, 1] and receiver.received == 2        # back-pressure: the third send waits
+    assert receiver.take(0).batch == 0
+    wait_until(lambda: len(sent) >= 3, "taking a batch did not make room")
+    time.sleep(0.3)
+    assert sent == [0, 1, 2]                                 # room for exactly one more
+    # Waiting for a batch that is not there yet lets more in than the capacity (no deadlock).
+    assert receiver.take(4).batch == 4
+    assert [receiver.take(b).batch for b in (1, 2, 3, 5)] == [1, 2, 3, 5]
+    explorer.join(30)
+    assert receiver.take(6) is None                      # the explorer said it is done
+    receiver.join(30)
+    assert not receiver.thread.is_alive()
+
+
+def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
+    trainer_group, _ = gloo_pair()
+    receiver = ExperienceReceiver(trainer_group, explorer_ranks=[1], capacity=2)
+    receiver.start()
+    assert receiver.take(0, interrupted=lambda: True) is None
+
+
+@pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
+def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method):
+    trainer_group, explorer_group = gloo_pair()
+    subscriber = WeightSubscriber(explorer_group, explorer_index=0)
+    publisher = WeightPublisher(trainer_group, method, sync_dir=tmp_path / "weights")
+    weights = {v: [("w", torch.full((2, 3), float(v))), ("b", torch.full((3,), float(v)).to(torch.bfloat16))]
+               for v in range(4)}
+    for version in range(4):
+        publisher.publish(version, weights[version], start_batch=0)
+    publisher.send({"kind": "retry", "batch": 7, "explorer": 0})
+    publisher.send({"kind": "retry", "batch": 9, "explorer": 1})      # another explorer's
+    subscriber.wait(lambda: subscriber.newest() == 3 and subscriber.retries)
+    assert subscriber.start_batch == 0 and subscriber.retries == [7]
+    version, named = subscriber.take(2)                     # exactly the version asked for
+    assert version == 2 and all(torch.equal(t, u) for (_, t), (_, u) in zip(named, weights[2]))
+    assert sorted(subscriber.versions) == [2, 3]            # older ones are forgotten
+    assert subscriber.take(0, newest=True)[0] == 3
+    if method == "checkpoint":
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["policy_v00000002.pt",
+                                                                              "policy_v00000003.pt"]
+        version, named = latest_published(tmp_path / "weights")
+        assert version == 3 and torch.equal(named[0][1], weights[3][0][1])
+    publisher.close(30)
+    subscriber.wait(lambda: False)
+    assert subscriber.stopped and subscriber.error is None and publisher.error is None
