@@ -247,7 +247,7 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     link = None
     if args.explorer_ranks > 0:
         # Split the job into explorers and trainers before any process group starts.
-        from lightrft.trainer.decoupled import ExplorerLink, run_explorer
+        from lightrft.trainer.decoupled import run_explorer
         from lightrft.trainer.roles import join_roles
 
         link = join_roles(args.explorer_ranks, args.dist_timeout)
@@ -256,8 +256,13 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks)
     args, trainer = run.args, run.trainer
     if link is not None:
-        trainer.attach_explorers(ExplorerLink(link, args.roles, args.sync_dir or f"{args.ckpt_path}/explorer_weights",
-                                              timeout_s=args.dist_timeout * 60.0))
+        from lightrft.trainer.decoupled import trainer_link
+
+        trainer.attach_explorers(trainer_link(args, link))
+    elif args.sync_offset > 0:          # colocated, one step ahead: an explorer thread per rank
+        from lightrft.trainer.decoupled import start_ahead_explorer
+
+        trainer.attach_explorers(start_ahead_explorer(args, run.strategy))
     consumed = 0
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")

@@ -178,20 +178,29 @@ class PPORunConfig(RunConfig):
         if samples % self.optim.train_batch_size != 0:
             raise ConfigError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must "
                               f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
-        if self.roles.explorer_ranks > 0:
+        roles = self.roles
+        if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
+        elif roles.sync_interval > 1:
+            raise ConfigError(f"--sync_interval {roles.sync_interval} applies to explorers: add --explorer_ranks N "
+                              "(explorer ranks) or --sync_offset 1 (an explorer thread per rank), or leave it at 1")
 
     def _check_roles(self) -> None:
-        """What decoupled explorers cannot do yet, each refused with the flag to change."""
+        """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each
+        refused with the flag to change."""
         unsupported = {"--dynamic_sampling": self.algorithm.dynamic_sampling,
                        "--recorded_data": self.data.recorded_data, "--reward_pretrain": self.model.reward_pretrain,
                        "--lora_rank": self.model.lora_rank > 0,
                        "--vllm_tensor_parallel_size > 1": self.rollout.vllm_tensor_parallel_size > 1}
+        if self.roles.explorer_ranks == 0 and self.rollout.rollout_engine == "vllm":
+            unsupported["--rollout_engine vllm"] = True   # one engine cannot serve two threads
         used = [flag for flag, value in unsupported.items() if value]
         if used:
-            raise ConfigError(f"--explorer_ranks {self.roles.explorer_ranks} cannot be combined with "
-                              f"{', '.join(used)} yet: explorers score with --remote_rm_url sources (rules, files, "
-                              "HTTP servers); drop those flags or use --explorer_ranks 0")
+            mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks
+                    else f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
+            raise ConfigError(f"{mode} cannot be combined with {', '.join(used)} yet: explorers score with "
+                              "--remote_rm_url sources (rules, files, HTTP servers) and run vLLM only on explorer "
+                              "ranks; change those flags")
 
     @property
     def updates_per_step(self) -> int:

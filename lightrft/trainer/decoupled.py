@@ -20,7 +20,9 @@ sampling with --tis_cap.
 """
 
 import os
+import threading
 import time
+import traceback
 from typing import Optional
 
 import torch
@@ -29,9 +31,9 @@ from lightrft.config.sections import RolesConfig
 from lightrft.rollout.base import RolloutOutput
 from lightrft.rollout.seeds import request_seeds
 from lightrft.trainer.experience_maker import RewardBatch
-from lightrft.trainer.experience_queue import (ExperienceReceiver, PromptLedger, RolloutBatch, WeightPublisher,
-                                               WeightSubscriber, send_batch, send_done)
-from lightrft.trainer.roles import JobLink
+from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, RolloutBatch,
+                                               WeightPublisher, WeightSubscriber)
+from lightrft.trainer.roles import JobLink, LocalChannel
 from lightrft.utils.distributed_sampler import DistributedSampler
 
 
@@ -43,17 +45,16 @@ def planned_rollout_steps(args, num_prompts: int) -> int:
 
 
 class ExplorerLink:
-    """The trainers' end of a decoupled run (every trainer rank has one; rank 0 also talks to the
-    explorers on the control channel)."""
+    """The trainers' end of a decoupled run: every trainer rank receives its share of each batch
+    on `experience`; the one with the `control` channel (trainer rank 0, or each rank of the
+    one-step-ahead mode with its own explorer thread) publishes weights and retries to
+    `explorers` explorers."""
 
-    def __init__(self, link: JobLink, roles: RolesConfig, sync_dir: Optional[str], timeout_s: float):
-        self.link, self.roles, self.timeout_s = link, roles, timeout_s
-        layout = link.layout
-        explorers = [layout.explorer_job_rank(i) for i in range(layout.explorers)]
-        self.receiver = ExperienceReceiver(link.experience_group, explorers,
-                                           max(roles.experience_queue_size, layout.explorers))
-        self.publisher = (WeightPublisher(link.control_group, roles.sync_method, sync_dir)
-                          if link.control_group is not None else None)
+    def __init__(self, experience, control, explorers: int, roles: RolesConfig, sync_dir: Optional[str],
+                 timeout_s: float):
+        self.roles, self.explorers, self.timeout_s = roles, explorers, timeout_s
+        self.receiver = ExperienceReceiver(experience, explorers, max(roles.experience_queue_size, explorers))
+        self.publisher = WeightPublisher(control, roles.sync_method, sync_dir) if control is not None else None
         self.ledger = PromptLedger()
         self.current: Optional[RolloutBatch] = None
         self.total_steps = 0
@@ -111,8 +112,7 @@ class ExplorerLink:
                                    f"{self.roles.max_staleness} that waiting explorers keep; this is a bug")
             self.ledger.dropped += 1
             if self.publisher is not None:
-                self.publisher.send({"kind": "retry", "batch": index,
-                                     "explorer": self.link.layout.explorer_of_batch(index)})
+                self.publisher.send({"kind": "retry", "batch": index, "explorer": index % self.explorers})
         self.current = batch
         self._window.append(staleness)
         maker = trainer.experience_maker
@@ -159,15 +159,22 @@ def load_named_weights(module: torch.nn.Module, named: list[tuple[str, torch.Ten
 
 
 class Explorer:
-    """An explorer rank's loop. `engine` is a rollout engine of the policy (`HFEngine` over
-    `module`, or a vLLM engine with `module=None`); `maker` supplies tokenisation, sampling
-    parameters and the reward sources."""
+    """An explorer's loop: wait for the weights a batch calls for, generate, score, send.
 
-    def __init__(self, args, link: JobLink, engine, module: Optional[torch.nn.Module], maker, prompts):
-        self.args, self.link, self.engine, self.module, self.maker, self.prompts = (
-            args, link, engine, module, maker, prompts)
-        self.layout, self.roles = link.layout, args.roles
-        self.index = self.layout.role_rank
+    `engine` is a rollout engine of the policy (`HFEngine` over `module`, or a vLLM engine with
+    `module=None`); `maker` supplies tokenisation, sampling parameters and the reward sources.
+    Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
+    generates global positions `first_position`, `first_position + stride`, ... (all of them
+    on an explorer rank; one rank's share in the one-step-ahead mode) and sends trainer t of
+    `trainers` every t-th of them: the prompts a colocated rank t would get."""
+
+    def __init__(self, args, experience, control, engine, module: Optional[torch.nn.Module], maker, prompts, *,
+                 index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1):
+        self.args, self.experience, self.control = args, experience, control
+        self.engine, self.module, self.maker, self.prompts = engine, module, maker, prompts
+        self.roles = args.roles
+        self.index, self.explorers, self.trainers = index, explorers, trainers
+        self.first_position, self.stride = first_position, stride
         self.loaded_version = -1
         self.per_episode = len(prompts) // args.rollout_batch_size
         self.total_steps = planned_rollout_steps(args, len(prompts))
@@ -177,21 +184,25 @@ class Explorer:
         self.sent = 0
 
     def run(self) -> int:
-        """Explores until the trainers say stop; returns the batches sent."""
-        subscriber = WeightSubscriber(self.link.control_group, self.index)
+        """Explores until the trainers say stop; returns the batches sent. An error is reported
+        to the trainers (who raise it) before it propagates here."""
+        subscriber = WeightSubscriber(self.control, self.index)
         try:
             subscriber.wait(lambda: subscriber.start_batch is not None)
             if subscriber.start_batch is not None:
                 self._explore(subscriber, start=subscriber.start_batch)
-        finally:
-            for trainer_rank in range(self.layout.trainers):
-                send_done(self.link.experience_group, trainer_rank)
+        except BaseException:
+            for trainer_rank in range(self.trainers):
+                self.experience.send((FAILED, traceback.format_exc()), trainer_rank)
+            raise
+        for trainer_rank in range(self.trainers):
+            self.experience.send(DONE, trainer_rank)
         return self.sent
 
     def _explore(self, subscriber: WeightSubscriber, start: int) -> None:
         for batch in range(start, self.total_steps):
             self._serve_retries(subscriber)
-            if self.layout.explorer_of_batch(batch) != self.index:
+            if batch % self.explorers != self.index:
                 continue
             needed = self.roles.required_version(batch)
             if self.roles.staleness_policy == "wait":
@@ -232,51 +243,45 @@ class Explorer:
         size = args.rollout_batch_size
         episode, position = divmod(batch, self.per_episode)
         ids = self._order(episode)[position * size:(position + 1) * size]
-        prompts, labels = self.prompts.collate_fn([self.prompts[i] for i in ids])
+        mine = list(range(self.first_position, size, self.stride))
+        prompts, labels = self.prompts.collate_fn([self.prompts[ids[p]] for p in mine])
         params = maker.sampling_params(max_new_tokens=args.generate_max_len, temperature=args.temperature,
                                        top_p=args.top_p, top_k=args.top_k)
         started = time.perf_counter()
         # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
-        seeds = request_seeds(args.seed, batch + 1, 0, size, "train")
+        seeds = request_seeds(args.seed, batch + 1, self.first_position, len(mine), "train", stride=self.stride)
         with torch.no_grad():
             rollout = self.engine.generate(maker.tokenize_prompts(prompts), params, seeds=seeds)
         generated = time.perf_counter()
         rewards = maker.compute_rewards(rollout, prompts, labels, n, params.max_new_tokens)
         seconds = {"generate": generated - started, "reward": time.perf_counter() - generated}
-        trainers = self.layout.trainers
-        for trainer_rank in range(trainers):
-            # Trainer t gets the prompts a colocated rank t would: global positions t, t + T, ...
-            positions = list(range(trainer_rank, size, trainers))
-            rows = [p * n + k for p in positions for k in range(n)]
+        for trainer_rank in range(self.trainers):
+            local = list(range(trainer_rank, len(mine), self.trainers))     # indices into `mine`
+            rows = [i * n + k for i in local for k in range(n)]
             share = RolloutBatch(batch=batch, episode=episode, version=self.loaded_version, prompt_ids=list(ids),
-                                 prompts=[prompts[p] for p in positions], labels=[labels[p] for p in positions],
+                                 prompts=[prompts[i] for i in local], labels=[labels[i] for i in local],
                                  rollout=select_rows(rollout, rows), scores=rewards.scores[rows],
                                  valid=rewards.valid[rows], seconds=seconds, explorer=self.index)
-            send_batch(self.link.experience_group, share, trainer_rank)
+            self.experience.send(share, trainer_rank)
         self.sent += 1
 
 
-def run_explorer(args, link: JobLink) -> dict:
-    """An explorer rank of `train_ppo --explorer_ranks N`: builds the policy copy, the engine and
-    the reward sources, then explores until the trainers stop."""
-    import torch.distributed as dist
-
-    from lightrft.cli.train_ppo import (actor_model_kwargs, load_tokenizer, make_vllm_engine, prompt_dataset,
-                                        reward_sources, stop_token_ids)
+def explorer_parts(args, link_rank: int):
+    """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
+    (a plain module with `HFEngine`, or vLLM), and an experience maker for tokenisation,
+    sampling parameters and the reward sources."""
     from lightrft.algorithms.kl import FixedKLController
+    from lightrft.cli.train_ppo import (actor_model_kwargs, load_tokenizer, make_vllm_engine, reward_sources,
+                                        stop_token_ids)
     from lightrft.models import ActorLanguage
     from lightrft.rollout.hf_engine import HFEngine
-    from lightrft.strategy.seeding import set_seed
     from lightrft.trainer.experience_maker import NaiveExperienceMaker
-    from lightrft.utils.threads import configure_threads
 
-    configure_threads()
-    set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     eos = stop_token_ids(tokenizer, args.pretrain)
     module = None
     if args.rollout_engine == "vllm":
-        engine = make_vllm_engine(args, tokenizer, seed=args.seed + link.layout.rank)
+        engine = make_vllm_engine(args, tokenizer, seed=args.seed + link_rank)
     else:
         actor = ActorLanguage(args.pretrain, **actor_model_kwargs(args))
         if torch.cuda.is_available():
@@ -291,8 +296,56 @@ def run_explorer(args, link: JobLink) -> dict:
                                  overlong_buffer_len=args.overlong_buffer_len,
                                  overlong_penalty_factor=args.overlong_penalty_factor, seed=args.seed,
                                  apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
-    explorer = Explorer(args, link, engine, module, maker, prompt_dataset(args, tokenizer))
+    return tokenizer, engine, module, maker
+
+
+def run_explorer(args, link: JobLink) -> dict:
+    """An explorer rank of `train_ppo --explorer_ranks N`: builds the policy copy, the engine and
+    the reward sources, then explores until the trainers stop."""
+    import torch.distributed as dist
+
+    from lightrft.cli.train_ppo import prompt_dataset
+    from lightrft.strategy.seeding import set_seed
+    from lightrft.utils.threads import configure_threads
+
+    configure_threads()
+    set_seed(args.seed)
+    layout = link.layout
+    tokenizer, engine, module, maker = explorer_parts(args, layout.rank)
+    explorer = Explorer(args, link.experience, link.control, engine, module, maker, prompt_dataset(args, tokenizer),
+                        index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
     sent = explorer.run()
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"role": "explorer", "batches_sent": sent}
+
+
+def trainer_link(args, link: JobLink) -> ExplorerLink:
+    """A trainer rank's end of `--explorer_ranks N`."""
+    return ExplorerLink(link.experience, link.control, link.layout.explorers, args.roles,
+                        args.sync_dir or f"{args.ckpt_path}/explorer_weights", timeout_s=args.dist_timeout * 60.0)
+
+
+def start_ahead_explorer(args, strategy) -> ExplorerLink:
+    """The colocated one-step-ahead mode (`--sync_offset D > 0` without explorer ranks): an
+    explorer thread in this rank's own process, with its own copy of the policy, generates this
+    rank's share of step k + 1 while the trainer trains step k. Returns the trainer's end."""
+    from lightrft.cli.train_ppo import prompt_dataset
+
+    experience, control = LocalChannel(maxsize=1), LocalChannel()
+    tokenizer, engine, module, maker = explorer_parts(args, strategy.rank)
+    explorer = Explorer(args, experience, control, engine, module, maker, prompt_dataset(args, tokenizer),
+                        first_position=strategy.rank, stride=strategy.world_size)
+    threading.Thread(target=_quietly(explorer.run), name="lightrft-explorer", daemon=True).start()
+    return ExplorerLink(experience, control, 1, args.roles, args.sync_dir or f"{args.ckpt_path}/explorer_weights",
+                        timeout_s=args.dist_timeout * 60.0)
+
+
+def _quietly(run):
+    """`run` in a thread whose error already reached the trainer (as a FAILED message)."""
+    def target():
+        try:
+            run()
+        except BaseException:   # noqa: BLE001  (reported to the trainer, who raises it)
+            pass
+    return target

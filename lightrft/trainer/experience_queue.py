@@ -27,8 +27,7 @@ from typing import Optional
 import torch
 
 from lightrft.rollout.base import RolloutOutput
-from lightrft.trainer.roles import (broadcast_object, broadcast_tensor, flat_size, flatten_tensors, recv_object,
-                                    send_object, unflatten_tensors)
+from lightrft.trainer.roles import flatten_tensors, unflatten_tensors
 
 
 @dataclass
@@ -48,23 +47,17 @@ class RolloutBatch:
     explorer: int = 0
 
 
-DONE = "done"
-
-
-def send_batch(group, batch: RolloutBatch, trainer_rank: int) -> None:
-    send_object(group, batch, trainer_rank)
-
-
-def send_done(group, trainer_rank: int) -> None:
-    send_object(group, DONE, trainer_rank)
+DONE = "done"           # an explorer's last message: nothing more will come
+FAILED = "failed"       # (FAILED, traceback text): an explorer stopped on an error
 
 
 class ExperienceReceiver:
-    """Receives this trainer's rollout batches from every explorer into a buffer of at most
-    `capacity` batches (one more only when the batch the trainer waits for is missing)."""
+    """Receives this trainer's rollout batches from `explorers` senders on `channel` into a
+    buffer of at most `capacity` batches (more only while the batch the trainer waits for is
+    missing, so a slow explorer never deadlocks the others)."""
 
-    def __init__(self, group, explorer_ranks: list[int], capacity: int):
-        self.group, self.explorer_ranks, self.capacity = group, list(explorer_ranks), capacity
+    def __init__(self, channel, explorers: int, capacity: int):
+        self.channel, self.explorers, self.capacity = channel, explorers, capacity
         self.pending: dict[int, RolloutBatch] = {}
         self.wanted: Optional[int] = None
         self.finished = self.draining = False
@@ -83,12 +76,16 @@ class ExperienceReceiver:
     def _run(self) -> None:
         done = set()
         try:
-            while len(done) < len(self.explorer_ranks):
+            while len(done) < self.explorers:
                 with self.cond:
                     self.cond.wait_for(self._room)
-                message, source = recv_object(self.group)
+                message, source = self.channel.recv()
                 if isinstance(message, str) and message == DONE:
                     done.add(source)
+                    continue
+                if isinstance(message, tuple) and message[0] == FAILED:
+                    done.add(source)
+                    self.error = RuntimeError(f"an explorer failed:\n{message[1]}")
                     continue
                 with self.cond:
                     self.received += 1
@@ -96,7 +93,7 @@ class ExperienceReceiver:
                         self.pending[message.batch] = message
                     self.cond.notify_all()
         except BaseException as err:  # surfaced in the trainer's thread by `take`
-            self.error = err
+            self.error = RuntimeError(f"the experience channel from the explorers failed: {err!r}")
         with self.cond:
             self.finished = True
             self.cond.notify_all()
@@ -108,11 +105,12 @@ class ExperienceReceiver:
         with self.cond:
             self.wanted = batch
             self.cond.notify_all()
-            while not self.cond.wait_for(lambda: batch in self.pending or self.finished, timeout=0.5):
+            while not self.cond.wait_for(lambda: batch in self.pending or self.finished or self.error is not None,
+                                         timeout=0.5):
                 if interrupted():
                     return None
             if self.error is not None:
-                raise RuntimeError(f"the experience channel from the explorers failed: {self.error}") from self.error
+                raise self.error
             taken = self.pending.pop(batch, None)
             self.wanted = None
             self.cond.notify_all()      # room for the next batch
@@ -134,8 +132,8 @@ class WeightPublisher:
     """Trainer rank 0's side of the control channel: publishes (version, weights) and control
     messages in order from a thread, holding at most one unsent set of weights."""
 
-    def __init__(self, group, method: str = "broadcast", sync_dir: Optional[str] = None, keep: int = 2):
-        self.group, self.method, self.keep = group, method, keep
+    def __init__(self, channel, method: str = "broadcast", sync_dir: Optional[str] = None, keep: int = 2):
+        self.channel, self.method, self.keep = channel, method, keep
         self.sync_dir = Path(sync_dir) if sync_dir else None
         if method == "checkpoint":
             self.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -171,9 +169,7 @@ class WeightPublisher:
                 if data is not None and self.method == "checkpoint":
                     message = {**message, "path": str(self._write(message, data))}
                     data = None
-                broadcast_object(self.group, message)
-                if data is not None:
-                    broadcast_tensor(self.group, data)
+                self.channel.publish(message, data)
                 self.published += message["kind"] == "weights"
                 if message["kind"] == "stop":
                     return
@@ -206,8 +202,8 @@ class WeightSubscriber:
     and keeps the published weights the explorer may still need (by version), the retry
     requests addressed to this explorer and the stop signal."""
 
-    def __init__(self, group, explorer_index: int):
-        self.group, self.explorer_index = group, explorer_index
+    def __init__(self, channel, explorer_index: int):
+        self.channel, self.explorer_index = channel, explorer_index
         self.versions: dict[int, list] = {}     # version -> named weights, oldest first
         self.start_batch: Optional[int] = None  # the first message's: where the trainers stand
         self.retries: list[int] = []
@@ -220,13 +216,10 @@ class WeightSubscriber:
     def _run(self) -> None:
         try:
             while True:
-                message = broadcast_object(self.group)
+                message, data = self.channel.receive()
                 if message["kind"] == "weights":
                     if "path" in message:
                         data = torch.load(message["path"], weights_only=False)["data"]
-                    else:
-                        size = flat_size(message["spec"])
-                        data = broadcast_tensor(self.group, torch.empty(size, dtype=torch.uint8))
                     named = unflatten_tensors(data, message["spec"])
                     with self.cond:
                         self.versions[message["version"]] = named

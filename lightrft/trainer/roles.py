@@ -13,11 +13,13 @@ built on the job's rendezvous store:
   broadcast from trainer rank 0.
 
 Both carry host tensors, so they work the same on CPU and on GPUs (weights are copied to the host
-once per sync; see docs/async.md for what that costs).
+once per sync; see docs/async.md for what that costs). `LocalChannel` stands in for both when the
+explorer is a thread of the trainer's own process (the colocated one-step-ahead mode).
 """
 
 import io
 import os
+import queue
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,18 +73,67 @@ class RoleLayout:
         return batch % self.explorers
 
 
+class ExperienceChannel:
+    """Explorers -> trainers over a gloo group: `send(obj, trainer_rank)` blocks until the trainer
+    receives it (gloo's sends wait for the matching receive), `recv()` returns (obj, source)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def send(self, obj, dst: int) -> None:
+        send_object(self.group, obj, dst)
+
+    def recv(self):
+        return recv_object(self.group)
+
+
+class ControlChannel:
+    """Trainer rank 0 -> explorers over a gloo group: a message (a dict) and, with weights, their
+    bytes, broadcast from member 0."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def publish(self, message: dict, data: torch.Tensor | None = None) -> None:
+        broadcast_object(self.group, message)
+        if data is not None:
+            broadcast_tensor(self.group, data)
+
+    def receive(self) -> tuple[dict, torch.Tensor | None]:
+        message = broadcast_object(self.group)
+        data = None
+        if message["kind"] == "weights" and "path" not in message:
+            data = broadcast_tensor(self.group, torch.empty(flat_size(message["spec"]), dtype=torch.uint8))
+        return message, data
+
+
+class LocalChannel:
+    """Both channels inside one process (an explorer thread next to its trainer): a queue of
+    (obj, source 0) holding at most `maxsize` items, so a full queue makes the sender wait."""
+
+    def __init__(self, maxsize: int = 0):
+        self.queue = queue.Queue(maxsize=maxsize)
+
+    def send(self, obj, dst: int = 0) -> None:
+        self.queue.put((obj, 0))
+
+    def recv(self):
+        return self.queue.get()
+
+    def publish(self, message: dict, data: torch.Tensor | None = None) -> None:
+        self.queue.put((message, data))
+
+    def receive(self) -> tuple[dict, torch.Tensor | None]:
+        return self.queue.get()
+
+
 @dataclass
 class JobLink:
     """This rank's place in a split job and the two channels between the roles."""
 
     layout: RoleLayout
-    experience_group: object         # gloo, all ranks
-    control_group: object | None     # gloo, trainer rank 0 and the explorers (None on other trainers)
-
-    @property
-    def control_rank(self) -> int:
-        """This rank's place in the control group: 0 for trainer rank 0, 1 + i for explorer i."""
-        return 0 if not self.layout.is_explorer else 1 + self.layout.role_rank
+    experience: ExperienceChannel       # all ranks
+    control: ControlChannel | None      # trainer rank 0 and the explorers (None on other trainers)
 
 
 def join_roles(explorers: int, timeout_minutes: float, backend: str | None = None) -> JobLink:
@@ -108,10 +159,10 @@ def join_roles(explorers: int, timeout_minutes: float, backend: str | None = Non
                                        layout.world_size, timeout)
     control = None
     if layout.is_explorer or layout.rank == 0:
-        link_rank = 1 + layout.role_rank if layout.is_explorer else 0
-        control = dist.ProcessGroupGloo(dist.PrefixStore("lightrft/control", store), link_rank,
-                                        layout.explorers + 1, timeout)
-    return JobLink(layout, experience, control)
+        member = 1 + layout.role_rank if layout.is_explorer else 0
+        control = ControlChannel(dist.ProcessGroupGloo(dist.PrefixStore("lightrft/control", store), member,
+                                                       layout.explorers + 1, timeout))
+    return JobLink(layout, ExperienceChannel(experience), control)
 
 
 def encode(obj) -> torch.Tensor:

@@ -13,9 +13,10 @@ import torch.distributed as dist
 from lightrft.config import ConfigError, PPORunConfig, RolesConfig
 from lightrft.rollout.base import RolloutOutput
 from lightrft.trainer.decoupled import load_named_weights, select_rows
-from lightrft.trainer.experience_queue import (ExperienceReceiver, PromptLedger, WeightPublisher, WeightSubscriber,
-                                               latest_published, send_done)
-from lightrft.trainer.roles import RoleLayout, flatten_tensors, join_roles, send_object, unflatten_tensors
+from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, WeightPublisher,
+                                               WeightSubscriber, latest_published)
+from lightrft.trainer.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
+                                    join_roles, unflatten_tensors)
 from tests.conftest import to_flags
 
 
@@ -137,15 +138,15 @@ def wait_until(predicate, what: str) -> None:
 
 def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
     trainer_group, explorer_group = gloo_pair()
-    receiver = ExperienceReceiver(trainer_group, explorer_ranks=[1], capacity=2)
+    receiver = ExperienceReceiver(ExperienceChannel(trainer_group), explorers=1, capacity=2)
     receiver.start()
-    sent = []
+    sent, channel = [], ExperienceChannel(explorer_group)
 
     def explore():
         for b in range(6):
-            send_object(explorer_group, SimpleNamespace(batch=b), 0)
+            channel.send(SimpleNamespace(batch=b), 0)
             sent.append(b)
-        send_done(explorer_group, 0)
+        channel.send(DONE, 0)
 
     explorer = threading.Thread(target=explore)
     explorer.start()
@@ -167,7 +168,7 @@ def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
 
 def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
     trainer_group, _ = gloo_pair()
-    receiver = ExperienceReceiver(trainer_group, explorer_ranks=[1], capacity=2)
+    receiver = ExperienceReceiver(ExperienceChannel(trainer_group), explorers=1, capacity=2)
     receiver.start()
     assert receiver.take(0, interrupted=lambda: True) is None
 
@@ -175,8 +176,8 @@ def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
 @pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
 def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method):
     trainer_group, explorer_group = gloo_pair()
-    subscriber = WeightSubscriber(explorer_group, explorer_index=0)
-    publisher = WeightPublisher(trainer_group, method, sync_dir=tmp_path / "weights")
+    subscriber = WeightSubscriber(ControlChannel(explorer_group), explorer_index=0)
+    publisher = WeightPublisher(ControlChannel(trainer_group), method, sync_dir=tmp_path / "weights")
     weights = {v: [("w", torch.full((2, 3), float(v))), ("b", torch.full((3,), float(v)).to(torch.bfloat16))]
                for v in range(4)}
     for version in range(4):
@@ -197,3 +198,12 @@ def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method)
     publisher.close(30)
     subscriber.wait(lambda: False)
     assert subscriber.stopped and subscriber.error is None and publisher.error is None
+
+
+def test_an_explorer_error_reaches_the_trainer_with_its_traceback():
+    channel = LocalChannel(maxsize=1)
+    receiver = ExperienceReceiver(channel, explorers=1, capacity=2)
+    receiver.start()
+    channel.send((FAILED, "Traceback (most recent call last):\n  ...\nValueError: reward file returned 3 scores"))
+    with pytest.raises(RuntimeError, match="(?s)^an explorer failed:\n.*ValueError: reward file returned 3 scores"):
+        receiver.take(0)
