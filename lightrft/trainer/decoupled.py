@@ -73,12 +73,14 @@ class ExplorerLink:
                                    "correct for the older policy that sampled them; --tis_cap 2 is a common choice")
         self.publish(trainer)
 
-    def stop(self) -> None:
-        """Tells the explorers to stop and takes what they still send, so none is left blocked."""
+    def stop(self, preempted: bool = False) -> None:
+        """Tells the explorers to stop and takes what they still send, so none is left blocked
+        (waiting at most 30 s when preempted: the grace period belongs to the checkpoint)."""
+        timeout = min(self.timeout_s, 30.0) if preempted else self.timeout_s
         self.receiver.drain()
         if self.publisher is not None:
-            self.publisher.close(self.timeout_s)
-        self.receiver.join(self.timeout_s)
+            self.publisher.close(timeout)
+        self.receiver.join(timeout)
 
     def publish(self, trainer) -> None:
         """Sends the actor's weights as version `trainer.global_step` (all trainers take part:
@@ -255,6 +257,8 @@ class Explorer:
         generated = time.perf_counter()
         rewards = maker.compute_rewards(rollout, prompts, labels, n, params.max_new_tokens)
         seconds = {"generate": generated - started, "reward": time.perf_counter() - generated}
+        if subscriber.stopped:       # the trainers are done: nobody will take it
+            return
         for trainer_rank in range(self.trainers):
             local = list(range(trainer_rank, len(mine), self.trainers))     # indices into `mine`
             rows = [i * n + k for i in local for k in range(n)]

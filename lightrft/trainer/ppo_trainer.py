@@ -233,7 +233,7 @@ class PPOTrainer:
         finally:
             bar.close()
             if self.explorers is not None:
-                self.explorers.stop()
+                self.explorers.stop(preempted=self.stop_reason == "preempted")
             self.services.stop()
         self.callbacks.on_train_end(self)
 
