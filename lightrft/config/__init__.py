@@ -15,5 +15,5 @@ from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigE
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig", "EvalConfig",
            "LoggingConfig", "ModelConfig", "OptimConfig", "PPODataConfig", "PPOLoggingConfig", "PPOModelConfig",
            "PPOOptimConfig", "PPORunConfig", "RMDataConfig", "RMModelConfig", "RMOptimConfig", "RMRunConfig",
-           "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig", "SFTDataConfig", "SFTRunConfig", "SupervisedOptimConfig",
-           "add_section_flags", "option", "section_from_namespace"]
+           "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig", "SFTDataConfig", "SFTRunConfig",
+           "SupervisedOptimConfig", "add_section_flags", "option", "section_from_namespace"]

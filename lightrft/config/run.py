@@ -196,8 +196,8 @@ class PPORunConfig(RunConfig):
             unsupported["--rollout_engine vllm"] = True   # one engine cannot serve two threads
         used = [flag for flag, value in unsupported.items() if value]
         if used:
-            mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks
-                    else f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
+            mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else
+                    f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
             raise ConfigError(f"{mode} cannot be combined with {', '.join(used)} yet: explorers score with "
                               "--remote_rm_url sources (rules, files, HTTP servers) and run vLLM only on explorer "
                               "ranks; change those flags")

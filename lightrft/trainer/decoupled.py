@@ -96,8 +96,8 @@ class ExplorerLink:
     # ---------------------------------------------------------------------------------- steps
     def experience(self, trainer) -> Optional[list]:
         """The experience of this step's rollout batch, built on this trainer; None when the
-        explorers ended first or the run was preempted while waiting. A batch staler than the bound is dropped and asked for again
-        (--staleness_policy drop)."""
+        explorers ended first or the run was preempted while waiting. A batch staler than the
+        bound is dropped and asked for again (--staleness_policy drop)."""
         index = trainer.global_step
         while True:
             started = time.perf_counter()
