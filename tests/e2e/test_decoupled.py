@@ -84,6 +84,25 @@ def test_on_policy_explorer_and_trainer_equal_one_colocated_rank(toy, tmp_path, 
     assert sorted(trained_prompts(tmp_path)) == list(range(64))
 
 
+def test_two_explorers_take_turns_and_still_equal_one_colocated_rank(toy, tmp_path, colocated):
+    launch(toy, tmp_path, nproc=3, explorer_ranks=2, sync_offset=0)
+    assert series(tmp_path, "rollout/reward") == series(colocated, "rollout/reward")
+    expected, got = final_weights(colocated), final_weights(tmp_path)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert sorted(trained_prompts(tmp_path)) == list(range(64))
+
+
+def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, tmp_path):
+    launch(toy, tmp_path / "colocated", nproc=2)
+    launch(toy, tmp_path / "decoupled", nproc=3, explorer_ranks=1, sync_offset=0)
+    rewards = series(tmp_path / "colocated", "rollout/reward")
+    assert series(tmp_path / "decoupled", "rollout/reward") == pytest.approx(rewards, abs=1e-6)
+    start, colocated = load_safetensors(toy["model"]), final_weights(tmp_path / "colocated")
+    moved, gap = weight_gap(start, colocated), weight_gap(colocated, final_weights(tmp_path / "decoupled"))
+    # Equal up to float summation order (the explorer generates all 16 prompts in one call).
+    assert moved > 1e-4 and gap < 0.01 * moved, (gap, moved)
+
+
 def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_path):
     # --sync_offset 1 --sync_interval 2: bound 1 + 2 - 1 = 2; batch b needs version (b - 1) // 2 * 2.
     flags = dict(max_samples=128, explorer_ranks=1, sync_offset=1, sync_interval=2, tis_cap=2.0)
