@@ -85,7 +85,9 @@ class ExperienceReceiver:
                     continue
                 if isinstance(message, tuple) and message[0] == FAILED:
                     done.add(source)
-                    self.error = RuntimeError(f"an explorer failed:\n{message[1]}")
+                    with self.cond:
+                        self.error = RuntimeError(f"an explorer failed:\n{message[1]}")
+                        self.cond.notify_all()
                     continue
                 with self.cond:
                     self.received += 1
