@@ -68,7 +68,7 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
         if not self.items:
             return {}
         keys = sorted(self.items[0].info)
-        sums = torch.stack([torch.stack([item.info[k].double() for item in self.items]).sum() for k in keys])
+        sums = torch.stack([torch.stack([item.info[k] for item in self.items]).double().sum() for k in keys])
         stats = strategy.all_reduce(torch.cat([sums, torch.tensor([float(len(self.items))], dtype=torch.double)]),
                                     op="sum")
         count = stats[-1].item()
