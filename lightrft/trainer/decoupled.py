@@ -123,6 +123,8 @@ class ExplorerLink:
         started = time.perf_counter()
         experiences = maker.experience_from_rollout(batch.rollout, RewardBatch(batch.scores, batch.valid),
                                                     trainer.algo.n_samples_per_prompt)
+        for experience in experiences:   # per sample, for the logs and the rollout preview
+            experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         maker.timings["experience"] += time.perf_counter() - started
         trainer.consumed_samples += trainer.args.rollout_batch_size
         return experiences
@@ -137,7 +139,7 @@ class ExplorerLink:
         window, self._window = self._window or [0], []
         wait, self._wait_seconds = self._wait_seconds, 0.0
         return {"rollout/staleness_min": float(min(window)), "rollout/staleness_mean": sum(window) / len(window),
-                "rollout/staleness_max": float(max(window)), "rollout/policy_version": float(self.current.version),
+                "rollout/staleness_max": float(max(window)),
                 "rollout/dropped_stale_batches": float(self.ledger.dropped), "perf/experience_wait_s": wait}
 
 

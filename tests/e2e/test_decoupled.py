@@ -111,6 +111,7 @@ def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_
     # Each batch is generated with exactly the version it calls for, whatever the timing.
     expected_versions = [max(0, b - 1) // 2 * 2 for b in range(8)]        # 0 0 0 2 2 4 4 6
     assert [e["version"] for e in ledger["trained"]] == expected_versions
+    assert series(tmp_path, "rollout/policy_version") == expected_versions      # every sample carries it
     staleness = series(tmp_path, "rollout/staleness_max")
     assert staleness == [float(b - v) for b, v in enumerate(expected_versions)] and max(staleness) == 2
     assert sorted(trained_prompts(tmp_path)) == list(range(128))
