@@ -1,0 +1,341 @@
+"""Decoupled explorer and trainer against the colocated loop: when does decoupling pay?
+
+One GRPO workload runs two ways, both `torchrun --nproc_per_node 2 -m lightrft.cli.train_ppo`
+with the same flags apart from the roles:
+
+  sync       `--explorer_ranks 0`: both ranks generate and score their half of the batch, then
+             both train on it (ZeRO-2), one after the other;
+  decoupled  `--explorer_ranks 1 --sync_offset 1`: rank 1 only generates and scores (one step
+             ahead at most), rank 0 only trains, on the whole batch.
+
+The workload is `grpo_step.py`'s (a tiny Qwen2 SFT-warmed here; the toy addition task, 320
+training and 80 held-out prompts; 32 prompts x G = 8 = 256 samples per step; two AdamW steps of
+128 samples, lr 1e-3, PPO clip 0.2, no KL; `--tis_cap 2` on both sides) with two changes that
+make it look more like real RL fine-tuning:
+
+  reward latency   the reward comes from an HTTP reward server this script starts on 127.0.0.1
+                   (a free port); it answers each request (one per rank and step) after
+                   --latency_ms (default 200 ms), scoring with lightrft's own `math` rule, as
+                   `--remote_rm_url math` would;
+  long tail        the SFT warm-up teaches the model to follow its answer with a run of spaces
+                   whose length is long-tailed: none for half of the training rows, otherwise
+                   4 x Pareto(1.2) - 4 spaces (median 3, 90th percentile 23), capped to fit
+                   --max_new_tokens (default 48). Sampling at temperature 1 reproduces the habit:
+                   most responses are a few tokens, some run to the limit, and HF generation of a
+                   micro-batch lasts as long as its longest response. Training then moves the
+                   tail (longer in some runs, shorter in others). Trailing spaces change neither
+                   the `math` reward nor the held-out greedy accuracy (answers are stripped). The
+                   reward server keeps the length of every response it scores; their
+                   percentiles are printed.
+
+The modes alternate (sync, decoupled, sync, ...) --repeats times, each run a fresh torchrun job
+with one thread per rank; the k-th pair runs with train_ppo's `--seed` set to --seed + k (data
+and warm-up keep --seed), so accuracy is seen over several sampling seeds. Reported per mode:
+samples/s (a run's steps after its first, timed by when the trainer wrote each step's
+TensorBoard scalars; median over runs and the spread), held-out greedy accuracy of the exported
+model after the same --steps, so the same samples (mean and spread), the staleness the trainer
+logged (min/mean/max over every step of every run), mean seconds per step spent generating,
+scoring, training and (decoupled) waiting for experience, and the decoupled/sync samples/s ratio
+of each alternating pair; plus the machine and its load average before and after. A benchmark,
+not a test: nothing asserts on time.
+
+    python benchmarks/async.py [--repeats 3] [--steps 30] [--latency_ms 200] [--json OUT]
+    python benchmarks/async.py --latency_ms 0            # an instant reward server
+    python benchmarks/async.py --max_new_tokens 8        # short responses, hardly a tail
+    python benchmarks/async.py --smoke                   # 3 steps, 1 run per mode: checks it runs
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+sys.path[:0] = [str(REPO_ROOT), str(HERE)]
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import grpo_step  # noqa: E402
+from lightrft.rewards import make_reward_source  # noqa: E402
+from lightrft.utils.http import send_json  # noqa: E402
+from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
+
+MODES = {"sync": ["--explorer_ranks", "0"], "decoupled": ["--explorer_ranks", "1", "--sync_offset", "1"]}
+PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",
+          "train": "perf/train_time", "wait": "perf/experience_wait_s"}
+STALENESS = ("rollout/staleness_min", "rollout/staleness_mean", "rollout/staleness_max")
+
+
+# ------------------------------------------------------------------------------------ workload
+def tail_length(rng: random.Random, cap: int) -> int:
+    """Trailing spaces after one warm-up answer: 0 for half the rows, else 4 x Pareto(1.2) - 4
+    (median 3, 90th percentile 23), at most `cap`."""
+    if rng.random() < 0.5:
+        return 0
+    return min(cap, int(4 * rng.paretovariate(1.2)) - 4)
+
+
+def long_tailed(rows: list[dict], cap: int, seed: int) -> list[dict]:
+    """The warm-up rows with each answer followed by a long-tailed run of spaces."""
+    rng = random.Random(seed)
+    return [{**row, "output": row["output"] + " " * tail_length(rng, cap)} for row in rows]
+
+
+def prepare_workload(out: Path, work: grpo_step.Workload, args) -> dict:
+    """Data files and the SFT-warmed starting model (trained on long-tailed answers)."""
+    train_rows, eval_rows = arithmetic_splits(n_train=work.n_train, n_eval=work.n_eval, seed=args.seed,
+                                              max_operand=work.max_operand)
+    cap = work.max_new_tokens - 3  # room for a two-digit answer and EOS
+    started = time.perf_counter()
+    model = sft_warm_start(out / "sft", long_tailed(train_rows, cap, args.seed), args.sft_steps, lr=3e-3,
+                           seed=args.seed)
+    print(f"SFT warm-up on long-tailed answers: {args.sft_steps} steps in {time.perf_counter() - started:.0f} s",
+          flush=True)
+    return {"model": model, "train": write_jsonl(train_rows, out / "train.jsonl"), "eval_rows": eval_rows,
+            "accuracy_before": greedy_accuracy(model, eval_rows, max_new_tokens=work.max_new_tokens)}
+
+
+# ------------------------------------------------------------------------------- reward server
+class SlowRewardServer:
+    """An HTTP reward server on 127.0.0.1 (a free port) that answers each request after
+    `latency_s`, scored by lightrft's `math` rule; it keeps the length in characters (= tokens
+    of the character tokenizer, EOS not counted) of every response it scores."""
+
+    def __init__(self, latency_s: float):
+        self.latency_s = latency_s
+        self.rule = make_reward_source("math")
+        self.lengths: list[int] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/get_reward"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                time.sleep(server.latency_s)
+                queries, prompts = body["query"], body["prompts"]
+                rewards = server.rule(queries, prompts, body["labels"])
+                with server._lock:
+                    server.lengths += [len(q) - len(p) for q, p in zip(queries, prompts)]
+                send_json(self, HTTPStatus.OK, {"rewards": rewards.tolist()})
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        return Handler
+
+    def take_lengths(self) -> list[int]:
+        """The response lengths scored since the last call."""
+        with self._lock:
+            lengths, self.lengths = self.lengths, []
+        return lengths
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._server.shutdown()
+        self._server.server_close()
+
+
+# ---------------------------------------------------------------------------------------- runs
+def train_ppo_command(mode: str, data: dict, work: grpo_step.Workload, out: Path, url: str, steps: int,
+                      seed: int) -> list[str]:
+    flags = grpo_step.lightrft_flags(data, work, out, steps, seed)
+    flags[flags.index("--remote_rm_url") + 1] = url
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(grpo_step.free_port()), "-m", "lightrft.cli.train_ppo", *flags,
+            "--tis_cap", "2", *MODES[mode]]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile (0..1), nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def step_figures(scalars: dict, samples_per_step: int) -> dict:
+    """Samples/s, mean phase seconds and the logged staleness over a run's steps after the first
+    (which pays for start-up); samples/s from when each step's scalars were written. Also the
+    mean response length of the first and the last step (training moves the tail)."""
+    written = sorted(scalars["rollout/reward"].items())
+    times = [wall for _, (wall, _) in written]
+    steps = len(written)
+
+    def values(tag):  # one per step after the first
+        return [value for _, (_, value) in sorted(scalars.get(tag, {}).items())][1:]
+
+    lengths = [value for _, (_, value) in sorted(scalars["rollout/response_length"].items())]
+    return {"samples_per_sec": (steps - 1) * samples_per_step / (times[-1] - times[0]), "steps": steps,
+            "mean_length_first_last": (lengths[0], lengths[-1]),
+            "phases": {name: statistics.mean(values(tag)) for name, tag in PHASES.items() if values(tag)},
+            "staleness": {tag.rsplit("_", 1)[1]: values(tag) for tag in STALENESS if values(tag)}}
+
+
+def run_mode(mode: str, data: dict, work: grpo_step.Workload, out: Path, server: SlowRewardServer, steps: int,
+             seed: int) -> dict:
+    """One torchrun job of `mode` (`steps` steps, train_ppo's `--seed seed`); its figures, the
+    response lengths the server saw, and the held-out accuracy of its exported model."""
+    # One thread per rank, CPU only, nothing downloaded; lightrft is imported from REPO_ROOT (the cwd).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    shutil.rmtree(out, ignore_errors=True)  # TensorBoard files of an earlier run would mix in
+    server.take_lengths()
+    started = time.perf_counter()
+    proc = subprocess.run(train_ppo_command(mode, data, work, out, server.url, steps, seed), env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    (out / "train_ppo.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} run failed (exit {proc.returncode}); log {out / 'train_ppo.log'}:\n"
+                         f"{(proc.stdout + proc.stderr)[-3000:]}")
+    figures = step_figures(grpo_step.tensorboard_scalars(out / "tb"), work.samples_per_step)
+    if figures["steps"] != steps:
+        raise SystemExit(f"{mode} logged {figures['steps']} steps, expected {steps}; log {out / 'train_ppo.log'}")
+    return {**figures, "mode": mode, "seed": seed, "wall_seconds": wall, "lengths": server.take_lengths(),
+            "load_average": os.getloadavg()[0],
+            "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
+
+
+# -------------------------------------------------------------------------------------- report
+def spread(values: list[float], fmt: str = ".0f") -> str:
+    """'median (min-max)' of `values`."""
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One mode's figures over its runs."""
+    rates = [run["samples_per_sec"] for run in runs]
+    lengths = [n for run in runs for n in run["lengths"]]
+    staleness = {kind: [v for run in runs for v in run["staleness"].get(kind, [])] for kind in ("min", "mean", "max")}
+    return {"samples_per_sec": statistics.median(rates), "samples_per_sec_runs": rates,
+            "accuracy_after": statistics.mean(run["accuracy_after"] for run in runs),
+            "accuracy_after_runs": [run["accuracy_after"] for run in runs],
+            "staleness": ({"min": min(staleness["min"]), "mean": statistics.mean(staleness["mean"]),
+                           "max": max(staleness["max"])} if staleness["max"] else None),
+            "phases": {name: statistics.mean(run["phases"][name] for run in runs)
+                       for name in PHASES if all(name in run["phases"] for run in runs)},
+            "response_length": {"p50": percentile(lengths, 0.5), "p90": percentile(lengths, 0.9),
+                                "max": max(lengths), "mean": statistics.mean(lengths), "count": len(lengths)},
+            "mean_length_first_last": [statistics.mean(run["mean_length_first_last"][i] for run in runs)
+                                       for i in (0, 1)],
+            "wall_seconds": statistics.median(run["wall_seconds"] for run in runs)}
+
+
+def report(result: dict) -> None:
+    width = 118
+    print("\n" + "=" * width)
+    print(f"{result['date']}; {result['machine']}; load average (1, 5, 15 min) "
+          f"{result['load_average']['start']} at start, {result['load_average']['end']} at end")
+    work = result["workload"]
+    print(f"{work['prompts_per_step'] * work['group_size']} samples per step (<= {work['max_new_tokens']} new tokens, "
+          f"long-tailed), {result['steps']} steps x {result['repeats']} alternating run(s) per mode; reward server "
+          f"latency {result['latency_ms']:.0f} ms per request; 2 ranks x 1 thread")
+    print("-" * width)
+    print(f"held-out greedy accuracy of the warm-started model: {result['accuracy_before']:.1%}")
+    print(f"{'':<11}{'samples/s median (min-max)':>28}{'accuracy after, mean (min-max)':>32}"
+          f"{'staleness min/mean/max':>24}{'resp. len p50/p90/max':>23}")
+    for mode in MODES:
+        side = result[mode]
+        stale = side["staleness"]
+        stale_text = f"{stale['min']:.0f} / {stale['mean']:.2f} / {stale['max']:.0f}" if stale else "0 (colocated)"
+        length = side["response_length"]
+        accs = side["accuracy_after_runs"]
+        acc = f"{side['accuracy_after']:.1%} ({min(accs):.1%}-{max(accs):.1%})"
+        print(f"{mode:<11}{spread(side['samples_per_sec_runs']):>28}{acc:>32}{stale_text:>24}"
+              f"{length['p50']:>11} / {length['p90']} / {length['max']}")
+    print("-" * width)
+    print("mean seconds per step after the first (rank 0's logs; decoupled: generate and reward are the "
+          "explorer's, the rest the trainer's):")
+    for mode in MODES:
+        cells = ", ".join(f"{name} {seconds:.3f}" for name, seconds in result[mode]["phases"].items())
+        print(f"  {mode:<10} {cells}; whole job {result[mode]['wall_seconds']:.0f} s (median, start-up included)")
+    print("response length: mean of all responses, and mean of the first -> last step's (averaged over runs):")
+    for mode in MODES:
+        length = result[mode]["response_length"]
+        first, last = result[mode]["mean_length_first_last"]
+        print(f"  {mode:<10} {length['mean']:.1f} tokens over {length['count']} responses; {first:.1f} -> {last:.1f}")
+    ratios = result["ratio_runs"]
+    print(f"decoupled / sync samples/s: {spread(ratios, '.2f')} over the alternating pairs "
+          f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    print("=" * width)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per mode (>= 3 for a spread)")
+    parser.add_argument("--steps", type=int, default=30, help="GRPO steps per run (the first is not timed)")
+    parser.add_argument("--latency_ms", type=float, default=200.0, help="reward server delay per request")
+    parser.add_argument("--max_new_tokens", type=int, default=48, help="generation limit; caps the long tail")
+    parser.add_argument("--sft_steps", type=int, default=400, help="SFT warm-up steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="3 steps, 1 run per mode, 40 SFT steps, 16 new tokens")
+    parser.add_argument("--output_dir", default=None, help="keep models and logs here (default: a temporary folder)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.repeats, args.sft_steps, args.max_new_tokens = 3, 1, 40, 16
+    if args.steps < 2:
+        parser.error("--steps must be >= 2: the first step is a warm-up and is not timed")
+    torch.set_num_threads(2)
+    transformers.utils.logging.disable_progress_bar()
+
+    load_start = os.getloadavg()
+    work = dataclasses.replace(grpo_step.Workload(), max_new_tokens=args.max_new_tokens)
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="async_bench_")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        data = prepare_workload(out, work, args)
+        print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}", flush=True)
+        runs = {mode: [] for mode in MODES}
+        with SlowRewardServer(args.latency_ms / 1000) as server:
+            for repeat in range(args.repeats):
+                for mode in MODES:
+                    run = run_mode(mode, data, work, out / f"{mode}_{repeat}", server, args.steps,
+                                   args.seed + repeat)
+                    runs[mode].append(run)
+                    print(f"{mode} run {repeat + 1} (--seed {run['seed']}): {run['samples_per_sec']:.0f} samples/s, "
+                          f"held-out accuracy {run['accuracy_after']:.1%}, {run['wall_seconds']:.0f} s, "
+                          f"load {run['load_average']:.1f}", flush=True)
+        result = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": grpo_step.machine_description(),
+                  "steps": args.steps, "repeats": args.repeats, "latency_ms": args.latency_ms,
+                  "workload": dataclasses.asdict(work), "accuracy_before": data["accuracy_before"],
+                  **{mode: summarize(mode_runs) for mode, mode_runs in runs.items()},
+                  "ratio_runs": [d["samples_per_sec"] / s["samples_per_sec"]
+                                 for s, d in zip(runs["sync"], runs["decoupled"])],
+                  "load_average": {"start": " ".join(f"{x:.2f}" for x in load_start),
+                                   "end": " ".join(f"{x:.2f}" for x in os.getloadavg())}}
+        result["ratio"] = statistics.median(result["ratio_runs"])
+        report(result)
+        if args.json:
+            for mode in MODES:
+                for run in runs[mode]:
+                    run.pop("lengths")
+                result[mode]["runs"] = runs[mode]
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    finally:
+        if not args.output_dir:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
