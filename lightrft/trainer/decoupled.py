@@ -166,16 +166,20 @@ class Explorer:
     """An explorer's loop: wait for the weights a batch calls for, generate, score, send.
 
     `engine` is a rollout engine of the policy (`HFEngine` over `module`, or a vLLM engine with
-    `module=None`); `maker` supplies tokenisation, sampling parameters and the reward sources.
+    `module=None`); `maker` supplies tokenisation and sampling parameters, `scorer` (another
+    experience maker, with a tokenizer of its own) decodes and scores. Scoring and sending batch
+    b run on a thread of their own while batch b + 1 generates, so a slow reward source (an HTTP
+    server's latency) stays off the generation's path.
     Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
     generates global positions `first_position`, `first_position + stride`, ... (all of them
     on an explorer rank; one rank's share in the one-step-ahead mode) and sends trainer t of
     `trainers` every t-th of them: the prompts a colocated rank t would get."""
 
-    def __init__(self, args, experience, control, engine, module: Optional[torch.nn.Module], maker, prompts, *,
-                 index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1):
+    def __init__(self, args, experience, control, engine, module: Optional[torch.nn.Module], maker, scorer, prompts,
+                 *, index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1):
         self.args, self.experience, self.control = args, experience, control
-        self.engine, self.module, self.maker, self.prompts = engine, module, maker, prompts
+        self.engine, self.module, self.maker, self.scorer, self.prompts = engine, module, maker, scorer, prompts
+        self._scored: Optional[_Background] = None     # the batch being scored and sent
         self.roles = args.roles
         self.index, self.explorers, self.trainers = index, explorers, trainers
         self.first_position, self.stride = first_position, stride
@@ -195,6 +199,7 @@ class Explorer:
             subscriber.wait(lambda: subscriber.start_batch is not None)
             if subscriber.start_batch is not None:
                 self._explore(subscriber, start=subscriber.start_batch)
+            self._settle()
         except BaseException:
             for trainer_rank in range(self.trainers):
                 self.experience.send((FAILED, traceback.format_exc()), trainer_rank)
@@ -256,15 +261,28 @@ class Explorer:
         seeds = request_seeds(args.seed, batch + 1, self.first_position, len(mine), "train", stride=self.stride)
         with torch.no_grad():
             rollout = self.engine.generate(maker.tokenize_prompts(prompts), params, seeds=seeds)
-        generated = time.perf_counter()
-        rewards = maker.compute_rewards(rollout, prompts, labels, n, params.max_new_tokens)
-        seconds = {"generate": generated - started, "reward": time.perf_counter() - generated}
+        seconds = {"generate": time.perf_counter() - started}
+        self._settle()                # the previous batch is scored and sent (in order), or its error raised
+        self._scored = _Background(self._score_and_send, batch, episode, ids, prompts, labels, rollout,
+                                   self.loaded_version, seconds, subscriber)
+
+    def _settle(self) -> None:
+        if self._scored is not None:
+            scored, self._scored = self._scored, None
+            scored.result()
+
+    def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[str], labels: list,
+                        rollout: RolloutOutput, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
+        n = self.args.n_samples_per_prompt
+        started = time.perf_counter()
+        rewards = self.scorer.compute_rewards(rollout, prompts, labels, n, self.args.generate_max_len)
+        seconds = {**seconds, "reward": time.perf_counter() - started}
         if subscriber.stopped:       # the trainers are done: nobody will take it
             return
         for trainer_rank in range(self.trainers):
-            local = list(range(trainer_rank, len(mine), self.trainers))     # indices into `mine`
+            local = list(range(trainer_rank, len(prompts), self.trainers))     # this explorer's prompts
             rows = [i * n + k for i in local for k in range(n)]
-            share = RolloutBatch(batch=batch, episode=episode, version=self.loaded_version, prompt_ids=list(ids),
+            share = RolloutBatch(batch=batch, episode=episode, version=version, prompt_ids=list(ids),
                                  prompts=[prompts[i] for i in local], labels=[labels[i] for i in local],
                                  rollout=select_rows(rollout, rows), scores=rewards.scores[rows],
                                  valid=rewards.valid[rows], seconds=seconds, explorer=self.index)
@@ -272,10 +290,31 @@ class Explorer:
         self.sent += 1
 
 
+class _Background:
+    """`fn(*args)` on a daemon thread (it must never keep a finished process alive); `result()`
+    waits for it and raises its error."""
+
+    def __init__(self, fn, *args):
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), name="lightrft-scorer", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as err:  # re-raised by result() in the explorer's thread
+            self.error = err
+
+    def result(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def explorer_parts(args, link_rank: int):
     """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
-    (a plain module with `HFEngine`, or vLLM), and an experience maker for tokenisation,
-    sampling parameters and the reward sources."""
+    (a plain module with `HFEngine`, or vLLM), an experience maker for tokenisation and sampling
+    parameters, and one for scoring (the reward sources)."""
     from lightrft.algorithms.kl import FixedKLController
     from lightrft.cli.train_ppo import (actor_model_kwargs, load_tokenizer, make_vllm_engine, reward_sources,
                                         stop_token_ids)
@@ -296,13 +335,19 @@ def explorer_parts(args, link_rank: int):
         module = actor.model.eval()
         engine = HFEngine(module, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                           micro_batch_size=args.micro_rollout_batch_size)
-    maker = NaiveExperienceMaker(None, None, None, None, tokenizer, args.prompt_max_len, FixedKLController(0.0), None,
-                                 rollout_engine=engine, reward_sources=reward_sources(args),
-                                 n_samples_per_prompt=args.n_samples_per_prompt,
-                                 overlong_buffer_len=args.overlong_buffer_len,
-                                 overlong_penalty_factor=args.overlong_penalty_factor, seed=args.seed,
-                                 apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
-    return tokenizer, engine, module, maker
+    sources = reward_sources(args)
+
+    def experience_maker(tok):
+        return NaiveExperienceMaker(None, None, None, None, tok, args.prompt_max_len, FixedKLController(0.0), None,
+                                    rollout_engine=engine, reward_sources=sources,
+                                    n_samples_per_prompt=args.n_samples_per_prompt,
+                                    overlong_buffer_len=args.overlong_buffer_len,
+                                    overlong_penalty_factor=args.overlong_penalty_factor, seed=args.seed,
+                                    apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
+
+    # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
+    # safe to call from two threads at once).
+    return tokenizer, engine, module, experience_maker(tokenizer), experience_maker(load_tokenizer(args))
 
 
 def run_explorer(args, link: JobLink) -> dict:
@@ -317,8 +362,9 @@ def run_explorer(args, link: JobLink) -> dict:
     configure_threads()
     set_seed(args.seed)
     layout = link.layout
-    tokenizer, engine, module, maker = explorer_parts(args, layout.rank)
-    explorer = Explorer(args, link.experience, link.control, engine, module, maker, prompt_dataset(args, tokenizer),
+    tokenizer, engine, module, maker, scorer = explorer_parts(args, layout.rank)
+    explorer = Explorer(args, link.experience, link.control, engine, module, maker, scorer,
+                        prompt_dataset(args, tokenizer),
                         index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
     sent = explorer.run()
     if dist.is_initialized():
@@ -339,8 +385,8 @@ def start_ahead_explorer(args, strategy) -> ExplorerLink:
     from lightrft.cli.train_ppo import prompt_dataset
 
     experience, control = LocalChannel(maxsize=1), LocalChannel()
-    tokenizer, engine, module, maker = explorer_parts(args, strategy.rank)
-    explorer = Explorer(args, experience, control, engine, module, maker, prompt_dataset(args, tokenizer),
+    tokenizer, engine, module, maker, scorer = explorer_parts(args, strategy.rank)
+    explorer = Explorer(args, experience, control, engine, module, maker, scorer, prompt_dataset(args, tokenizer),
                         first_position=strategy.rank, stride=strategy.world_size)
     threading.Thread(target=_quietly(explorer.run), name="lightrft-explorer", daemon=True).start()
     return ExplorerLink(experience, control, 1, args.roles, args.sync_dir or f"{args.ckpt_path}/explorer_weights",
