@@ -215,12 +215,14 @@ class Explorer:
                 continue
             needed = self.roles.required_version(batch)
             if self.roles.staleness_policy == "wait":
-                subscriber.wait(lambda: subscriber.newest() >= needed)
+                subscriber.wait(lambda: subscriber.newest() >= needed or self._scoring_failed())
+            self._raise_scoring_error()
             if subscriber.stopped:
                 return
             self._generate_and_send(batch, subscriber)
         while not subscriber.stopped:      # the trainers may still ask for a batch again
-            subscriber.wait(lambda: bool(subscriber.retries))
+            subscriber.wait(lambda: bool(subscriber.retries) or self._scoring_failed())
+            self._raise_scoring_error()
             self._serve_retries(subscriber)
 
     def _serve_retries(self, subscriber: WeightSubscriber) -> None:
@@ -264,7 +266,15 @@ class Explorer:
         seconds = {"generate": time.perf_counter() - started}
         self._settle()                # the previous batch is scored and sent (in order), or its error raised
         self._scored = _Background(self._score_and_send, batch, episode, ids, prompts, labels, rollout,
-                                   self.loaded_version, seconds, subscriber)
+                                   self.loaded_version, seconds, subscriber, on_error=subscriber.wake)
+
+    def _scoring_failed(self) -> bool:
+        return self._scored is not None and self._scored.error is not None
+
+    def _raise_scoring_error(self) -> None:
+        """Raises the error of the batch being scored, if it failed (waits never outlast one)."""
+        if self._scoring_failed():
+            self._settle()
 
     def _settle(self) -> None:
         if self._scored is not None:
@@ -294,8 +304,9 @@ class _Background:
     """`fn(*args)` on a daemon thread (it must never keep a finished process alive); `result()`
     waits for it and raises its error."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, fn, *args, on_error=lambda: None):
         self.error: Optional[BaseException] = None
+        self.on_error = on_error
         self.thread = threading.Thread(target=self._run, args=(fn, *args), name="lightrft-scorer", daemon=True)
         self.thread.start()
 
@@ -304,6 +315,7 @@ class _Background:
             fn(*args)
         except BaseException as err:  # re-raised by result() in the explorer's thread
             self.error = err
+            self.on_error()
 
     def result(self) -> None:
         self.thread.join()

@@ -248,6 +248,11 @@ class WeightSubscriber:
         if self.error is not None:
             raise RuntimeError(f"the control channel from the trainers failed: {self.error}") from self.error
 
+    def wake(self) -> None:
+        """Makes a waiting `wait` re-check its predicate (something else changed)."""
+        with self.cond:
+            self.cond.notify_all()
+
     def newest(self) -> int:
         """The newest version received; -1 before the first."""
         with self.cond:

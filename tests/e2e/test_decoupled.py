@@ -249,3 +249,15 @@ def test_kill_9_and_resume_trains_every_prompt_exactly_once(toy, tmp_path, coloc
     if sync_offset == 0:      # on-policy, the interruptions change nothing at all
         expected, got = final_weights(colocated), final_weights(tmp_path)
         assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_an_explorer_whose_reward_fails_ends_the_job_with_the_error(toy, tmp_path):
+    reward_file = tmp_path / "broken.py"
+    reward_file.write_text("def reward_func(queries, prompts, labels):\n    raise ValueError('no scores today')\n")
+    proc = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, **{**SMALL, "explorer_ranks": 1,
+                                                                                   "remote_rm_url": reward_file})],
+                        module=True, check=False, timeout=180)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "train_ppo: error: reward_func in" in output and "raised ValueError: no scores today" in output
+    assert "an explorer failed" in output          # the trainer says where it came from
