@@ -168,12 +168,21 @@ def explorer_pid(job: subprocess.Popen) -> int:
     raise AssertionError("no explorer worker found")
 
 
-def kill_when(job: subprocess.Popen, ready: Path, whom: str) -> None:
-    """SIGKILL (the whole job, or only its explorer) once `ready` exists, then waits for the job."""
+def latest_step(ckpt: Path) -> int:
+    """The step of the newest complete actor checkpoint (0 when there is none yet)."""
+    try:
+        return int((ckpt / "_actor" / "latest").read_text().strip().removeprefix("global_step"))
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def kill_when(job: subprocess.Popen, ckpt: Path, step: int, whom: str) -> None:
+    """SIGKILL (the whole job, or only its explorer) once the checkpoint of `step` is complete
+    (the job is then inside the next step), then waits for the job."""
     deadline = time.time() + 300
-    while not ready.exists():
-        assert job.poll() is None, f"the job ended before {ready} appeared"
-        assert time.time() < deadline, f"{ready} never appeared"
+    while latest_step(ckpt) < step:
+        assert job.poll() is None, f"the job ended before its step-{step} checkpoint"
+        assert time.time() < deadline, f"no step-{step} checkpoint in {ckpt}"
         time.sleep(0.01)
     if whom == "job":          # as a lost node: torchrun and every worker at once
         import psutil
@@ -233,13 +242,13 @@ def test_kill_9_and_resume_trains_every_prompt_exactly_once(toy, tmp_path, coloc
     reward_file = tmp_path / "slow_math.py"
     reward_file.write_text(SLOW_MATH)
     flags = dict(explorer_ranks=1, sync_offset=sync_offset, remote_rm_url=reward_file)
-    actor = tmp_path / "ckpt" / "_actor"
-    # 1. The whole job killed while step 2 runs (step 1's checkpoint exists; the explorer may be ahead).
-    kill_when(start_job(toy, tmp_path, **flags), actor / "global_step1", "job")
-    latest = int((actor / "latest").read_text().strip().removeprefix("global_step"))
-    assert latest < 3
+    ckpt = tmp_path / "ckpt"
+    # 1. The whole job killed while step 2 runs (step 1's checkpoint is complete; the explorer may be ahead).
+    kill_when(start_job(toy, tmp_path, **flags), ckpt, 1, "job")
+    latest = latest_step(ckpt)
+    assert 1 <= latest < 3
     # 2. Resumed, and this time only the explorer is killed, during the step after the next checkpoint.
-    kill_when(start_job(toy, tmp_path, load_checkpoint=True, **flags), actor / f"global_step{latest + 1}", "explorer")
+    kill_when(start_job(toy, tmp_path, load_checkpoint=True, **flags), ckpt, latest + 1, "explorer")
     # 3. Resumed to the end.
     summary = summary_line(launch(toy, tmp_path, load_checkpoint=True, **flags).stdout)
     assert summary["step"] == 4 and summary["stop_reason"] == "finished"
