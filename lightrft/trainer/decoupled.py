@@ -293,9 +293,8 @@ class Explorer:
             local = list(range(trainer_rank, len(prompts), self.trainers))     # this explorer's prompts
             rows = [i * n + k for i in local for k in range(n)]
             share = RolloutBatch(batch=batch, episode=episode, version=version, prompt_ids=list(ids),
-                                 prompts=[prompts[i] for i in local], labels=[labels[i] for i in local],
                                  rollout=select_rows(rollout, rows), scores=rewards.scores[rows],
-                                 valid=rewards.valid[rows], seconds=seconds, explorer=self.index)
+                                 valid=rewards.valid[rows], seconds=seconds)
             self.experience.send(share, trainer_rank)
         self.sent += 1
 
@@ -307,7 +306,8 @@ class _Background:
     def __init__(self, fn, *args, on_error=lambda: None):
         self.error: Optional[BaseException] = None
         self.on_error = on_error
-        self.thread = threading.Thread(target=self._run, args=(fn, *args), name="lightrft-scorer", daemon=True)
+        name = f"lightrft-{fn.__name__.strip('_')}"      # lightrft-score_and_send, lightrft-run
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), name=name, daemon=True)
         self.thread.start()
 
     def _run(self, fn, *args) -> None:
@@ -386,7 +386,11 @@ def run_explorer(args, link: JobLink) -> dict:
 
 def trainer_link(args, link: JobLink) -> ExplorerLink:
     """A trainer rank's end of `--explorer_ranks N`."""
-    return ExplorerLink(link.experience, link.control, link.layout.explorers, args.roles,
+    return _explorer_link(args, link.experience, link.control, link.layout.explorers)
+
+
+def _explorer_link(args, experience, control, explorers: int) -> ExplorerLink:
+    return ExplorerLink(experience, control, explorers, args.roles,
                         args.sync_dir or f"{args.ckpt_path}/explorer_weights", timeout_s=args.dist_timeout * 60.0)
 
 
@@ -400,16 +404,5 @@ def start_ahead_explorer(args, strategy) -> ExplorerLink:
     tokenizer, engine, module, maker, scorer = explorer_parts(args, strategy.rank)
     explorer = Explorer(args, experience, control, engine, module, maker, scorer, prompt_dataset(args, tokenizer),
                         first_position=strategy.rank, stride=strategy.world_size)
-    threading.Thread(target=_quietly(explorer.run), name="lightrft-explorer", daemon=True).start()
-    return ExplorerLink(experience, control, 1, args.roles, args.sync_dir or f"{args.ckpt_path}/explorer_weights",
-                        timeout_s=args.dist_timeout * 60.0)
-
-
-def _quietly(run):
-    """`run` in a thread whose error already reached the trainer (as a FAILED message)."""
-    def target():
-        try:
-            run()
-        except BaseException:   # noqa: BLE001  (reported to the trainer, who raises it)
-            pass
-    return target
+    _Background(explorer.run)   # its error reaches the trainer as a FAILED message, which raises it
+    return _explorer_link(args, experience, control, 1)

@@ -38,13 +38,10 @@ class RolloutBatch:
     episode: int
     version: int                    # trainer steps behind the weights that generated it
     prompt_ids: list[int]           # dataset rows of the whole batch, in batch order
-    prompts: list[str]              # this trainer's prompts
-    labels: list
     rollout: RolloutOutput          # their samples, G per prompt, contiguous
     scores: torch.Tensor            # (B,) combined reward
     valid: torch.Tensor             # (B,) bool
     seconds: dict = field(default_factory=dict)   # generate / reward time on the explorer
-    explorer: int = 0
 
 
 DONE = "done"           # an explorer's last message: nothing more will come
@@ -193,9 +190,12 @@ def latest_published(sync_dir: str | os.PathLike) -> Optional[tuple[int, list[tu
     """The newest (version, named weights) in a `--sync_method checkpoint` folder, or None: what an
     explorer running as a separate job polls."""
     files = sorted(Path(sync_dir).glob("policy_v*.pt"))
-    if not files:
-        return None
-    state = torch.load(files[-1], weights_only=False)
+    return read_published(files[-1]) if files else None
+
+
+def read_published(path: str | os.PathLike) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+    """(version, named weights) of one file `WeightPublisher` wrote."""
+    state = torch.load(path, weights_only=False)
     return state["version"], unflatten_tensors(state["data"], state["spec"])
 
 
@@ -220,9 +220,8 @@ class WeightSubscriber:
             while True:
                 message, data = self.channel.receive()
                 if message["kind"] == "weights":
-                    if "path" in message:
-                        data = torch.load(message["path"], weights_only=False)["data"]
-                    named = unflatten_tensors(data, message["spec"])
+                    named = (read_published(message["path"])[1] if "path" in message
+                             else unflatten_tensors(data, message["spec"]))
                     with self.cond:
                         self.versions[message["version"]] = named
                         if self.start_batch is None:
