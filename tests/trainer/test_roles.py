@@ -167,10 +167,13 @@ def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
 
 
 def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
-    trainer_group, _ = gloo_pair()
+    trainer_group, explorer_group = gloo_pair()
     receiver = ExperienceReceiver(ExperienceChannel(trainer_group), explorers=1, capacity=2)
     receiver.start()
     assert receiver.take(0, interrupted=lambda: True) is None
+    ExperienceChannel(explorer_group).send(DONE, 0)   # no receive left pending when the process exits
+    receiver.join(30)
+    assert not receiver.thread.is_alive()
 
 
 @pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
