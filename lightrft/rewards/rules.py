@@ -8,6 +8,7 @@ more with `@register_rule_reward("name")`. A rule function takes `(responses, la
 a (B,) float32 tensor.
 """
 
+import functools
 import math
 import re
 import threading
@@ -88,27 +89,43 @@ def extract_final_answer(text: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------- answer comparison
+_DOLLARS = re.compile(r"^\$+|\$+$")
+_INLINE_MATH = re.compile(r"^\\\(|\\\)$")
+_TEXT = re.compile(r"\\text\{([^{}]*)\}")
+_LEFT_RIGHT = re.compile(r"\\(?:left|right)\b")
+_SPACING = re.compile(r"\\[,!;: ]")
+_DFRAC = re.compile(r"\\[dt]frac")
+_DEGREES = re.compile(r"\^\{?\\circ\}?")
+_VARIABLE = re.compile(r"^[a-zA-Z]\s*=\s*")
+_NUMBER_WITH_UNIT = re.compile(r"(-?[\d,]*\.?\d+(?:/\d+)?)\s*(?:[a-zA-Z]+\s*)+")
+_THOUSANDS = re.compile(r"(\d),(\d{3})(?!\d)")
+_SPACE = re.compile(r"\s+")
+_INTEGER = re.compile(r"-?\d+")
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_answer(answer: str) -> str:
     """Removes what does not change a final answer's value: math delimiters, spacing commands,
     `\\left`/`\\right`, `\\text{}` wrappers, degree and percent signs, a dollar sign, thousands
-    separators, a leading `x =`, a trailing period, and unit words after a number."""
+    separators, a leading `x =`, a trailing period, and unit words after a number. Results are
+    cached: a GRPO batch repeats each label G times and most short answers many times."""
     s = answer.strip()
-    s = re.sub(r"^\$+|\$+$", "", s).strip()
-    s = re.sub(r"^\\\(|\\\)$", "", s).strip()
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"\\(?:left|right)\b", "", s)
-    s = re.sub(r"\\[,!;: ]", "", s)
-    s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\^\{?\\circ\}?", "", s)
+    s = _DOLLARS.sub("", s).strip()
+    s = _INLINE_MATH.sub("", s).strip()
+    s = _TEXT.sub(r"\1", s)
+    s = _LEFT_RIGHT.sub("", s)
+    s = _SPACING.sub("", s)
+    s = _DFRAC.sub(r"\\frac", s)
+    s = _DEGREES.sub("", s)
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
     s = s.rstrip(".").strip()
-    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)
-    number_with_unit = re.fullmatch(r"(-?[\d,]*\.?\d+(?:/\d+)?)\s*(?:[a-zA-Z]+\s*)+", s)
+    s = _VARIABLE.sub("", s)
+    number_with_unit = _NUMBER_WITH_UNIT.fullmatch(s)
     if number_with_unit:
         s = number_with_unit.group(1)
-    while re.search(r"(\d),(\d{3})(?!\d)", s):
-        s = re.sub(r"(\d),(\d{3})(?!\d)", r"\1\2", s)
-    return re.sub(r"\s+", "", s)
+    while _THOUSANDS.search(s):
+        s = _THOUSANDS.sub(r"\1\2", s)
+    return _SPACE.sub("", s)
 
 
 def _as_number(s: str) -> Fraction | float | None:
@@ -136,14 +153,25 @@ def _fallback_equal(pred: str, gold: str) -> bool:
     return a == b or math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
 
 
-def _math_verify_equal(pred: str, gold: str) -> bool | None:
-    """math-verify's symbolic comparison when the package is installed; None when it is not
-    installed or could not parse one of the answers. Its timeouts rely on SIGALRM, which only the
-    main thread may use, so other threads run it without a timeout."""
+@functools.cache
+def _math_verify():
+    """math-verify's `(parse, verify)`, or None when it is not installed. Looked up once: a failed
+    import searches the whole module path again on every attempt."""
     try:
         from math_verify import parse, verify
     except ImportError:
         return None
+    return parse, verify
+
+
+def _math_verify_equal(pred: str, gold: str) -> bool | None:
+    """math-verify's symbolic comparison when the package is installed; None when it is not
+    installed or could not parse one of the answers. Its timeouts rely on SIGALRM, which only the
+    main thread may use, so other threads run it without a timeout."""
+    functions = _math_verify()
+    if functions is None:
+        return None
+    parse, verify = functions
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     try:
         gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
@@ -153,6 +181,17 @@ def _math_verify_equal(pred: str, gold: str) -> bool | None:
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
     except Exception:
         return None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _normalized_answers_match(pred: str, gold: str, use_math_verify: bool) -> bool:
+    """`answers_match` on two normalised final answers; cached, since both repeat across a batch.
+    Two different integers never match, so they skip math-verify's (slow) parse."""
+    if _fallback_equal(pred, gold):
+        return True
+    if not use_math_verify or (_INTEGER.fullmatch(pred) and _INTEGER.fullmatch(gold)):
+        return False
+    return bool(_math_verify_equal(pred, gold))
 
 
 def answers_match(response: str, label: Any, use_math_verify: bool = True) -> bool:
@@ -174,9 +213,7 @@ def answers_match(response: str, label: Any, use_math_verify: bool = True) -> bo
     pred, gold = normalize_answer(pred), normalize_answer(gold)
     if not pred or not gold:
         return False
-    if _fallback_equal(pred, gold):
-        return True
-    return bool(use_math_verify and _math_verify_equal(pred, gold))
+    return _normalized_answers_match(pred, gold, bool(use_math_verify))
 
 
 @register_rule_reward("math")

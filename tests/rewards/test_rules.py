@@ -2,6 +2,7 @@
 the builtin-name registry and `make_reward_source` dispatch."""
 
 import importlib.util
+import sys
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from lightrft.rewards import (
     math_answer_reward,
     register_rule_reward,
 )
+from lightrft.rewards import rules
 from lightrft.rewards.rules import normalize_answer
 
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
@@ -105,6 +107,42 @@ def test_fallback_and_math_verify_agree_on_the_table(response, label, expected, 
 def test_symbolic_equality_needs_math_verify(response, label):
     assert answers_match(response, label, use_math_verify=False) is False
     assert answers_match(response, label) is HAS_MATH_VERIFY
+
+
+def test_repeated_answers_score_as_when_first_seen():
+    """Scores are cached by normalised answer: a batch that repeats the table in a shuffled order
+    (as a GRPO group repeats its label) scores exactly as the table says, with cold and warm caches."""
+    cases = MATH_CASES * 3
+    order = torch.randperm(len(cases), generator=torch.Generator().manual_seed(0)).tolist()
+    responses, labels, expected = zip(*(cases[i] for i in order))
+    rules.normalize_answer.cache_clear()
+    rules._normalized_answers_match.cache_clear()
+    cold = math_answer_reward(list(responses), list(labels))
+    warm = math_answer_reward(list(responses), list(labels))
+    assert cold.tolist() == warm.tolist() == [float(e) for e in expected]
+    assert rules._normalized_answers_match.cache_info().hits > 0
+
+
+def test_math_verify_is_looked_up_once(monkeypatch):
+    """Without math-verify, a mismatch used to retry the import, searching the module path for
+    every wrong answer. Count the lookups an import system hook sees."""
+    lookups = []
+
+    class Counter:
+        def find_spec(self, name, path=None, target=None):
+            if name == "math_verify":
+                lookups.append(name)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Counter(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "math_verify", raising=False)
+    rules._math_verify.cache_clear()
+    rules._normalized_answers_match.cache_clear()
+    try:
+        math_answer_reward([f"\\boxed{{{i} + x}}" for i in range(50)], ["y"] * 50)
+        assert len(lookups) == 1
+    finally:
+        rules._math_verify.cache_clear()
 
 
 def test_math_answer_reward_needs_one_label_per_response():
