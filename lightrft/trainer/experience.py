@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 PER_ACTION_FIELDS = ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "values",
@@ -71,52 +70,60 @@ class Sample:
 
 
 def split_experience(exp: Experience) -> list[Sample]:
-    """Splits a padded Experience into unpadded Samples (one per row)."""
+    """Splits a padded Experience into unpadded Samples (one per row): row i keeps its real prompt
+    tokens and the first `action_mask[i].sum()` action slots. The Samples' tensors are views of a
+    few flat tensors (one gather per field), not per-row copies."""
     if exp.packed_seq_lens is not None:
         raise ValueError("split_experience takes a padded Experience; this one is packed")
-    samples = []
-    response_lens = exp.action_mask.sum(dim=1).tolist()
     num_actions = exp.action_mask.size(1)
-    for i, a_i in enumerate(response_lens):
-        a_i = int(a_i)
-        prompt_part = exp.sequences[i, :-num_actions][exp.attention_mask[i, :-num_actions].bool()]
-        response_part = exp.sequences[i, -num_actions:][:a_i]
-        per_action = {name: getattr(exp, name)[i, :a_i] for name in PER_ACTION_FIELDS
-                      if getattr(exp, name) is not None}
-        samples.append(Sample(sequence=torch.cat([prompt_part, response_part]), num_actions=a_i,
-                              per_action=per_action, info={k: v[i] for k, v in exp.info.items()}))
-    return samples
+    response_lens = exp.action_mask.sum(dim=1)
+    kept = torch.arange(num_actions, device=response_lens.device) < response_lens.unsqueeze(1)   # (B, A)
+    prompt_mask = exp.attention_mask[:, :-num_actions].bool()
+    tokens = torch.cat([prompt_mask, kept], dim=1)                                                # (B, T)
+    lens = response_lens.tolist()
+    sequences = exp.sequences[tokens].split(tokens.sum(dim=1).tolist())
+    per_action = {name: getattr(exp, name)[kept].split(lens) for name in PER_ACTION_FIELDS
+                  if getattr(exp, name) is not None}
+    info = {k: v.unbind(0) for k, v in exp.info.items()}
+    return [Sample(sequence=sequences[i], num_actions=int(a_i),
+                   per_action={name: rows[i] for name, rows in per_action.items()},
+                   info={k: rows[i] for k, rows in info.items()})
+            for i, a_i in enumerate(lens)]
 
 
-def _pad_rows(rows: list[Tensor], length: int, value: float = 0.0) -> Tensor:
-    """Stacks 1-D tensors right-padded to `length`. Shape: (B, length)."""
-    return torch.stack([F.pad(r, (0, length - r.numel()), value=value) for r in rows])
+def _left_aligned(rows: list[Tensor], mask: Tensor) -> Tensor:
+    """The 1-D `rows` placed left-aligned in a zero (B, W) tensor; `mask` (B, W) marks each row's
+    first len(row) slots. One scatter, not a pad per row. Shape: (B, W)."""
+    flat = torch.cat(rows)
+    out = flat.new_zeros(mask.shape)
+    out[mask] = flat
+    return out
 
 
 def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> Experience:
     """Builds an Experience from Samples, padded or packed; per-action tensors are identical."""
     num_actions = [s.num_actions for s in samples]
     width = max(max(num_actions), 1)
-    action_mask = _pad_rows([torch.ones(a, dtype=torch.bool) for a in num_actions], width, False)
-    per_action = {}
-    for name in PER_ACTION_FIELDS:
-        if name in samples[0].per_action:
-            per_action[name] = _pad_rows([s.per_action[name] for s in samples], width)
+    device = samples[0].sequence.device
+    actions = torch.tensor(num_actions, device=device)
+    action_mask = torch.arange(width, device=device) < actions.unsqueeze(1)                    # (B, A)
+    per_action = {name: _left_aligned([s.per_action[name] for s in samples], action_mask)
+                  for name in PER_ACTION_FIELDS if name in samples[0].per_action}
     per_action.setdefault("action_log_probs", None)
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
+    seq_lens = [s.sequence.numel() for s in samples]
     if packing:
         sequences = torch.cat([s.sequence for s in samples]).unsqueeze(0)      # (1, P)
         return Experience(sequences=sequences, attention_mask=None, action_mask=action_mask,
-                          num_actions=num_actions, packed_seq_lens=[s.sequence.numel() for s in samples],
-                          info=info, **per_action)
-    prompts = [s.sequence[: s.sequence.numel() - s.num_actions] for s in samples]
-    responses = [s.sequence[s.sequence.numel() - s.num_actions:] for s in samples]
-    prompt_width = max(p.numel() for p in prompts)
-    # Left-pad prompts and right-pad responses so the last `width` positions are the action slots.
-    left = torch.stack([F.pad(p, (prompt_width - p.numel(), 0), value=pad_token_id) for p in prompts])
-    right = _pad_rows(responses, width, pad_token_id)
-    prompt_mask = torch.stack([F.pad(torch.ones_like(p), (prompt_width - p.numel(), 0)) for p in prompts])
-    sequences = torch.cat([left, right], dim=1)                                 # (B, T)
-    attention_mask = torch.cat([prompt_mask, action_mask.long()], dim=1)        # (B, T)
-    return Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
+                          num_actions=num_actions, packed_seq_lens=seq_lens, info=info, **per_action)
+    # Prompts left-padded and responses right-padded, so the last `width` positions are the action
+    # slots: row i's real tokens are the positions [P - prompt_i, P + actions_i).
+    prompt_lens = torch.tensor(seq_lens, device=device) - actions
+    prompt_width = int(prompt_lens.max())
+    positions = torch.arange(prompt_width + width, device=device) - prompt_width                # (T,)
+    real = (positions >= -prompt_lens.unsqueeze(1)) & (positions < actions.unsqueeze(1))   # (B, T)
+    tokens = torch.cat([s.sequence for s in samples])
+    sequences = torch.full(real.shape, pad_token_id, dtype=tokens.dtype)
+    sequences[real] = tokens
+    return Experience(sequences=sequences, attention_mask=real.long(), action_mask=action_mask,
                       num_actions=width, packed_seq_lens=None, info=info, **per_action)

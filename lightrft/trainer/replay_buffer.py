@@ -47,17 +47,19 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
         Samples marked invalid (dropped, filler or masked out) neither enter the statistics nor
         get whitened: they stay at 0 and train on nothing."""
         trained = [item for item in self.items if self._trains(item)]
-        values = torch.cat([item.per_action[key] for item in trained] or [torch.zeros(0)]).double()
+        rows = [item.per_action[key] for item in trained]
+        values = torch.cat(rows or [torch.zeros(0)]).double()
         stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
         stats = strategy.all_reduce(stats, op="sum")
         total, total_sq, count = stats.tolist()
-        if count == 0:
+        if count == 0 or not rows:      # nothing trains here (other ranks may still whiten theirs)
             return
         mean = total / count
         var = max(total_sq / count - mean * mean, 0.0)
-        for item in trained:
-            value = item.per_action[key]
-            item.per_action[key] = masked_whiten(value.double(), None, eps=eps, mean=mean, var=var).to(value.dtype)
+        # Elementwise, so whitening all rows at once gives each row exactly its own result.
+        whitened = masked_whiten(values, None, eps=eps, mean=mean, var=var).to(rows[0].dtype)
+        for item, row in zip(trained, whitened.split([r.numel() for r in rows])):
+            item.per_action[key] = row
 
     @staticmethod
     def _trains(item: Sample) -> bool:

@@ -1,10 +1,14 @@
 """Experience split/collate (padded and packed layouts) and dynamic-sampling group filtering."""
 
+from dataclasses import fields
+
 import torch
+import torch.nn.functional as F
 
 from lightrft.trainer.dynamic_sampling import (fill_to_size, filter_informative_groups, informative_groups,
                                                select_rows)
-from lightrft.trainer.experience import Experience, collate_samples, split_experience
+from lightrft.trainer.experience import (PER_ACTION_FIELDS, Experience, Sample, collate_samples,
+                                         split_experience)
 
 PAD = 0
 
@@ -53,6 +57,93 @@ def test_packed_collate_concatenates_real_tokens_and_shares_per_action_tensors()
     assert packed.attention_mask is None
     for name in ("action_mask", "action_log_probs", "advantages", "returns"):
         assert torch.equal(getattr(packed, name), getattr(padded, name)), name
+
+
+# The per-row split and collate the vectorised ones replaced, kept here as the reference.
+def reference_split(exp: Experience) -> list[Sample]:
+    samples, width = [], exp.action_mask.size(1)
+    for i, a_i in enumerate(exp.action_mask.sum(dim=1).tolist()):
+        prompt = exp.sequences[i, :-width][exp.attention_mask[i, :-width].bool()]
+        per_action = {name: getattr(exp, name)[i, :a_i] for name in PER_ACTION_FIELDS if getattr(exp, name) is not None}
+        samples.append(Sample(sequence=torch.cat([prompt, exp.sequences[i, -width:][:a_i]]), num_actions=a_i,
+                              per_action=per_action, info={k: v[i] for k, v in exp.info.items()}))
+    return samples
+
+
+def reference_collate(samples: list[Sample], pad: int, packing: bool) -> Experience:
+    def pad_rows(rows, length, value=0.0):
+        return torch.stack([F.pad(r, (0, length - r.numel()), value=value) for r in rows])
+    num_actions = [s.num_actions for s in samples]
+    width = max(max(num_actions), 1)
+    action_mask = pad_rows([torch.ones(a, dtype=torch.bool) for a in num_actions], width, False)
+    per_action = {name: pad_rows([s.per_action[name] for s in samples], width)
+                  for name in PER_ACTION_FIELDS if name in samples[0].per_action}
+    per_action.setdefault("action_log_probs", None)
+    info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
+    if packing:
+        return Experience(sequences=torch.cat([s.sequence for s in samples]).unsqueeze(0), attention_mask=None,
+                          action_mask=action_mask, num_actions=num_actions,
+                          packed_seq_lens=[s.sequence.numel() for s in samples], info=info, **per_action)
+    prompts = [s.sequence[: s.sequence.numel() - s.num_actions] for s in samples]
+    responses = [s.sequence[s.sequence.numel() - s.num_actions:] for s in samples]
+    prompt_width = max(p.numel() for p in prompts)
+    left = torch.stack([F.pad(p, (prompt_width - p.numel(), 0), value=pad) for p in prompts])
+    prompt_mask = torch.stack([F.pad(torch.ones_like(p), (prompt_width - p.numel(), 0)) for p in prompts])
+    return Experience(sequences=torch.cat([left, pad_rows(responses, width, pad)], dim=1),
+                      attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1), action_mask=action_mask,
+                      num_actions=width, packed_seq_lens=None, info=info, **per_action)
+
+
+def random_experience(gen: torch.Generator, batch: int, prompt_width: int, width: int) -> Experience:
+    """Left-padded prompts (some of full width), right-padded responses (some empty, some full),
+    the action slots past a response holding junk, and an action mask with holes."""
+    prompt_lens = torch.randint(1, prompt_width + 1, (batch,), generator=gen)
+    prompt_lens[0] = prompt_width
+    response_lens = torch.randint(0, width + 1, (batch,), generator=gen)
+    response_lens[1] = width
+    slots = torch.arange(prompt_width + width) - prompt_width
+    real = (slots >= -prompt_lens.unsqueeze(1)) & (slots < response_lens.unsqueeze(1))
+    sequences = torch.where(real, torch.randint(1, 50, real.shape, generator=gen), PAD)
+    action_mask = torch.arange(width) < response_lens.unsqueeze(1)
+    if response_lens[2] > 1:
+        action_mask[2, 0] = False          # a hole: the split keeps the first action_mask.sum() slots
+    per_action = {name: torch.randn(batch, width, generator=gen) for name in ("action_log_probs", "advantages",
+                                                                               "returns", "kl")}
+    attention_mask = torch.cat([real[:, :prompt_width].long(), action_mask.long()], dim=1)
+    return Experience(sequences=sequences, attention_mask=attention_mask,
+                      action_mask=action_mask, num_actions=width, packed_seq_lens=None,
+                      info={"reward": torch.randn(batch, generator=gen), "valid": torch.ones(batch)}, **per_action)
+
+
+def assert_same_experience(got: Experience, want: Experience) -> None:
+    for f in fields(Experience):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name == "info":
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f.name
+        elif isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+
+
+def test_vectorised_split_and_collate_equal_the_per_row_reference():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        exp = random_experience(gen, batch=int(torch.randint(3, 12, (1,), generator=gen)),
+                                prompt_width=int(torch.randint(1, 6, (1,), generator=gen)),
+                                width=int(torch.randint(1, 5, (1,), generator=gen)))
+        got, want = split_experience(exp), reference_split(exp)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert torch.equal(g.sequence, w.sequence) and g.num_actions == w.num_actions
+            assert g.per_action.keys() == w.per_action.keys()
+            assert all(torch.equal(g.per_action[k], w.per_action[k]) for k in g.per_action)
+            assert all(torch.equal(g.info[k], w.info[k]) for k in w.info)
+        # A micro-batch mixing rows of this experience in another order, packed and padded.
+        order = torch.randperm(len(want), generator=gen).tolist()
+        rows = [want[i] for i in order]
+        for packing in (False, True):
+            assert_same_experience(collate_samples(rows, PAD, packing), reference_collate(rows, PAD, packing))
 
 
 def test_informative_groups_flags_groups_with_different_rewards():
