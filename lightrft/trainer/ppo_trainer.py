@@ -305,9 +305,8 @@ class PPOTrainer:
         step_metrics = []
         for _ in range(self.max_epochs):
             micro_batches = list(dataloader)
-            for start in range(0, len(micro_batches), grad_accum):
-                group = micro_batches[start:start + grad_accum]
-                counts = self.global_counts(group)
+            groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
+            for group, counts in zip(groups, self.global_counts(groups)):
                 metrics = self.reduce_step_metrics([self.training_step(exp, global_steps, counts) for exp in group])
                 self.check_step_finite(metrics)
                 self.callbacks.on_step_end(self, metrics)
@@ -324,14 +323,18 @@ class PPOTrainer:
         self.services.record_step(sources + nonfinite_grad_norms(actor=self.actor, critic=self.critic))
         self.counters["skipped_steps"] = self.services.guard.skipped
 
-    def global_counts(self, group: list[Experience]) -> dict[str, float]:
-        """Action tokens and sequences of one optimizer step over all ranks (one all-reduce): the
-        normalisers that make the loss independent of how the batch is split. Samples that train
-        on nothing (invalid, filler or masked-out) count in neither."""
-        local = torch.tensor([sum(float(e.loss_mask.sum()) for e in group),
-                              sum(float(e.loss_mask.any(dim=1).sum()) for e in group)], dtype=torch.float64)
-        tokens, seqs = self.strategy.all_reduce(local, op="sum").tolist()
-        return {"tokens": tokens, "seqs": seqs}
+    def global_counts(self, groups: list[list[Experience]]) -> list[dict[str, float]]:
+        """Action tokens and sequences of each optimizer step (a group of micro-batches) over all
+        ranks, in one all-reduce for the whole pass: the normalisers that make the loss independent
+        of how the batch is split. Samples that train on nothing (invalid, filler or masked-out)
+        count in neither."""
+        if not groups:
+            return []
+        local = torch.tensor([[sum(float(e.loss_mask.sum()) for e in group),
+                               sum(float(e.loss_mask.any(dim=1).sum()) for e in group)] for group in groups],
+                             dtype=torch.float64)
+        totals = self.strategy.all_reduce(local, op="sum").tolist()
+        return [{"tokens": tokens, "seqs": seqs} for tokens, seqs in totals]
 
     def loss_scale(self) -> float:
         """DeepSpeed averages gradients over ranks and divides the loss by the accumulation steps;

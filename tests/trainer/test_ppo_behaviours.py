@@ -182,9 +182,10 @@ def test_loss_normalisers_count_only_samples_that_train():
 
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.strategy = OneRank()
-    counts = trainer.global_counts([experience([[1.0, 1.0], [1.0, 1.0]], [1.0, 0.0]),
-                                    experience([[1.0, 1.0]], [1.0])])
-    assert counts == {"tokens": 4.0, "seqs": 2.0}
+    counts = trainer.global_counts([[experience([[1.0, 1.0], [1.0, 1.0]], [1.0, 0.0]),
+                                     experience([[1.0, 1.0]], [1.0])],
+                                    [experience([[1.0, 0.0]], [1.0])]])
+    assert counts == [{"tokens": 4.0, "seqs": 2.0}, {"tokens": 2.0, "seqs": 1.0}]
 
 
 def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_on_nothing():
