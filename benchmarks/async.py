@@ -161,7 +161,7 @@ class SlowRewardServer:
 # ---------------------------------------------------------------------------------------- runs
 def train_ppo_command(mode: str, data: dict, work: grpo_step.Workload, out: Path, url: str, steps: int,
                       seed: int) -> list[str]:
-    flags = grpo_step.lightrft_flags(data, work, out, steps, seed)
+    flags = grpo_step.lightrft_flags(data, work, out, steps, seed, zero_stage=2, micro_rollout=64)
     flags[flags.index("--remote_rm_url") + 1] = url
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(grpo_step.free_port()), "-m", "lightrft.cli.train_ppo", *flags,

@@ -126,21 +126,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def lightrft_flags(data: dict, work: Workload, out: Path, steps: int, seed: int) -> list[str]:
+def lightrft_flags(data: dict, work: Workload, out: Path, steps: int, seed: int, nproc: int = 1,
+                   zero_stage: int = 0, micro_rollout: int | None = None) -> list[str]:
+    """train_ppo's flags for the workload on `nproc` ranks. By default a rank decodes and scores its
+    whole share of the rollout in one batch (`micro_rollout`; TRL decodes its 256 at once too) and
+    ZeRO stage 0: the model is small enough to replicate, and on one rank stages 1-2 only add
+    gradient-bucket copies to every backward."""
     steps_per_episode = work.n_train // work.prompts_per_step
+    micro_rollout = micro_rollout or work.samples_per_step // nproc
     return [
         "--pretrain", str(data["model"]), "--prompt_data", str(data["train"]), "--input_key", "input",
         "--label_key", "label", "--remote_rm_url", "math", "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", str(work.group_size), "--rollout_batch_size", str(work.prompts_per_step),
-        # Scoring forwards in chunks of 64 per rank (TRL chunks its own by micro_batch).
-        "--micro_rollout_batch_size", "64", "--train_batch_size", str(work.train_batch),
+        "--micro_rollout_batch_size", str(micro_rollout), "--train_batch_size", str(work.train_batch),
         "--micro_train_batch_size", str(work.micro_batch), "--generate_max_len", str(work.max_new_tokens),
         "--prompt_max_len", str(work.prompt_max_len), "--temperature", str(work.temperature),
         "--actor_learning_rate", str(work.learning_rate), "--lr_scheduler", "constant",
         "--adam_betas", *map(str, work.adam_betas), "--eps_clip", str(work.eps_clip),
         "--max_norm", str(work.max_grad_norm), "--loss_agg_mode", "token-mean", "--init_kl_coef", "0",
         "--max_epochs", "1", "--num_episodes", str(math.ceil(steps / steps_per_episode)), "--max_steps", str(steps),
-        "--zero_stage", "2", "--seed", str(seed), "--disable_ds_ckpt", "--save_path", str(out / "model"),
+        "--zero_stage", str(zero_stage), "--seed", str(seed), "--disable_ds_ckpt", "--save_path", str(out / "model"),
         "--ckpt_path", str(out / "ckpt"), "--use_tensorboard", str(out / "tb"),
     ]
 
@@ -181,7 +186,7 @@ def run_lightrft(data: dict, work: Workload, out: Path, args) -> dict:
     """Runs train_ppo under torchrun and reads its per-step perf/* scalars."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "lightrft.cli.train_ppo",
-           *lightrft_flags(data, work, out, args.steps, args.seed)]
+           *lightrft_flags(data, work, out, args.steps, args.seed, nproc=args.nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads // args.nproc), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",  # a CPU benchmark, like TRL's side
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
