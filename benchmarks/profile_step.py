@@ -13,8 +13,9 @@ figures are inclusive wall seconds per GRPO step, averaged over the steps after 
       experience forwards    old-policy / reference / critic forwards (per kind)
       experience, rest       advantages, masks, splitting into micro-batches
       buffer                 replay-buffer append, normalise, statistics
-      train                  `ppo_train`: collate (micro-batches from the buffer), forward + loss,
-                             backward, optimizer step
+      train                  `ppo_train`: old log-probs (the later optimizer steps' samples, when the
+                             rollout skipped that forward), collate (micro-batches from the
+                             buffer), forward + loss, backward, optimizer step
       logging + checkpoints  `save_logs_and_checkpoints`
       other                  the rest of the step (the loop's own work)
 
@@ -52,12 +53,13 @@ TIMED = [
     ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "mean_info", "buffer"),
     ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "collate_fn", "collate"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "ppo_train", "train"),
+    ("lightrft.trainer.ppo_trainer", "PPOTrainer", "fill_old_log_probs", "old log-probs"),
     ("lightrft.strategy.deepspeed_strategy", "DeepspeedStrategy", "backward", "backward"),
     ("lightrft.strategy.deepspeed_strategy", "DeepspeedStrategy", "optimizer_step", "optimizer step"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "save_logs_and_checkpoints", "logging + checkpoints"),
 ]
 ORDER = ["generate", "  HFEngine.generate", "reward", "experience forwards", "experience, rest", "buffer", "train",
-         "  collate", "  forward + loss", "  backward", "  optimizer step", "logging + checkpoints", "other"]
+         "  old log-probs", "  collate", "  forward + loss", "  backward", "  optimizer step", "logging + checkpoints", "other"]
 
 
 class PhaseClock:
@@ -115,9 +117,10 @@ def step_breakdown(step_seconds: float, phases: dict) -> dict:
             "experience forwards": get("experience forwards", 0.0),
             "experience, rest": max(get("experience", 0.0) - get("experience forwards", 0.0), 0.0),
             "buffer": get("buffer", 0.0), "train": get("train", 0.0),
-            "  collate": get("collate", 0.0), "  backward": get("backward", 0.0),
+            "  old log-probs": get("old log-probs", 0.0), "  collate": get("collate", 0.0),
+            "  backward": get("backward", 0.0),
             "  optimizer step": get("optimizer step", 0.0), "logging + checkpoints": get("logging + checkpoints", 0.0)}
-    inside = rows["  collate"] + rows["  backward"] + rows["  optimizer step"]
+    inside = rows["  old log-probs"] + rows["  collate"] + rows["  backward"] + rows["  optimizer step"]
     rows["  forward + loss"] = max(rows["train"] - inside, 0.0)
     top = ("generate", "reward", "experience forwards", "experience, rest", "buffer", "train", "logging + checkpoints")
     rows["other"] = max(step_seconds - sum(rows[k] for k in top), 0.0)

@@ -91,7 +91,7 @@ class NaiveExperienceMaker:
         self.eval_calls = 0
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
-        self.reuse_policy_log_probs = False   # set by the trainer when its update is exactly on-policy
+        self.reuse_policy_log_probs = False   # set by the trainer when it provides the old log-probs itself
 
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -243,8 +243,9 @@ class NaiveExperienceMaker:
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
         action_mask = rollout.action_mask.bool()
         mask_f = action_mask.float()
-        # Exactly on-policy (see PPOTrainer.reuse_old_log_probs), the "old" log-probs equal the
-        # update's own forward: the trainer takes them from there instead of a second forward here.
+        # With one epoch (see PPOTrainer.reuse_old_log_probs) the trainer provides the "old"
+        # log-probs itself: the first optimizer step from its own forward, the later ones from a
+        # forward before the first update, so none runs here.
         reuse = self.reuse_policy_log_probs and not self.kl_in_use()
         action_log_probs = None if reuse else self._forward_all(self.actor, rollout, "actor")
         base_log_probs = self._forward_all(self.initial_model, rollout, "reference") if self.kl_in_use() else None

@@ -12,6 +12,8 @@ import time
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -28,7 +30,7 @@ from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.decoupled import planned_rollout_steps
 from lightrft.trainer.dynamic_sampling import sample_informative_batch
 from lightrft.trainer.evaluation import evaluate_policy
-from lightrft.trainer.experience import Experience
+from lightrft.trainer.experience import Experience, Sample, collate_samples
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
 from lightrft.trainer.guards import nonfinite_grad_norms
 from lightrft.trainer.metrics import perf_metrics, reward_source_metrics
@@ -53,10 +55,12 @@ class PPOTrainer:
     from a `lightrft.config.PPORunConfig`. The classic arguments (`init_kl_coef`, `kl_target`,
     `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) override the same fields of `algo`."""
 
-    # Whether the old log-probs come from the update's own forward instead of a separate forward
-    # at rollout time: None decides per run (yes when one epoch and one optimizer step per rollout
-    # make the update exactly on-policy, no KL term needs the policy's log-probs at rollout time,
-    # and the actor has no active dropout); False always runs the separate forward.
+    # Whether the old log-probs skip the separate forward at rollout time: None decides per run
+    # (yes with one epoch, no KL term needing the policy's log-probs at rollout time, and no active
+    # dropout); False always runs the separate forward. When skipped, the first optimizer step of a
+    # rollout, exactly on-policy, takes them from its own forward, detached, and the samples of the
+    # later steps get theirs from a forward before the first update, with the same weights the
+    # rollout-time forward would have used.
     reuse_old_log_probs: Optional[bool] = None
 
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
@@ -244,14 +248,14 @@ class PPOTrainer:
         self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
 
     def on_policy(self, args) -> bool:
-        """Whether each update is exactly on-policy, so its ratio is 1 and the old log-probs are the
-        update's own forward, detached: one epoch, one optimizer step per rollout, no dropout."""
+        """Whether the first optimizer step of each rollout is exactly on-policy (one epoch, no
+        dropout), so its ratio is 1 and the old log-probs need no forward at rollout time: that step
+        detaches its own, and `fill_old_log_probs` computes the later steps' before it updates."""
         if self.reuse_old_log_probs is not None:
             return self.reuse_old_log_probs
-        one_step = args.rollout_batch_size * self.algo.n_samples_per_prompt == args.train_batch_size
         modules = self.strategy.unwrap_model(self.actor).modules()
         dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in modules)
-        return self.max_epochs == 1 and one_step and not dropout
+        return self.max_epochs == 1 and not dropout
 
     def planned_steps(self, args, dataloader) -> int:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
@@ -298,14 +302,22 @@ class PPOTrainer:
         """`max_epochs` passes over the replay buffer; returns train/* metrics averaged over steps."""
         grad_accum = self.strategy.accumulated_gradient
         generator = torch.Generator().manual_seed(self.strategy.config.seed * 7919 + global_steps)
+        drawn: list[list] = []          # each micro-batch's samples, in order
+
+        def collate(samples):
+            drawn.append(samples)
+            return self.replay_buffer.collate_fn(samples)
+
         dataloader = DataLoader(self.replay_buffer, batch_size=self.micro_train_batch_size, shuffle=True,
-                                drop_last=True, collate_fn=self.replay_buffer.collate_fn,
+                                drop_last=True, collate_fn=collate,
                                 pin_memory=self.dataloader_pin_memory and torch.cuda.is_available(),
                                 generator=generator)
         step_metrics = []
         for _ in range(self.max_epochs):
+            drawn.clear()
             micro_batches = list(dataloader)
             groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
+            self.fill_old_log_probs(micro_batches[grad_accum:], drawn[grad_accum:])
             for group, counts in zip(groups, self.global_counts(groups)):
                 metrics = self.reduce_step_metrics([self.training_step(exp, global_steps, counts) for exp in group])
                 self.check_step_finite(metrics)
@@ -314,6 +326,32 @@ class PPOTrainer:
         if not step_metrics:
             return {}
         return {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+
+    @torch.no_grad()
+    def fill_old_log_probs(self, micro_batches: list[Experience], samples: list[list[Sample]]) -> None:
+        """The old log-probs of the micro-batches the rollout left without them (see
+        `reuse_old_log_probs`), from their `samples`: forwards in eval mode with the current weights
+        over batches of `micro_rollout_batch_size` samples, as at rollout time, before any of this
+        pass's updates."""
+        missing = [k for k, exp in enumerate(micro_batches) if exp.action_log_probs is None]
+        if not missing:
+            return
+        flat = [sample for k in missing for sample in samples[k]]
+        chunk = self.experience_maker.micro_rollout_batch_size
+        self.actor.eval()
+        rows = []
+        for i in range(0, len(flat), chunk):
+            batch = collate_samples(flat[i:i + chunk], self.replay_buffer.pad_token_id,
+                                    self.replay_buffer.packing_samples).to(self.strategy.device)
+            log_probs = self._actor_forward(self.actor, batch)[0].float() * batch.action_mask.float()
+            rows.extend(log_probs.cpu().unbind(0))
+        log_probs, start = pad_sequence(rows, batch_first=True), 0      # (samples, widest chunk)
+        for k in missing:
+            exp = micro_batches[k]
+            width = exp.action_mask.size(1)
+            block = log_probs[start:start + exp.batch_size, :width]
+            exp.action_log_probs = F.pad(block, (0, width - block.size(1))).to(exp.action_mask.device)
+            start += exp.batch_size
 
     def check_step_finite(self, metrics: dict[str, float]) -> None:
         """Counts an optimizer step whose loss or gradient norm was not finite (DeepSpeed's ZeRO

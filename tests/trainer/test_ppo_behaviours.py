@@ -303,9 +303,13 @@ def test_dynamic_sampling_takes_the_planned_optimizer_steps(task, tmp_path, caps
     assert logs["train/actor_lr"] == 0.0            # ... and the schedule still ended at its last step
 
 
-def test_the_on_policy_shortcut_computes_what_the_separate_forward_computes(task, tmp_path):
-    # One epoch and one optimizer step per rollout: the old log-probs are the update's own forward,
-    # so the experience maker skips its actor forward. The update must equal the full path's.
+@pytest.mark.parametrize("train_batch, micro_batch", [(16, 16), (8, 4)], ids=["one-step", "two-steps"])
+def test_the_on_policy_shortcut_computes_what_the_separate_forward_computes(task, tmp_path, train_batch,
+                                                                              micro_batch):
+    # One epoch: the first optimizer step of a rollout is exactly on-policy, so its old log-probs
+    # are its own forward and the experience maker skips its actor forward; with two optimizer
+    # steps per rollout, the second step's samples get theirs from a forward before the first
+    # update. Either way the update must equal the full path's.
     from lightrft.trainer.callbacks import TrainerCallback
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
@@ -314,18 +318,28 @@ def test_the_on_policy_shortcut_computes_what_the_separate_forward_computes(task
 
     class OldLogProbs(TrainerCallback):
         def __init__(self):
-            self.skipped = []
+            self.skipped, self.ratio_max, self.ratio_min = [], [], []
 
         def on_rollout_end(self, trainer, experiences):
             self.skipped.append(all(e.action_log_probs is None for e in experiences))
 
+        def on_step_end(self, trainer, metrics):
+            self.ratio_max.append(metrics["train/ratio_max"])
+            self.ratio_min.append(metrics["train/ratio_min"])
+
     short_seen, full_seen = OldLogProbs(), OldLogProbs()
-    common = dict(actor_learning_rate=1e-4, micro_train_batch_size=16)
+    common = dict(actor_learning_rate=1e-4, train_batch_size=train_batch, micro_train_batch_size=micro_batch)
     short_logs, short = run(task, tmp_path / "short", callbacks=[short_seen], **common)
     full_logs, full = run(task, tmp_path / "full", trainer_cls=FullPath, callbacks=[full_seen], **common)
+    steps_per_rollout = 16 // train_batch
     assert short_seen.skipped == [True, True] and full_seen.skipped == [False, False]
-    assert short_logs["train/ratio_max"] == 1.0                           # exactly on-policy
-    assert full_logs["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)   # equal up to rounding
+    firsts = slice(0, None, steps_per_rollout)
+    assert short_seen.ratio_max[firsts] == short_seen.ratio_min[firsts] == [1.0, 1.0]   # exactly on-policy
+    assert full_seen.ratio_max[firsts] == pytest.approx([1.0, 1.0], abs=1e-5)          # equal up to rounding
+    assert short_seen.ratio_max == pytest.approx(full_seen.ratio_max, abs=1e-5)
+    assert short_seen.ratio_min == pytest.approx(full_seen.ratio_min, abs=1e-5)
+    if steps_per_rollout > 1:                      # the later step is off-policy, in both paths alike
+        assert short_seen.ratio_max[1] != 1.0 and full_seen.ratio_max[1] != 1.0
     assert short_logs["rollout/reward"] == pytest.approx(full_logs["rollout/reward"], abs=1e-6)
     assert short_logs["train/policy_loss"] == pytest.approx(full_logs["train/policy_loss"], abs=1e-5)
     initial = load_file(str(task["model"] / "model.safetensors"))
