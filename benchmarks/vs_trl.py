@@ -9,7 +9,8 @@ step, lr 1e-3, PPO clip 0.2, no KL; the exact-answer `math` reward) runs through
   TRL       `trl.GRPOTrainer` in one process,
 
 each in a fresh child process with the same `--threads`, alternating (lightrft, TRL, lightrft,
-TRL, ...) `--repeats` times so that both meet the same machine load. Every `--eval_every` steps
+TRL, ...) `--repeats` times so that both meet the same machine load; pair k samples with seed
+`--seed` + k on both sides, so the accuracy figures average over seeds. Every `--eval_every` steps
 each side measures held-out greedy accuracy with the same function on its live model; the clock
 is paused meanwhile. Reported per side: GRPO steps/s and samples/s (median over runs and the
 spread), held-out accuracy before and after, peak resident memory (ru_maxrss of the child), the
@@ -311,7 +312,7 @@ def scaling(data: dict, work: Workload, out: Path, args) -> dict:
     rates = {1: [], 2: []}
     for repeat in range(args.repeats):
         for nproc in (1, 2):
-            ns = argparse.Namespace(nproc=nproc, threads=nproc, steps=args.steps, seed=args.seed)
+            ns = argparse.Namespace(nproc=nproc, threads=nproc, steps=args.steps, seed=args.seed + repeat)
             run = grpo_step.run_lightrft(data, work, out / f"scaling_{nproc}_{repeat}", ns)
             rates[nproc].append(statistics.median(work.samples_per_step / s["step_time"] for s in run["per_step"][1:]))
             print(f"  {nproc} rank(s), run {repeat + 1}: {rates[nproc][-1]:.0f} samples/s", flush=True)
@@ -388,7 +389,9 @@ def report(result: dict) -> None:
     ratios = [a / b for a, b in zip(light["steps_per_sec_runs"], trl["steps_per_sec_runs"])]
     print(f"lightrft / TRL steps/s: {result['speed_ratio']:.2f}x median of run pairs "
           f"(pairs {', '.join(f'{r:.2f}' for r in ratios)}); accuracy gain lightrft {light['gain']:+.3f}, "
-          f"TRL {trl['gain']:+.3f}, difference {light['gain'] - trl['gain']:+.3f}")
+          f"TRL {trl['gain']:+.3f}, difference {light['gain'] - trl['gain']:+.3f} (mean over the seeds)")
+    for name, side in (("lightrft", light), ("TRL", trl)):
+        print(f"  {name} accuracy after, per seed: " + ", ".join(f"{a:.1%}" for a in side["accuracy_after_runs"]))
     print("step-time breakdown, mean seconds per step (share):")
     print(f"{'':<14}" + "".join(f"{p:>18}" for p in ("step", *PHASES)))
     for name, side in (("lightrft", light), ("TRL", trl)):
@@ -456,8 +459,9 @@ def main() -> None:
     runs = {"lightrft": [], "trl": []}
     for repeat in range(args.repeats):
         for kind in ("lightrft", "trl"):
-            run = run_child(kind, {**config, "out": str(out / f"{kind}_{repeat}")}, out / f"{kind}_{repeat}",
-                            sys.executable)
+            # Pair k samples with seed + k on both sides: the accuracy gains average over seeds.
+            run = run_child(kind, {**config, "seed": args.seed + repeat, "out": str(out / f"{kind}_{repeat}")},
+                            out / f"{kind}_{repeat}", sys.executable)
             runs[kind].append(run)
             rate = len(run["per_step"][1:]) / sum(s["step_time"] for s in run["per_step"][1:])
             print(f"{kind} run {repeat + 1}: {rate:.2f} steps/s, accuracy {run['curve'][0]['accuracy']:.1%} -> "

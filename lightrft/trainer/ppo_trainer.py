@@ -389,6 +389,15 @@ class PPOTrainer:
             metrics.update(self.training_step_critic(experience, counts))
         return metrics
 
+    def _train_mode(self, model) -> None:
+        """`model.train()` unless the wrapper and the model it wraps are in training mode already
+        (what lightrft switches to eval is one or the other): the call walks every submodule, about
+        0.3 ms a micro-batch on a small model."""
+        module = self.strategy.unwrap_model(model)
+        inner = getattr(module, "model", None)
+        if not module.training or (isinstance(inner, torch.nn.Module) and not inner.training):
+            model.train()
+
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
@@ -399,7 +408,7 @@ class PPOTrainer:
                               self.algo.norm_len)
 
     def training_step_actor(self, experience: Experience, counts: dict) -> dict:
-        self.actor.train()
+        self._train_mode(self.actor)
         mask = experience.loss_mask
         log_probs, output = self._actor_forward(self.actor, experience, return_entropy=self.algo.entropy_coef != 0)
         old_log_probs = experience.action_log_probs
@@ -461,7 +470,7 @@ class PPOTrainer:
         return ptx_loss.detach()
 
     def training_step_critic(self, experience: Experience, counts: dict) -> dict:
-        self.critic.train()
+        self._train_mode(self.critic)
         values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                              packed_seq_lens=experience.packed_seq_lens)
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,

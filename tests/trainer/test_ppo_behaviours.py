@@ -188,6 +188,27 @@ def test_loss_normalisers_count_only_samples_that_train():
     assert counts == [{"tokens": 4.0, "seqs": 2.0}, {"tokens": 2.0, "seqs": 1.0}]
 
 
+def test_training_mode_is_restored_whichever_level_was_switched_to_eval():
+    # The trainer skips model.train() when the model already trains; a model switched to eval at
+    # the wrapper (the experience maker) or inside it (HFEngine, evaluation) must train again.
+    from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
+    from lightrft.trainer.ppo_trainer import PPOTrainer
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.strategy = DeepspeedStrategy.__new__(DeepspeedStrategy)
+    for level in ("wrapper", "inner"):
+        wrapper = Wrapper()
+        (wrapper if level == "wrapper" else wrapper.model).eval()
+        assert not wrapper.model[1].training
+        trainer._train_mode(wrapper)
+        assert all(m.training for m in wrapper.modules()), level
+
+
 def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_on_nothing():
     kept = [experience([[1.0], [-1.0]], [1.0, 1.0])]
     filler = [experience([[0.0], [0.0]], [1.0, 1.0])]
