@@ -144,6 +144,11 @@ def main() -> None:
         parser.error("--steps must be >= 4: the first spans warm up and are not counted")
     root = Path(args.lightrft_root).resolve() if args.lightrft_root else HERE.parent
     sys.path[:0] = [str(root), str(HERE)]
+    # Import the package now: grpo_step puts this checkout first on the path, and every lightrft
+    # module imported after this one resolves inside the package already loaded.
+    import lightrft
+    if Path(lightrft.__file__).resolve().parent != root / "lightrft":
+        raise SystemExit(f"lightrft was imported from {lightrft.__file__}, not from {root}")
     os.environ.update({"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
                        "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
 
