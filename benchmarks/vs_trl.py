@@ -27,6 +27,7 @@ that python). TRL is never a dependency of lightrft.
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py [--repeats 3] [--steps 20] [--threads 1]
         [--png docs/img/vs_trl.png] [--json OUT]
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --smoke     # 4 steps, 1 repeat: checks it runs
+    /tmp/trl-venv/bin/python benchmarks/vs_trl.py --replot vs_trl.json   # redraw the PNG only
 """
 
 import argparse
@@ -356,12 +357,17 @@ def plot(result: dict, png: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, color in (("lightrft", "tab:blue"), ("trl", "tab:orange")):
         label = "lightrft" if name == "lightrft" else f"TRL {result['trl_version']}"
-        for k, run in enumerate(result[name]["runs"]):
-            xs_s = [p["seconds"] for p in run["curve"]]
-            xs_n = [p["samples"] for p in run["curve"]]
-            ys = [100 * p["accuracy"] for p in run["curve"]]
-            axes[0].plot(xs_s, ys, color=color, alpha=0.8, marker="o", ms=3, label=label if k == 0 else None)
-            axes[1].plot(xs_n, ys, color=color, alpha=0.8, marker="o", ms=3, label=label if k == 0 else None)
+        curves = [run["curve"] for run in result[name]["runs"]]
+        for curve in curves:            # one faint line per seed
+            ys = [100 * p["accuracy"] for p in curve]
+            axes[0].plot([p["seconds"] for p in curve], ys, color=color, alpha=0.25, lw=1)
+            axes[1].plot([p["samples"] for p in curve], ys, color=color, alpha=0.25, lw=1)
+        points = min(len(c) for c in curves)   # the mean over seeds at each evaluation
+        mean = [[statistics.mean(c[i][key] for c in curves) for i in range(points)]
+                for key in ("seconds", "samples", "accuracy")]
+        ys = [100 * a for a in mean[2]]
+        axes[0].plot(mean[0], ys, color=color, lw=2.5, marker="o", ms=4, label=f"{label}, mean of {len(curves)} seeds")
+        axes[1].plot(mean[1], ys, color=color, lw=2.5, marker="o", ms=4, label=f"{label}, mean of {len(curves)} seeds")
     axes[0].set_xlabel("training wall-clock seconds (evaluation excluded)")
     axes[1].set_xlabel("samples generated and trained on")
     for ax in axes:
@@ -427,6 +433,7 @@ def main() -> None:
     parser.add_argument("--png", default=str(REPO_ROOT / "docs" / "img" / "vs_trl.png"))
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--output_dir", default=None, help="keep models and logs here")
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only redraw --png from a saved --json")
     parser.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--zero_state", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -441,6 +448,10 @@ def main() -> None:
         result = (lightrft_worker if kind == "lightrft" else trl_worker)(config)
         result["peak_rss_mib"] = peak_rss_mib()
         Path(config["out"], "result.json").write_text(json.dumps(result))
+        return
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.png))
+        print(f"plot: {args.png}")
         return
     if args.smoke:
         args.steps, args.repeats, args.sft_steps, args.eval_every = 4, 1, 40, 2
