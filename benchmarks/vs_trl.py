@@ -28,6 +28,7 @@ that python). TRL is never a dependency of lightrft.
         [--png docs/img/vs_trl.png] [--json OUT]
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --smoke     # 4 steps, 1 repeat: checks it runs
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --replot vs_trl.json   # redraw the PNG only
+    python benchmarks/vs_trl.py --scaling_only --scaling_batch_factor 4  # 2 ranks vs 1 on 4x the batch
 """
 
 import argparse
@@ -309,7 +310,12 @@ def summarize(runs: list[dict], work: Workload) -> dict:
 
 
 def scaling(data: dict, work: Workload, out: Path, args) -> dict:
-    """lightrft samples/s on 2 ranks x 1 thread against 1 rank x 1 thread, alternating."""
+    """lightrft samples/s on 2 ranks x 1 thread against 1 rank x 1 thread, alternating; the batch
+    and the optimizer steps are `--scaling_batch_factor` times the workload's."""
+    factor = args.scaling_batch_factor
+    work = dataclasses.replace(work, prompts_per_step=work.prompts_per_step * factor,
+                               train_batch=work.train_batch * factor)
+    out = out / f"scaling_x{factor}"
     rates = {1: [], 2: []}
     for repeat in range(args.repeats):
         for nproc in (1, 2):
@@ -318,7 +324,8 @@ def scaling(data: dict, work: Workload, out: Path, args) -> dict:
             rates[nproc].append(statistics.median(work.samples_per_step / s["step_time"] for s in run["per_step"][1:]))
             print(f"  {nproc} rank(s), run {repeat + 1}: {rates[nproc][-1]:.0f} samples/s", flush=True)
     ratios = [two / one for one, two in zip(rates[1], rates[2])]
-    return {"samples_per_sec": rates, "ratio_runs": ratios, "ratio": statistics.median(ratios)}
+    return {"samples_per_sec": rates, "ratio_runs": ratios, "ratio": statistics.median(ratios),
+            "samples_per_step": work.samples_per_step}
 
 
 def zero_states(model: Path, out: Path) -> dict:
@@ -429,6 +436,9 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip_scaling", action="store_true", help="leave out 2 ranks vs 1 and ZeRO-3 vs ZeRO-0")
+    parser.add_argument("--scaling_only", action="store_true", help="only 2 ranks vs 1 (no TRL, no ZeRO states)")
+    parser.add_argument("--scaling_batch_factor", type=int, default=1,
+                        help="2 ranks vs 1 on this many times the samples per step and per optimizer step")
     parser.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 40 SFT steps: checks it runs")
     parser.add_argument("--png", default=str(REPO_ROOT / "docs" / "img" / "vs_trl.png"))
     parser.add_argument("--json", default=None, metavar="OUT")
@@ -455,7 +465,8 @@ def main() -> None:
         return
     if args.smoke:
         args.steps, args.repeats, args.sft_steps, args.eval_every = 4, 1, 40, 2
-    import trl  # noqa: F401  (fail early, before the warm-up, when TRL is missing)
+    if not args.scaling_only:
+        import trl  # noqa: F401  (fail early, before the warm-up, when TRL is missing)
 
     work = Workload()
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="vs_trl_")).resolve()
@@ -467,6 +478,14 @@ def main() -> None:
                                                     "eval": str(data["eval"])},
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
               "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every}
+    if args.scaling_only:
+        print(f"lightrft, 1 rank vs 2 ranks (torchrun, 1 thread per rank), batch x{args.scaling_batch_factor}:")
+        s = scaling(data, work, out, args)
+        print(f"2 ranks / 1 rank samples/s at {s['samples_per_step']} samples a step: {s['ratio']:.2f}x median "
+              f"(runs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])})")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"scaling": s}, indent=2))
+        return
     runs = {"lightrft": [], "trl": []}
     for repeat in range(args.repeats):
         for kind in ("lightrft", "trl"):
