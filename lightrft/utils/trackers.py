@@ -77,7 +77,11 @@ class MetricsTracker:
             self._wandb = wandb.init(project=wandb_project, entity=wandb_org, name=wandb_run_name,
                                      config=config, mode=mode, dir=wandb_dir, reinit="finish_previous")
         if use_tensorboard:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import scalar
+
+            self._tb_summary, self._tb_scalar = Summary, scalar
 
             os.makedirs(use_tensorboard, exist_ok=True)
             self._tb = SummaryWriter(log_dir=use_tensorboard)
@@ -94,9 +98,12 @@ class MetricsTracker:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         if self._wandb is not None:
             self._wandb.log(dict(metrics), step=step)
-        if self._tb is not None:
-            for name, value in metrics.items():
-                self._tb.add_scalar(name, value, step)
+        if self._tb is not None and metrics:
+            # One event holds every scalar of the step (TensorBoard reads events with several
+            # values, as TF's merged summaries wrote them): each event wakes the writer's thread,
+            # and 45 wake-ups a step cost rank 0 ~2.5 ms while its peers wait at the next collective.
+            values = [value for name, v in metrics.items() for value in self._tb_scalar(name, float(v)).value]
+            self._tb._get_file_writer().add_summary(self._tb_summary(value=values), step)
 
     def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence], step: int) -> None:
         """Logs a small table: a `wandb.Table` in W&B, and in TensorBoard a text summary holding a
