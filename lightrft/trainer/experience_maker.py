@@ -127,12 +127,13 @@ class NaiveExperienceMaker:
 
     # ------------------------------------------------------------------------------------ rewards
     def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
-        """Query texts (prompt + response) and the prompt of each sample, for text reward sources."""
+        """Query texts (prompt + response) and the prompt of each sample, for text reward sources.
+        A response is the first `response_lengths[i]` tokens of its row (the action mask is a
+        prefix), decoded in one batch call."""
         a = rollout.action_mask.size(1)
-        responses = []
-        for row, mask in zip(rollout.sequences[:, -a:] if a else rollout.sequences[:, :0], rollout.action_mask):
-            tokens = row[mask.bool()].tolist()
-            responses.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        rows = (rollout.sequences[:, -a:] if a else rollout.sequences[:, :0]).tolist()
+        tokens = [row[:length] for row, length in zip(rows, rollout.response_lengths.tolist())]
+        responses = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         sample_prompts = [p for p in prompts for _ in range(n)]
         return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
 

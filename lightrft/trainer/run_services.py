@@ -15,6 +15,7 @@ The lock on `--ckpt_path` and the launcher lifeline are process-wide and start w
 (`lightrft.cli.common.run_command`).
 """
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -49,12 +50,19 @@ class RunServices:
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self, trainer) -> None:
-        """Called when the loop starts: signal handlers, and planned test faults."""
+        """Called when the loop starts: signal handlers, planned test faults, and the collector
+        told to leave the objects built so far alone."""
         self.preemption.install()
         install_faults(trainer)
+        # Models, tokenizer, DeepSpeed and library state live for the whole run. Left in the
+        # collector's oldest generation, each full collection walks all of them again (~170 ms on
+        # the benchmark model, every ~10 steps): frozen, a collection walks only the new objects.
+        gc.collect()
+        gc.freeze()
 
     def stop(self) -> None:
         self.preemption.restore()
+        gc.unfreeze()
 
     def preempted(self) -> bool:
         """True on every rank once any rank received SIGTERM/SIGUSR1 (one all-reduce)."""
@@ -65,9 +73,10 @@ class RunServices:
         """Records one optimizer step: `nonfinite_sources` names what was not finite (empty if none)."""
         self.guard.record(list(nonfinite_sources))
 
-    def stop_reason(self, ckpt_path: str) -> Optional[str]:
-        """'preempted' (a signal on any rank), 'nonfinite' (a streak of skipped steps) or None."""
-        if self.preempted():
+    def stop_reason(self, ckpt_path: str, preempted: Optional[bool] = None) -> Optional[str]:
+        """'preempted' (a signal on any rank), 'nonfinite' (a streak of skipped steps) or None.
+        `preempted`: the flag already reduced over ranks (see `preempted`), else it is reduced here."""
+        if self.preempted() if preempted is None else preempted:
             return "preempted"
         if self.guard.exhausted:
             self.strategy.print(self.guard.message(ckpt_path))
