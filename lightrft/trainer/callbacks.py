@@ -15,7 +15,9 @@ class TrainerCallback:
         """After a rollout's experiences are made, before they enter the replay buffer."""
 
     def on_step_end(self, trainer, metrics: dict) -> None:
-        """After each optimizer step; `metrics` holds that step's averaged train/* values."""
+        """After each optimizer step; `metrics` holds that step's train/* values averaged over its
+        micro-batches and the ranks. The steps of a pass are reduced together, in one all-reduce,
+        so the hook runs for each of them, in order, when the pass's last optimizer step is done."""
 
     def on_save(self, trainer, path: str) -> None:
         """After a checkpoint is complete on disk at `path`."""

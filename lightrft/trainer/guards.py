@@ -33,11 +33,12 @@ class NonFiniteGuard:
                 "Lower the learning rate or check the data and reward source.")
 
 
-def nonfinite_grad_norms(**models) -> list[str]:
-    """Names of the DeepSpeed engines whose last global gradient norm was not finite."""
+def nonfinite_grad_norms(strategy, **models) -> list[str]:
+    """Names of the DeepSpeed engines whose last global gradient norm (`strategy.grad_norm`) was
+    not finite."""
     bad = []
     for name, model in models.items():
-        norm = getattr(model, "get_global_grad_norm", lambda: None)() if model is not None else None
-        if norm is not None and not math.isfinite(float(norm)):
+        norm = strategy.grad_norm(model) if model is not None else None
+        if norm is not None and not math.isfinite(norm):
             bad.append(f"{name} gradient norm")
     return bad

@@ -1,8 +1,7 @@
 """Run metrics that are not losses: step timings and the reward sources' failure counters."""
 
+import re
 from typing import Sequence
-
-import torch
 
 
 def perf_metrics(timings: dict[str, float], rollout_time: float, train_time: float,
@@ -14,21 +13,22 @@ def perf_metrics(timings: dict[str, float], rollout_time: float, train_time: flo
             "perf/samples_per_sec": samples / max(rollout_time + train_time, 1e-9)}
 
 
-def reward_source_metrics(sources: Sequence, strategy) -> dict[str, float]:
-    """Request, retry, timeout, failure and drop counters of the HTTP reward servers and reward
-    files (numbered in --remote_rm_url order), summed over ranks, and per-call failure rates.
-    Every rank calls it (one all-reduce when any source keeps statistics)."""
-    names = [(i, k) for i, source in enumerate(sources) if hasattr(source, "stats")
-             for k in sorted(source.stats.as_dict())]
-    if not names:
-        return {}
-    local = torch.tensor([float(sources[i].stats.as_dict()[k]) for i, k in names], dtype=torch.float64)
-    totals = strategy.all_reduce(local, op="sum").tolist()
-    metrics = {f"rollout/reward_source{i}_{k}": v for (i, k), v in zip(names, totals)}
-    # Failure rates per call, so a slow or flaky source shows up whatever the run length.
-    for i in sorted({i for i, _ in names}):
-        calls = metrics.get(f"rollout/reward_source{i}_calls")
+def reward_source_counters(sources: Sequence) -> dict[str, float]:
+    """This rank's request, retry, timeout, failure and drop counters of the HTTP reward servers
+    and reward files (numbered in --remote_rm_url order); sum them over ranks for
+    `reward_source_metrics`."""
+    return {f"rollout/reward_source{i}_{k}": float(v) for i, source in enumerate(sources) if hasattr(source, "stats")
+            for k, v in sorted(source.stats.as_dict().items())}
+
+
+def reward_source_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """The counters of `reward_source_counters` summed over ranks, with per-call failure rates, so a
+    slow or flaky source shows up whatever the run length."""
+    metrics = dict(totals)
+    for prefix in [match.group(1) for match in map(re.compile(r"(rollout/reward_source\d+_)calls").fullmatch, totals)
+                   if match]:
+        calls = totals[f"{prefix}calls"]
         for k in ("timeouts", "errors", "crashes"):
-            if calls and f"rollout/reward_source{i}_{k}" in metrics:
-                metrics[f"rollout/reward_source{i}_{k}_rate"] = metrics[f"rollout/reward_source{i}_{k}"] / calls
+            if calls and f"{prefix}{k}" in totals:
+                metrics[f"{prefix}{k}_rate"] = totals[f"{prefix}{k}"] / calls
     return metrics

@@ -33,7 +33,7 @@ from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience import Experience, Sample, collate_samples
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
 from lightrft.trainer.guards import nonfinite_grad_norms
-from lightrft.trainer.metrics import perf_metrics, reward_source_metrics
+from lightrft.trainer.metrics import perf_metrics, reward_source_counters, reward_source_metrics
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 
@@ -205,13 +205,14 @@ class PPOTrainer:
                     self.replay_buffer.append(experience)
                 if self.normalize_advantages_globally:
                     self.replay_buffer.normalize("advantages", self.strategy)
-                rollout_logs = {f"rollout/{k}": v for k, v in self.replay_buffer.mean_info(self.strategy).items()}
+                rollout_sums = self.replay_buffer.info_sums()   # reduced over ranks with the step's totals
                 # 3. Optimise: epochs x micro-batches; the engine's weights are stale afterwards.
                 started = time.time()
                 train_logs = self.ppo_train(self.global_step)
                 self.rollout.mark_stale()
                 train_time = time.time() - started
                 self.replay_buffer.clear()
+                rollout_logs, preempted = self.step_totals(rollout_sums)
                 # 4. KL controller follows the observed KL (adaptive) or stays fixed.
                 self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
                                    args.rollout_batch_size * self.algo.n_samples_per_prompt)
@@ -226,7 +227,9 @@ class PPOTrainer:
                         **perf_metrics(self.experience_maker.timings, rollout_time, train_time,
                                        args.rollout_batch_size * self.algo.n_samples_per_prompt)}
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
-                self.stop_reason = self.services.stop_reason(args.ckpt_path)
+                # A signal that came during a save (which can take long) stops the run now, not a step later.
+                self.stop_reason = self.services.stop_reason(
+                    args.ckpt_path, None if self.saved_at_step(args, self.global_step) else preempted)
                 if self.stop_reason is not None:
                     break
             if self.stop_reason is None and 0 < getattr(args, "max_steps", -1) <= self.global_step:
@@ -240,6 +243,24 @@ class PPOTrainer:
                 self.explorers.stop(preempted=self.stop_reason == "preempted")
             self.services.stop()
         self.callbacks.on_train_end(self)
+
+    def step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], bool]:
+        """The step's statistics over all ranks, in one all-reduce (each collective waits for the
+        slowest rank, and none of these is needed before the step ends): the mean of every rollout
+        info field (from `rollout_sums`, the buffer's `info_sums`), the non-finite sample counts,
+        the reward sources' counters, and whether any rank was asked to stop (SIGTERM/SIGUSR1)."""
+        nonfinite = self.experience_maker.nonfinite_counts
+        counters = reward_source_counters(self.experience_maker.reward_sources)
+        totals = self.strategy.all_reduce_many({
+            "rollout": torch.stack(list(rollout_sums.values())) if rollout_sums else torch.zeros(0),
+            "nonfinite": torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]),
+            "counters": torch.tensor(list(counters.values())),
+            "preempted": torch.tensor([float(self.services.preemption.raised)])}, op="sum")
+        means = NaiveReplayBuffer.info_means(dict(zip(rollout_sums, totals["rollout"])))
+        logs = {**{f"rollout/{k}": v for k, v in means.items()},
+                **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals["nonfinite"].tolist())},
+                **reward_source_metrics(dict(zip(counters, totals["counters"].tolist())))}
+        return logs, bool(totals["preempted"].item() > 0)
 
     def begin(self, args, pretrain_dataloader=None) -> None:
         """What a step needs before the loop: the run config and the pretraining data stream
@@ -318,9 +339,14 @@ class PPOTrainer:
             micro_batches = list(dataloader)
             groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
             self.fill_old_log_probs(micro_batches[grad_accum:], drawn[grad_accum:])
+            local, grad_sources = [], []
             for group, counts in zip(groups, self.global_counts(groups)):
-                metrics = self.reduce_step_metrics([self.training_step(exp, global_steps, counts) for exp in group])
-                self.check_step_finite(metrics)
+                local.append([self.training_step(exp, global_steps, counts) for exp in group])
+                grad_sources.append(nonfinite_grad_norms(self.strategy, actor=self.actor, critic=self.critic))
+            # One all-reduce for the metrics of every optimizer step of the pass: each is a barrier
+            # between ranks, and none of them is needed before the pass ends.
+            for metrics, sources in zip(self.reduce_pass_metrics(local), grad_sources):
+                self.check_step_finite(metrics, sources)
                 self.callbacks.on_step_end(self, metrics)
                 step_metrics.append(metrics)
         if not step_metrics:
@@ -353,12 +379,16 @@ class PPOTrainer:
             exp.action_log_probs = F.pad(block, (0, width - block.size(1))).to(exp.action_mask.device)
             start += exp.batch_size
 
-    def check_step_finite(self, metrics: dict[str, float]) -> None:
+    def check_step_finite(self, metrics: dict[str, float], grad_sources: Optional[list[str]] = None) -> None:
         """Counts an optimizer step whose loss or gradient norm was not finite (DeepSpeed's ZeRO
-        optimizers then skip the update); a streak of `max_nonfinite_steps` stops the run."""
+        optimizers then skip the update); a streak of `max_nonfinite_steps` stops the run.
+        `grad_sources` names the models whose gradient norm was not finite at that step (read
+        from the models now when not given)."""
         sources = [name.replace("train/nonfinite_", "") for name in
                    ("train/nonfinite_policy_loss", "train/nonfinite_critic_loss") if metrics.get(name, 0.0) > 0]
-        self.services.record_step(sources + nonfinite_grad_norms(actor=self.actor, critic=self.critic))
+        if grad_sources is None:
+            grad_sources = nonfinite_grad_norms(self.strategy, actor=self.actor, critic=self.critic)
+        self.services.record_step(sources + grad_sources)
         self.counters["skipped_steps"] = self.services.guard.skipped
 
     def global_counts(self, groups: list[list[Experience]]) -> list[dict[str, float]]:
@@ -483,15 +513,17 @@ class PPOTrainer:
                    **metrics}
         return {f"train/{k}": v for k, v in metrics.items()}
 
-    def reduce_step_metrics(self, micro_metrics: list[dict]) -> dict[str, float]:
-        """Averages one optimizer step's micro-batch metrics over micro-batches and ranks with a
-        single all-reduce (the only host sync of the step)."""
-        if not micro_metrics or not micro_metrics[0]:
-            return {}
-        keys = sorted(micro_metrics[0])
-        local = torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro_metrics]).mean() for k in keys])
+    def reduce_pass_metrics(self, steps: list[list[dict]]) -> list[dict[str, float]]:
+        """Averages each optimizer step's micro-batch metrics over its micro-batches and over the
+        ranks, for all the steps of a pass in a single all-reduce (the only host sync of the pass).
+        Shape: `steps` is (optimizer steps, micro-batches) of dicts of 0-d tensors."""
+        if not steps or not steps[0] or not steps[0][0]:
+            return [{} for _ in steps]
+        keys = sorted(steps[0][0])
+        local = torch.stack([torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro]).mean()
+                                          for k in keys]) for micro in steps])          # (steps, keys)
         reduced = self.strategy.all_reduce(local, op="mean").tolist()
-        return dict(zip(keys, reduced))
+        return [dict(zip(keys, row)) for row in reduced]
 
     @staticmethod
     def _current_lr(scheduler) -> float:
@@ -508,12 +540,8 @@ class PPOTrainer:
         # Save first, so this step's logs already count a save that failed.
         if self.saved_at_step(args, global_step):
             self.save_checkpoint(args)
-        nonfinite = self.experience_maker.nonfinite_counts
-        totals = self.strategy.all_reduce(torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]), op="sum")
         logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()},
-                     "train/failed_saves": float(self.services.failed_saves),
-                     **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals.tolist())},
-                     **reward_source_metrics(self.experience_maker.reward_sources, self.strategy)}
+                     "train/failed_saves": float(self.services.failed_saves)}
         if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
             logs_dict.update(self.evaluate(eval_dataloader))
         if global_step % max(getattr(args, "logging_steps", 1), 1) == 0:

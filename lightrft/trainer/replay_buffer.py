@@ -65,14 +65,21 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
     def _trains(item: Sample) -> bool:
         return "valid" not in item.info or bool(item.info["valid"] > 0)
 
-    def mean_info(self, strategy) -> dict[str, float]:
-        """Mean of every info field over all ranks' samples (one all-reduce)."""
+    def info_sums(self) -> dict[str, torch.Tensor]:
+        """This rank's sum of every info field over its samples, and the number of samples under
+        "count" (0-d float64 tensors, no collective): summed over ranks, they give `info_means`."""
         if not self.items:
             return {}
-        keys = sorted(self.items[0].info)
-        sums = torch.stack([torch.stack([item.info[k] for item in self.items]).double().sum() for k in keys])
-        stats = strategy.all_reduce(torch.cat([sums, torch.tensor([float(len(self.items))], dtype=torch.double)]),
-                                    op="sum")
-        count = stats[-1].item()
-        return {k: (stats[i] / count).item() for i, k in enumerate(keys)}
+        sums = {k: torch.stack([item.info[k] for item in self.items]).double().sum() for k in sorted(self.items[0].info)}
+        return {**sums, "count": torch.tensor(float(len(self.items)), dtype=torch.float64)}
+
+    @staticmethod
+    def info_means(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Means of the info fields from `info_sums` (summed over ranks)."""
+        count = float(sums.get("count", 0.0))
+        return {k: float(v) / count for k, v in sums.items() if k != "count"} if count else {}
+
+    def mean_info(self, strategy) -> dict[str, float]:
+        """Mean of every info field over all ranks' samples (one all-reduce)."""
+        return self.info_means(strategy.all_reduce_many(self.info_sums(), op="sum"))
 

@@ -88,7 +88,7 @@ class SupervisedTrainer:
                 logs["perf/step_time"] = time.time() - started
                 logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * args.train_batch_size)
                 loss_ok = math.isfinite(logs["train/loss"])
-                self.services.record_step(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(model=self.model))
+                self.services.record_step(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(self.strategy, model=self.model))
                 logs["train/skipped_steps"] = float(self.services.guard.skipped)
                 bar.update(1)
                 bar.set_postfix(loss=f"{logs['train/loss']:.4f}")

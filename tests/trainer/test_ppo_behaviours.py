@@ -393,3 +393,106 @@ def test_eval_on_startup_logs_the_starting_policy_at_step_0(task, tmp_path):
             response = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             shares.append(sum(c.isdigit() for c in response) / max(len(response), 1))
     assert series[0] == pytest.approx(sum(shares) / len(shares), abs=1e-6)
+
+
+# ---------- a step's collectives: each one waits for the slowest rank ----------
+
+def test_a_grpo_step_makes_five_all_reduces_and_leaves_the_collector_frozen_while_it_trains(task, tmp_path):
+    # Two optimizer steps per rollout under ZeRO-0: the loss normalisers, one gradient all-reduce per
+    # optimizer step (no second one for the gradient norm), the pass's metrics and the step's totals.
+    import gc
+
+    import torch.distributed as dist
+
+    from lightrft.trainer.callbacks import TrainerCallback
+
+    calls = [0]
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    class Spans(TrainerCallback):
+        """All-reduces from one rollout's end to the next: a step's training, its end and the
+        next rollout."""
+        def __init__(self):
+            self.counts, self.frozen = [], []
+
+        def on_rollout_end(self, trainer, experiences):
+            self.counts.append(calls[0])
+            calls[0] = 0
+            self.frozen.append(gc.get_freeze_count())
+
+    spans = Spans()
+    dist.all_reduce = counted
+    try:
+        logs, _ = run(task, tmp_path, callbacks=[spans], zero_stage=0, train_batch_size=8, micro_train_batch_size=4,
+                      max_steps=3)
+    finally:
+        dist.all_reduce = original
+    assert spans.counts[1:] == [5, 5]
+    assert min(spans.frozen) > 1000 and gc.get_freeze_count() == 0   # frozen during the run, not after
+    # The step's totals carry the reward file's counters: 3 rollouts of 16 samples, no failure.
+    assert logs["rollout/reward_source0_samples"] == 48.0
+    assert logs["rollout/reward_source0_errors_rate"] == logs["rollout/reward_source0_timeouts_rate"] == 0.0
+
+
+def test_the_metrics_of_a_pass_are_averaged_per_optimizer_step_in_one_all_reduce():
+    from lightrft.trainer.ppo_trainer import PPOTrainer
+
+    reduced = []
+
+    class Recording(OneRank):
+        @staticmethod
+        def all_reduce(tensor, op="mean"):
+            reduced.append((tuple(tensor.shape), op))
+            return tensor
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.strategy = Recording()
+    t = torch.tensor
+    steps = [[{"a": t(1.0), "b": t(2.0)}, {"a": t(3.0), "b": t(6.0)}],        # optimizer step 1: 2 micro-batches
+             [{"a": t(5.0), "b": t(0.0)}, {"a": t(7.0), "b": t(1.0)}]]        # optimizer step 2
+    assert trainer.reduce_pass_metrics(steps) == [{"a": 2.0, "b": 4.0}, {"a": 6.0, "b": 0.5}]
+    assert reduced == [((2, 2), "mean")]
+
+
+def test_reward_source_failure_rates_are_per_call():
+    from lightrft.trainer.metrics import reward_source_metrics
+
+    totals = {"rollout/reward_source0_calls": 4.0, "rollout/reward_source0_timeouts": 1.0,
+              "rollout/reward_source0_errors": 2.0, "rollout/reward_source1_requests": 3.0,
+              "rollout/reward_source1_failures": 1.0}
+    assert reward_source_metrics(totals) == {**totals, "rollout/reward_source0_timeouts_rate": 0.25,
+                                             "rollout/reward_source0_errors_rate": 0.5}
+
+
+def test_responses_decode_in_one_batch_as_row_by_row():
+    # The per-row formula decode used before: each row's masked tokens through tokenizer.decode.
+    from lightrft.rollout.base import RolloutOutput
+    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+
+    tokenizer = build_char_tokenizer_with_bos()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    generator = torch.Generator().manual_seed(0)
+    lengths = [1, 4, 6, 2, 6, 3]                       # 6 = the full width, cut without an EOS
+    responses = torch.full((len(lengths), 6), pad)
+    for row, length in enumerate(lengths):
+        responses[row, :length] = torch.tensor(digits)[torch.randint(0, 10, (length,), generator=generator)]
+        if length < 6:
+            responses[row, length - 1] = eos           # an ended response keeps its EOS (a special token)
+    prompts_ids = torch.tensor(digits[:3]).repeat(len(lengths), 1)
+    action_mask = torch.arange(6) < torch.tensor(lengths).unsqueeze(1)
+    rollout = RolloutOutput(sequences=torch.cat([prompts_ids, responses], dim=1),
+                            attention_mask=torch.cat([torch.ones_like(prompts_ids), action_mask.long()], dim=1),
+                            action_mask=action_mask, rollout_log_probs=torch.zeros(len(lengths), 6), prompt_len=3)
+    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
+    maker.tokenizer = tokenizer
+    queries, prompts = maker.decode(rollout, ["a+b=", "c+d=", "e+f="], n=2)
+    row_by_row = [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
+                  for row, mask in zip(responses, action_mask)]
+    assert prompts == ["a+b=", "a+b=", "c+d=", "c+d=", "e+f=", "e+f="]
+    assert queries == [p + r for p, r in zip(prompts, row_by_row)]
+    assert [len(r) for r in row_by_row] == [0, 3, 6, 1, 6, 2]        # EOS dropped, digits kept
