@@ -16,7 +16,8 @@ is paused meanwhile. Reported per side: GRPO steps/s and samples/s (median over 
 spread), held-out accuracy before and after, peak resident memory (ru_maxrss of the child), the
 step-time breakdown; then
 
-  * two lightrft ranks (torchrun, 1 thread each) against one rank: samples/s, alternating;
+  * two lightrft ranks (torchrun, 1 thread each) against one rank: samples/s, alternating, at the
+    same global batch (`--scaling_mode strong`) or the same batch per rank (`weak`);
   * ZeRO-3 against ZeRO-0 on two ranks: bytes of model + optimizer state held per rank.
 
 The PNG holds held-out accuracy against training seconds and against samples, both libraries
@@ -29,6 +30,7 @@ that python). TRL is never a dependency of lightrft.
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --smoke     # 4 steps, 1 repeat: checks it runs
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --replot vs_trl.json   # redraw the PNG only
     python benchmarks/vs_trl.py --scaling_only --scaling_batch_factor 4  # 2 ranks vs 1 on 4x the batch
+    python benchmarks/vs_trl.py --scaling_only --scaling_mode weak       # 256 samples a step per rank
 """
 
 import argparse
@@ -310,22 +312,40 @@ def summarize(runs: list[dict], work: Workload) -> dict:
 
 
 def scaling(data: dict, work: Workload, out: Path, args) -> dict:
-    """lightrft samples/s on 2 ranks x 1 thread against 1 rank x 1 thread, alternating; the batch
-    and the optimizer steps are `--scaling_batch_factor` times the workload's."""
-    factor = args.scaling_batch_factor
-    work = dataclasses.replace(work, prompts_per_step=work.prompts_per_step * factor,
-                               train_batch=work.train_batch * factor)
-    out = out / f"scaling_x{factor}"
-    rates = {1: [], 2: []}
+    """lightrft samples/s on 2 ranks x 1 thread against 1 rank x 1 thread, alternating.
+
+    `--scaling_mode strong` keeps the global batch: both run `--scaling_batch_factor` times the
+    workload's samples per step and per optimizer step, so each of 2 ranks gets half. `weak`
+    keeps the batch per rank (how data-parallel throughput is usually quoted): 2 ranks run twice
+    the samples per step and per optimizer step of 1 rank. Per run: the median of the per-step
+    samples/s; ratios are taken pair by pair, and also from each configuration's fastest step over
+    all runs (the step least disturbed by other jobs on the host)."""
+    factor, mode = args.scaling_batch_factor, args.scaling_mode
+    out = out / f"scaling_{mode}_x{factor}"
+    rates, fastest, per_step = {1: [], 2: []}, {1: 0.0, 2: 0.0}, {}
     for repeat in range(args.repeats):
         for nproc in (1, 2):
+            scale = factor * (nproc if mode == "weak" else 1)
+            shape = dataclasses.replace(work, prompts_per_step=work.prompts_per_step * scale,
+                                        train_batch=work.train_batch * scale)
+            per_step[nproc] = shape.samples_per_step
             ns = argparse.Namespace(nproc=nproc, threads=nproc, steps=args.steps, seed=args.seed + repeat)
-            run = grpo_step.run_lightrft(data, work, out / f"scaling_{nproc}_{repeat}", ns)
-            rates[nproc].append(statistics.median(work.samples_per_step / s["step_time"] for s in run["per_step"][1:]))
-            print(f"  {nproc} rank(s), run {repeat + 1}: {rates[nproc][-1]:.0f} samples/s", flush=True)
+            run = grpo_step.run_lightrft(data, shape, out / f"scaling_{nproc}_{repeat}", ns)
+            step_rates = [shape.samples_per_step / s["step_time"] for s in run["per_step"][1:]]
+            rates[nproc].append(statistics.median(step_rates))
+            fastest[nproc] = max(fastest[nproc], max(step_rates))
+            print(f"  {nproc} rank(s), run {repeat + 1}: {rates[nproc][-1]:.0f} samples/s "
+                  f"({shape.samples_per_step} a step)", flush=True)
     ratios = [two / one for one, two in zip(rates[1], rates[2])]
-    return {"samples_per_sec": rates, "ratio_runs": ratios, "ratio": statistics.median(ratios),
-            "samples_per_step": work.samples_per_step}
+    return {"mode": mode, "batch_factor": factor, "samples_per_sec": rates, "ratio_runs": ratios,
+            "ratio": statistics.median(ratios), "fastest_samples_per_sec": fastest,
+            "fastest_ratio": fastest[2] / fastest[1], "samples_per_step": per_step}
+
+
+def scaling_line(s: dict) -> str:
+    per_step = " vs ".join(f"{s['samples_per_step'][n]}" for n in (1, 2))
+    return (f"2 ranks / 1 rank samples/s ({s['mode']} scaling, {per_step} samples a step): {s['ratio']:.2f}x median "
+            f"(pairs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])}); fastest steps {s['fastest_ratio']:.2f}x")
 
 
 def zero_states(model: Path, out: Path) -> dict:
@@ -413,7 +433,7 @@ def report(result: dict) -> None:
         print(f"{name:<14}{side['mean_step_time']:>18.4f}{cells}")
     if "scaling" in result:
         s = result["scaling"]
-        print(f"2 ranks / 1 rank samples/s: {s['ratio']:.2f}x median (runs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])})")
+        print(scaling_line(s))
     if "zero" in result:
         z = result["zero"]
         for precision in ("fp32", "bf16"):
@@ -439,6 +459,8 @@ def main() -> None:
     parser.add_argument("--scaling_only", action="store_true", help="only 2 ranks vs 1 (no TRL, no ZeRO states)")
     parser.add_argument("--scaling_batch_factor", type=int, default=1,
                         help="2 ranks vs 1 on this many times the samples per step and per optimizer step")
+    parser.add_argument("--scaling_mode", choices=("strong", "weak"), default="strong",
+                        help="strong: the same global batch on 1 and 2 ranks; weak: the same batch per rank")
     parser.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 40 SFT steps: checks it runs")
     parser.add_argument("--png", default=str(REPO_ROOT / "docs" / "img" / "vs_trl.png"))
     parser.add_argument("--json", default=None, metavar="OUT")
@@ -479,10 +501,10 @@ def main() -> None:
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
               "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every}
     if args.scaling_only:
-        print(f"lightrft, 1 rank vs 2 ranks (torchrun, 1 thread per rank), batch x{args.scaling_batch_factor}:")
+        print(f"lightrft, 1 rank vs 2 ranks (torchrun, 1 thread per rank), batch x{args.scaling_batch_factor}, "
+              f"{args.scaling_mode} scaling:")
         s = scaling(data, work, out, args)
-        print(f"2 ranks / 1 rank samples/s at {s['samples_per_step']} samples a step: {s['ratio']:.2f}x median "
-              f"(runs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])})")
+        print(scaling_line(s))
         if args.json:
             Path(args.json).write_text(json.dumps({"scaling": s}, indent=2))
         return
