@@ -226,16 +226,18 @@ class DeepspeedStrategy:
 
     def create_optimizer(self, model: nn.Module, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0):
         """AdamW over the trainable parameters, no decay on biases and norm weights: DeepSpeed's
-        CPU Adam when `adam_offload` (optimizer states on the CPU), else torch's fused AdamW (one
-        kernel for all parameters, on CUDA and on CPU; the per-tensor loop it replaces costs ~4x
-        more on CPU and gives the same update up to rounding)."""
+        CPU Adam when `adam_offload` (optimizer states on the CPU), else torch's AdamW: fused on
+        CUDA; on CPU the multi-tensor (foreach) form, which makes exactly the per-tensor loop's
+        update at ~3/4 of its cost. (The fused CPU kernel is ~4x faster still, but its rounding
+        differs and sends a run down another sampling trajectory.)"""
         groups = weight_decay_groups(self.unwrap_model(model), weight_decay)
         if self.config.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, weight_decay=weight_decay, adamw_mode=True)
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay,
-                                 fused=self.device.type in ("cuda", "cpu"))
+        cuda = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, fused=cuda or None,
+                                 foreach=None if cuda else True)
 
     def prepare(self, *models_or_triples):
         """Turns each argument into a DeepSpeed engine and returns them in the same structure:
