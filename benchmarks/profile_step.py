@@ -50,7 +50,7 @@ TIMED = [
     ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "_forward_all", "experience forwards"),
     ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "append", "buffer"),
     ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "normalize", "buffer"),
-    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "mean_info", "buffer"),
+    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "info_sums", "buffer"),
     ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "collate_fn", "collate"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "ppo_train", "train"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "fill_old_log_probs", "old log-probs"),
