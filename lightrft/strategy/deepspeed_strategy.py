@@ -65,6 +65,25 @@ def _fused_group_key(name: str) -> str:
     return ".".join(parts[:-1])
 
 
+class PendingReduction:
+    """A collective in flight (`DeepspeedStrategy.start_all_reduce`). `result()` waits for it the
+    first time and returns the reduced value; `then(fn)` is the same collective with `fn` applied
+    to its value."""
+
+    def __init__(self, work, finish: Callable[[], object]):
+        self._work, self._finish, self._done, self._value = work, finish, False, None
+
+    def result(self):
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            self._value, self._done = self._finish(), True
+        return self._value
+
+    def then(self, fn: Callable) -> "PendingReduction":
+        return PendingReduction(None, lambda: fn(self.result()))
+
+
 class DeepspeedStrategy:
     """Owns the process group and turns models into DeepSpeed engines (see the module docstring).
 
@@ -313,32 +332,56 @@ class DeepspeedStrategy:
         """Reduces a tensor, or a dict of floats (or 0-d tensors), over all ranks with op `mean`,
         `sum`, `max` or `min`. A tensor comes back on its own device (floating point for `mean`);
         a dict comes back as a dict of Python floats (one collective for the whole dict)."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"all_reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if isinstance(data, dict):
             keys = list(data)
             values = torch.tensor([float(data[k]) for k in keys], dtype=torch.float64)
             return dict(zip(keys, self.all_reduce(values, op).tolist()))
+        return self._reduce(data, op, wait=True).result()
+
+    def start_all_reduce(self, data: torch.Tensor, op: str = "mean") -> "PendingReduction":
+        """`all_reduce` of a tensor without waiting for it: the collective runs while this rank
+        goes on (a rank that arrives first does not sit idle, and the wake-up after the last
+        arrival overlaps with work); `.result()` waits and returns what `all_reduce` would. Every
+        rank must start its collectives in the same order."""
+        return self._reduce(data, op, wait=False)
+
+    def _reduce(self, data: torch.Tensor, op: str, wait: bool) -> "PendingReduction":
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if not torch.is_tensor(data):
             raise TypeError(f"all_reduce takes a tensor or a dict of floats, got {type(data).__name__}")
         out = data.detach().to(self.device, copy=True)
         if op == "mean" and not out.is_floating_point():
             out = out.double()
+        work = None
         if is_dist_initialized():
-            dist.all_reduce(out, op=REDUCE_OPS[op])
-        if op == "mean":
-            out /= self.world_size
-        return out.to(data.device)
+            work = dist.all_reduce(out, op=REDUCE_OPS[op], async_op=not wait)
+
+        def finish() -> torch.Tensor:
+            if op == "mean":
+                out.div_(self.world_size)
+            return out.to(data.device)
+        return PendingReduction(work, finish)
 
     def all_reduce_many(self, parts: dict[str, torch.Tensor], op: str = "sum") -> dict[str, torch.Tensor]:
         """Reduces several tensors of any shapes over all ranks in one collective (each collective is
         a wait for the slowest rank): they travel as one float64 vector. Returns float64 tensors of
         the same shapes, on the CPU, under the same keys."""
+        return self._reduce_many(parts, op, wait=True).result()
+
+    def start_all_reduce_many(self, parts: dict[str, torch.Tensor], op: str = "sum") -> "PendingReduction":
+        """`all_reduce_many` without waiting (see `start_all_reduce`)."""
+        return self._reduce_many(parts, op, wait=False)
+
+    def _reduce_many(self, parts: dict[str, torch.Tensor], op: str, wait: bool) -> "PendingReduction":
         keys = list(parts)
         flat = [parts[k].detach().reshape(-1).to("cpu", torch.float64) for k in keys]
-        reduced = self.all_reduce(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64), op).cpu()
-        pieces = reduced.split([f.numel() for f in flat])
-        return {k: piece.reshape(parts[k].shape) for k, piece in zip(keys, pieces)}
+        pending = self._reduce(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64), op, wait)
+
+        def split(reduced: torch.Tensor) -> dict[str, torch.Tensor]:
+            pieces = reduced.cpu().split([f.numel() for f in flat])
+            return {k: piece.reshape(parts[k].shape) for k, piece in zip(keys, pieces)}
+        return pending.then(split)
 
     def all_gather(self, data):
         """Gathers from all ranks, in rank order. A tensor is concatenated along dim 0 (a 0-d

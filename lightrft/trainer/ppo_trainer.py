@@ -9,6 +9,7 @@ the non-finite guard are the run services shared with SFT and RM (`run_services.
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa:
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.manager import RolloutManager
+from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.decoupled import planned_rollout_steps
@@ -41,6 +43,30 @@ from lightrft.trainer.run_services import CheckpointPart, RunServices
 PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
                   "train_batch_size", "micro_train_batch_size", "policy_loss", "loss_agg_mode",
                   "kl_estimator", "use_kl_loss", "seed", "prompt_data", "recorded_data", "max_epochs")
+
+
+class GlobalCounts(Mapping):
+    """One optimizer step's loss normalisers ("tokens", "seqs") over all ranks, from an all-reduce
+    still in flight: reading one waits for it (`PPOTrainer.global_counts`)."""
+
+    def __init__(self, pending: PendingReduction, index: int):
+        self._pending, self._index = pending, index
+
+    def _counts(self) -> dict[str, float]:
+        return self._pending.result()[self._index]
+
+    def __getitem__(self, key: str) -> float:
+        return self._counts()[key]
+
+    def __iter__(self):
+        return iter(self._counts())
+
+    def __len__(self) -> int:
+        return len(self._counts())
+
+    def __repr__(self) -> str:
+        return f"GlobalCounts({self._counts()})"
+
 
 class PPOTrainer:
     """Trains `actor` with PPO-family updates. `critic=None` selects a critic-free method.
@@ -205,14 +231,18 @@ class PPOTrainer:
                     self.replay_buffer.append(experience)
                 if self.normalize_advantages_globally:
                     self.replay_buffer.normalize("advantages", self.strategy)
-                rollout_sums = self.replay_buffer.info_sums()   # reduced over ranks with the step's totals
+                # The step's totals are reduced over ranks while the actor trains.
+                totals = self.start_step_totals(self.replay_buffer.info_sums())
                 # 3. Optimise: epochs x micro-batches; the engine's weights are stale afterwards.
                 started = time.time()
+                self.pass_preempted = None
                 train_logs = self.ppo_train(self.global_step)
                 self.rollout.mark_stale()
                 train_time = time.time() - started
                 self.replay_buffer.clear()
-                rollout_logs, preempted = self.step_totals(rollout_sums)
+                rollout_logs = totals.result()
+                # Whether any rank was asked to stop travelled with the last pass's metrics.
+                preempted = self.services.preempted() if self.pass_preempted is None else self.pass_preempted
                 # 4. KL controller follows the observed KL (adaptive) or stays fixed.
                 self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
                                    args.rollout_batch_size * self.algo.n_samples_per_prompt)
@@ -244,23 +274,26 @@ class PPOTrainer:
             self.services.stop()
         self.callbacks.on_train_end(self)
 
-    def step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> tuple[dict[str, float], bool]:
-        """The step's statistics over all ranks, in one all-reduce (each collective waits for the
-        slowest rank, and none of these is needed before the step ends): the mean of every rollout
-        info field (from `rollout_sums`, the buffer's `info_sums`), the non-finite sample counts,
-        the reward sources' counters, and whether any rank was asked to stop (SIGTERM/SIGUSR1)."""
-        nonfinite = self.experience_maker.nonfinite_counts
+    def start_step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> PendingReduction:
+        """The rollout's statistics over all ranks, in one all-reduce started now and read
+        (`.result()`, a dict of rollout/* logs) when the step ends: each collective waits for the
+        slowest rank, and this one waits while the actor trains. It carries the mean of every
+        rollout info field (from `rollout_sums`, the buffer's `info_sums`), the non-finite sample
+        counts and the reward sources' counters."""
+        nonfinite = dict(self.experience_maker.nonfinite_counts)
         counters = reward_source_counters(self.experience_maker.reward_sources)
-        totals = self.strategy.all_reduce_many({
+        pending = self.strategy.start_all_reduce_many({
             "rollout": torch.stack(list(rollout_sums.values())) if rollout_sums else torch.zeros(0),
             "nonfinite": torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]),
-            "counters": torch.tensor(list(counters.values())),
-            "preempted": torch.tensor([float(self.services.preemption.raised)])}, op="sum")
-        means = NaiveReplayBuffer.info_means(dict(zip(rollout_sums, totals["rollout"])))
-        logs = {**{f"rollout/{k}": v for k, v in means.items()},
-                **{f"rollout/nonfinite_{k}_samples": v for k, v in zip(sorted(nonfinite), totals["nonfinite"].tolist())},
-                **reward_source_metrics(dict(zip(counters, totals["counters"].tolist())))}
-        return logs, bool(totals["preempted"].item() > 0)
+            "counters": torch.tensor(list(counters.values()))}, op="sum")
+
+        def logs(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+            means = NaiveReplayBuffer.info_means(dict(zip(rollout_sums, totals["rollout"])))
+            return {**{f"rollout/{k}": v for k, v in means.items()},
+                    **{f"rollout/nonfinite_{k}_samples": v
+                       for k, v in zip(sorted(nonfinite), totals["nonfinite"].tolist())},
+                    **reward_source_metrics(dict(zip(counters, totals["counters"].tolist())))}
+        return pending.then(logs)
 
     def begin(self, args, pretrain_dataloader=None) -> None:
         """What a step needs before the loop: the run config and the pretraining data stream
@@ -338,14 +371,17 @@ class PPOTrainer:
             drawn.clear()
             micro_batches = list(dataloader)
             groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
+            counts = self.global_counts(groups)     # in flight until the first loss needs them
             self.fill_old_log_probs(micro_batches[grad_accum:], drawn[grad_accum:])
             local, grad_sources = [], []
-            for group, counts in zip(groups, self.global_counts(groups)):
-                local.append([self.training_step(exp, global_steps, counts) for exp in group])
+            for group, group_counts in zip(groups, counts):
+                local.append([self.training_step(exp, global_steps, group_counts) for exp in group])
                 grad_sources.append(nonfinite_grad_norms(self.strategy, actor=self.actor, critic=self.critic))
             # One all-reduce for the metrics of every optimizer step of the pass: each is a barrier
-            # between ranks, and none of them is needed before the pass ends.
-            for metrics, sources in zip(self.reduce_pass_metrics(local), grad_sources):
+            # between ranks, and none of them is needed before the pass ends. It also tells whether
+            # any rank was asked to stop, so the step needs no collective of its own for that.
+            reduced, self.pass_preempted = self.reduce_pass_metrics(local, self.services.preemption.raised)
+            for metrics, sources in zip(reduced, grad_sources):
                 self.check_step_finite(metrics, sources)
                 self.callbacks.on_step_end(self, metrics)
                 step_metrics.append(metrics)
@@ -391,18 +427,20 @@ class PPOTrainer:
         self.services.record_step(sources + grad_sources)
         self.counters["skipped_steps"] = self.services.guard.skipped
 
-    def global_counts(self, groups: list[list[Experience]]) -> list[dict[str, float]]:
+    def global_counts(self, groups: list[list[Experience]]) -> list[Mapping[str, float]]:
         """Action tokens and sequences of each optimizer step (a group of micro-batches) over all
         ranks, in one all-reduce for the whole pass: the normalisers that make the loss independent
         of how the batch is split. Samples that train on nothing (invalid, filler or masked-out)
-        count in neither."""
+        count in neither. The all-reduce starts now; reading a count waits for it, so the forwards
+        before the first loss run while the ranks catch up with each other."""
         if not groups:
             return []
         local = torch.tensor([[sum(float(e.loss_mask.sum()) for e in group),
                                sum(float(e.loss_mask.any(dim=1).sum()) for e in group)] for group in groups],
                              dtype=torch.float64)
-        totals = self.strategy.all_reduce(local, op="sum").tolist()
-        return [{"tokens": tokens, "seqs": seqs} for tokens, seqs in totals]
+        pending = self.strategy.start_all_reduce(local, op="sum").then(
+            lambda totals: [{"tokens": tokens, "seqs": seqs} for tokens, seqs in totals.tolist()])
+        return [GlobalCounts(pending, index) for index in range(len(groups))]
 
     def loss_scale(self) -> float:
         """DeepSpeed averages gradients over ranks and divides the loss by the accumulation steps;
@@ -513,17 +551,20 @@ class PPOTrainer:
                    **metrics}
         return {f"train/{k}": v for k, v in metrics.items()}
 
-    def reduce_pass_metrics(self, steps: list[list[dict]]) -> list[dict[str, float]]:
+    def reduce_pass_metrics(self, steps: list[list[dict]], preempted: bool = False) -> tuple[list[dict[str, float]], bool]:
         """Averages each optimizer step's micro-batch metrics over its micro-batches and over the
-        ranks, for all the steps of a pass in a single all-reduce (the only host sync of the pass).
-        Shape: `steps` is (optimizer steps, micro-batches) of dicts of 0-d tensors."""
-        if not steps or not steps[0] or not steps[0][0]:
-            return [{} for _ in steps]
-        keys = sorted(steps[0][0])
-        local = torch.stack([torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro]).mean()
-                                          for k in keys]) for micro in steps])          # (steps, keys)
-        reduced = self.strategy.all_reduce(local, op="mean").tolist()
-        return [dict(zip(keys, row)) for row in reduced]
+        ranks, for all the steps of a pass in a single all-reduce (the only host sync of the pass),
+        which also tells whether any rank was `preempted` (asked to stop). Shape: `steps` is
+        (optimizer steps, micro-batches) of dicts of 0-d tensors. Returns (a dict per optimizer
+        step, preempted on any rank)."""
+        keys = sorted(steps[0][0]) if steps and steps[0] else []
+        rows = [torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro]).mean() for k in keys])
+                if keys else torch.zeros(0) for micro in steps]
+        local = torch.stack(rows) if rows else torch.zeros(0, 0)
+        totals = self.strategy.all_reduce_many({"metrics": local, "preempted": torch.tensor([float(preempted)])},
+                                               op="sum")
+        means = (totals["metrics"] / self.strategy.world_size).tolist()     # (steps, keys)
+        return [dict(zip(keys, row)) for row in means], bool(totals["preempted"].item() > 0)
 
     @staticmethod
     def _current_lr(scheduler) -> float:

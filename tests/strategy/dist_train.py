@@ -7,6 +7,7 @@ Run by tests/strategy/test_strategy_dist.py, either with `torchrun --nproc_per_n
 import argparse
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -179,6 +180,16 @@ def collectives_and_data(strategy: DeepspeedStrategy, emit) -> None:
           "max": strategy.all_reduce(tensor, "max").tolist(),
           "dict_mean": strategy.all_reduce({"a": float(rank), "b": torch.tensor(2.0 * rank)}, "mean"),
           "int_mean": strategy.all_reduce(torch.tensor([rank + 1]), "mean").tolist(),
+          "input_unchanged": tensor.tolist()})
+    # Collectives in flight: two started (rank 1 a moment later), a blocking one between them and
+    # reading them, read back in reverse order; each gives what the blocking call gives.
+    first = strategy.start_all_reduce(tensor, "mean")
+    if rank == 1:
+        time.sleep(0.05)
+    many = strategy.start_all_reduce_many({"a": tensor, "b": torch.tensor([[rank], [2 * rank]])}, "sum")
+    between = strategy.all_reduce(tensor, "max")
+    emit({"check": "in_flight", "many": {k: v.tolist() for k, v in many.result().items()},
+          "many_again": many.result()["a"].tolist(), "between": between.tolist(), "first": first.result().tolist(),
           "input_unchanged": tensor.tolist()})
     # rank r holds r + 1 rows of value r: uneven row counts.
     rows = torch.full((rank + 1, 2), float(rank))

@@ -125,6 +125,10 @@ def test_all_reduce_and_all_gather(runs):
         assert reduced["dict_mean"] == {"a": 0.5, "b": 1.0}
         assert reduced["int_mean"] == [1.5]
         assert reduced["input_unchanged"] == [rank + 1.0, 10.0 * (rank + 1)]
+        in_flight = by_check(recs, "in_flight")[0]
+        assert in_flight["first"] == [1.5, 15.0] and in_flight["between"] == [2.0, 20.0]
+        assert in_flight["many"] == {"a": [3.0, 30.0], "b": [[1.0], [2.0]]}
+        assert in_flight["many_again"] == [3.0, 30.0] and in_flight["input_unchanged"] == [rank + 1.0, 10.0 * (rank + 1)]
         gathered = by_check(recs, "all_gather")[0]
         # rank 0 has one row of 0s, rank 1 two rows of 1s.
         assert gathered["tensor"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]

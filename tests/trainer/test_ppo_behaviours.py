@@ -12,6 +12,7 @@ from lightrft.algorithms.kl import FixedKLController
 from lightrft.cli.common import build_scheduler
 from lightrft.cli.train_ppo import parse_args
 from lightrft.datasets import PromptDataset, SFTDataset
+from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
 from lightrft.trainer.dynamic_sampling import fill_to_size
 from lightrft.trainer.experience import Experience
 from lightrft.trainer.ppo_trainer import AlgorithmConfig
@@ -149,11 +150,13 @@ def test_rollouts_see_the_prompt_ids_sft_trained_on():
 # ---------- samples that train on nothing count nowhere ----------
 
 class OneRank:
-    rank, world_size = 0, 1
-
-    @staticmethod
-    def all_reduce(tensor, op="mean"):
-        return tensor
+    """The strategy's own collectives on one rank, outside torch.distributed."""
+    rank, world_size, device = 0, 1, "cpu"
+    all_reduce = DeepspeedStrategy.all_reduce
+    start_all_reduce = DeepspeedStrategy.start_all_reduce
+    all_reduce_many = DeepspeedStrategy.all_reduce_many
+    start_all_reduce_many = DeepspeedStrategy.start_all_reduce_many
+    _reduce, _reduce_many = DeepspeedStrategy._reduce, DeepspeedStrategy._reduce_many
 
 
 def experience(advantages, valid) -> Experience:
@@ -186,6 +189,7 @@ def test_loss_normalisers_count_only_samples_that_train():
                                      experience([[1.0, 1.0]], [1.0])],
                                     [experience([[1.0, 0.0]], [1.0])]])
     assert counts == [{"tokens": 4.0, "seqs": 2.0}, {"tokens": 2.0, "seqs": 1.0}]
+    assert dict(counts[0]) == {"tokens": 4.0, "seqs": 2.0}
 
 
 def test_training_mode_is_restored_whichever_level_was_switched_to_eval():
@@ -397,20 +401,22 @@ def test_eval_on_startup_logs_the_starting_policy_at_step_0(task, tmp_path):
 
 # ---------- a step's collectives: each one waits for the slowest rank ----------
 
-def test_a_grpo_step_makes_five_all_reduces_and_leaves_the_collector_frozen_while_it_trains(task, tmp_path):
-    # Two optimizer steps per rollout under ZeRO-0: the loss normalisers, one gradient all-reduce per
-    # optimizer step (no second one for the gradient norm), the pass's metrics and the step's totals.
+def test_a_grpo_step_waits_for_three_all_reduces_and_leaves_the_collector_frozen_while_it_trains(task, tmp_path):
+    # Two optimizer steps per rollout under ZeRO-0. Waited for: one gradient all-reduce per optimizer
+    # step (no second one for the gradient norm) and the pass's metrics with the preemption flag.
+    # In flight while the rank works: the loss normalisers (during the old-log-prob forward) and
+    # the rollout's totals (during training).
     import gc
 
     import torch.distributed as dist
 
     from lightrft.trainer.callbacks import TrainerCallback
 
-    calls = [0]
+    calls = {"waited": 0, "in flight": 0}
     original = dist.all_reduce
 
     def counted(*args, **kwargs):
-        calls[0] += 1
+        calls["in flight" if kwargs.get("async_op") else "waited"] += 1
         return original(*args, **kwargs)
 
     class Spans(TrainerCallback):
@@ -420,8 +426,8 @@ def test_a_grpo_step_makes_five_all_reduces_and_leaves_the_collector_frozen_whil
             self.counts, self.frozen = [], []
 
         def on_rollout_end(self, trainer, experiences):
-            self.counts.append(calls[0])
-            calls[0] = 0
+            self.counts.append(dict(calls))
+            calls.update(dict.fromkeys(calls, 0))
             self.frozen.append(gc.get_freeze_count())
 
     spans = Spans()
@@ -431,7 +437,7 @@ def test_a_grpo_step_makes_five_all_reduces_and_leaves_the_collector_frozen_whil
                       max_steps=3)
     finally:
         dist.all_reduce = original
-    assert spans.counts[1:] == [5, 5]
+    assert spans.counts[1:] == [{"waited": 3, "in flight": 2}] * 2
     assert min(spans.frozen) > 1000 and gc.get_freeze_count() == 0   # frozen during the run, not after
     # The step's totals carry the reward file's counters: 3 rollouts of 16 samples, no failure.
     assert logs["rollout/reward_source0_samples"] == 48.0
@@ -444,18 +450,34 @@ def test_the_metrics_of_a_pass_are_averaged_per_optimizer_step_in_one_all_reduce
     reduced = []
 
     class Recording(OneRank):
-        @staticmethod
-        def all_reduce(tensor, op="mean"):
+        def _reduce(self, tensor, op, wait):
             reduced.append((tuple(tensor.shape), op))
-            return tensor
+            return DeepspeedStrategy._reduce(self, tensor, op, wait)
+
+    class TwoRanks(Recording):
+        """A second rank that logged the same metrics and was asked to stop."""
+        world_size = 2
+
+        def _reduce(self, tensor, op, wait):
+            both = tensor * 2           # the other rank's metrics equal this rank's
+            both[-1] += 1               # the preemption flag travels last; the other rank's is 1
+            return Recording._reduce(self, both, op, wait)
 
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.strategy = Recording()
     t = torch.tensor
     steps = [[{"a": t(1.0), "b": t(2.0)}, {"a": t(3.0), "b": t(6.0)}],        # optimizer step 1: 2 micro-batches
              [{"a": t(5.0), "b": t(0.0)}, {"a": t(7.0), "b": t(1.0)}]]        # optimizer step 2
-    assert trainer.reduce_pass_metrics(steps) == [{"a": 2.0, "b": 4.0}, {"a": 6.0, "b": 0.5}]
-    assert reduced == [((2, 2), "mean")]
+    means = [{"a": 2.0, "b": 4.0}, {"a": 6.0, "b": 0.5}]
+    assert trainer.reduce_pass_metrics(steps) == (means, False)
+    assert trainer.reduce_pass_metrics(steps, preempted=True) == (means, True)
+    # 2x2 metrics and the preemption flag travel together: one collective per pass.
+    assert reduced == [((5,), "sum"), ((5,), "sum")]
+    trainer.strategy = TwoRanks()      # this rank was not asked to stop, the other one was
+    assert trainer.reduce_pass_metrics(steps) == (means, True)
+    # A pass without optimizer steps still says whether to stop.
+    trainer.strategy = Recording()
+    assert trainer.reduce_pass_metrics([], preempted=True) == ([], True)
 
 
 def test_reward_source_failure_rates_are_per_call():
