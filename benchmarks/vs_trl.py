@@ -311,6 +311,37 @@ def summarize(runs: list[dict], work: Workload) -> dict:
             "mean_step_time": mean_step, "split_seconds": split, "runs": runs}
 
 
+# A fixed single-thread loop (~0.4 s alone): what `host_cores` times.
+PROBE = """
+import time, torch
+torch.set_num_threads(1)
+layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+x = torch.randn(640, 64)
+for _ in range(20):
+    layers(x).sum().backward()
+started = time.perf_counter()
+for _ in range(150):
+    layers(x).sum().backward()
+print(time.perf_counter() - started)
+"""
+
+
+def host_cores() -> float:
+    """How many cores' worth of work the host gives two busy processes right now: the probe loop
+    alone, then two copies at once; 2 x the time alone / the slower copy's time. About 2.0 on two
+    free cores. On a virtual machine whose host takes a vCPU away it drops towards 1.0, and the
+    guest shows no steal time for it: a two-rank run measured then says nothing of lightrft."""
+    def start():
+        return subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def seconds(procs):
+        return max(float(proc.communicate()[0]) for proc in procs)
+
+    alone = seconds([start()])
+    return 2 * alone / seconds([start(), start()])
+
+
 def scaling(data: dict, work: Workload, out: Path, args) -> dict:
     """lightrft samples/s on 2 ranks x 1 thread against 1 rank x 1 thread, alternating.
 
@@ -319,10 +350,12 @@ def scaling(data: dict, work: Workload, out: Path, args) -> dict:
     keeps the batch per rank (how data-parallel throughput is usually quoted): 2 ranks run twice
     the samples per step and per optimizer step of 1 rank. Per run: the median of the per-step
     samples/s; ratios are taken pair by pair, and also from each configuration's fastest step over
-    all runs (the step least disturbed by other jobs on the host)."""
+    all runs (the step least disturbed by other jobs on the host). `host_cores` runs before and after
+    every 2-rank run; the pairs whose two-rank run had both probes at 1.8 or more are also reported
+    apart (`ratio_two_core_pairs`)."""
     factor, mode = args.scaling_batch_factor, args.scaling_mode
     out = out / f"scaling_{mode}_x{factor}"
-    rates, fastest, per_step = {1: [], 2: []}, {1: 0.0, 2: 0.0}, {}
+    rates, fastest, per_step, cores = {1: [], 2: []}, {1: 0.0, 2: 0.0}, {}, []
     for repeat in range(args.repeats):
         for nproc in (1, 2):
             scale = factor * (nproc if mode == "weak" else 1)
@@ -330,22 +363,32 @@ def scaling(data: dict, work: Workload, out: Path, args) -> dict:
                                         train_batch=work.train_batch * scale)
             per_step[nproc] = shape.samples_per_step
             ns = argparse.Namespace(nproc=nproc, threads=nproc, steps=args.steps, seed=args.seed + repeat)
+            before = host_cores() if nproc == 2 else None
             run = grpo_step.run_lightrft(data, shape, out / f"scaling_{nproc}_{repeat}", ns)
             step_rates = [shape.samples_per_step / s["step_time"] for s in run["per_step"][1:]]
             rates[nproc].append(statistics.median(step_rates))
             fastest[nproc] = max(fastest[nproc], max(step_rates))
+            host = ""
+            if nproc == 2:
+                cores.append((before, host_cores()))
+                host = f"; host cores before / after: {cores[-1][0]:.2f} / {cores[-1][1]:.2f}"
             print(f"  {nproc} rank(s), run {repeat + 1}: {rates[nproc][-1]:.0f} samples/s "
-                  f"({shape.samples_per_step} a step)", flush=True)
+                  f"({shape.samples_per_step} a step){host}", flush=True)
     ratios = [two / one for one, two in zip(rates[1], rates[2])]
+    two_core = [ratio for ratio, probes in zip(ratios, cores) if min(probes) >= 1.8]
     return {"mode": mode, "batch_factor": factor, "samples_per_sec": rates, "ratio_runs": ratios,
             "ratio": statistics.median(ratios), "fastest_samples_per_sec": fastest,
-            "fastest_ratio": fastest[2] / fastest[1], "samples_per_step": per_step}
+            "fastest_ratio": fastest[2] / fastest[1], "samples_per_step": per_step, "host_cores": cores,
+            "ratio_two_core_pairs": two_core}
 
 
 def scaling_line(s: dict) -> str:
     per_step = " vs ".join(f"{s['samples_per_step'][n]}" for n in (1, 2))
     return (f"2 ranks / 1 rank samples/s ({s['mode']} scaling, {per_step} samples a step): {s['ratio']:.2f}x median "
-            f"(pairs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])}); fastest steps {s['fastest_ratio']:.2f}x")
+            f"(pairs {', '.join(f'{r:.2f}' for r in s['ratio_runs'])}); fastest steps {s['fastest_ratio']:.2f}x; "
+            + (f"pairs with two free cores: {statistics.median(s['ratio_two_core_pairs']):.2f}x median "
+               f"({', '.join(f'{r:.2f}' for r in s['ratio_two_core_pairs'])})" if s.get("ratio_two_core_pairs")
+               else "no pair had two free cores"))
 
 
 def zero_states(model: Path, out: Path) -> dict:
