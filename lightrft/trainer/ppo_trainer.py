@@ -166,6 +166,7 @@ class PPOTrainer:
         self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
         self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
         self.stop_reason = None
+        self.pass_preempted = None     # whether any rank was asked to stop, from the last pass's metrics
         self._warned_no_aux_loss = False
         self.explorers = None          # an ExplorerLink when explorer ranks generate (--explorer_ranks)
 
