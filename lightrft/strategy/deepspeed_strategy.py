@@ -210,8 +210,15 @@ class DeepspeedStrategy:
         in fp32 every rank holds the same averaged gradients after the all-reduce, and DeepSpeed's
         clipping there averages the (equal) norms over the ranks with one more all-reduce per
         optimizer step. The formula is the same: g <- g * min(1, max_norm / (||g||_2 + 1e-6))."""
-        c = self.config
-        return c.zero_stage == 0 and not c.bf16 and c.max_norm > 0
+        return self.checks_gradients and self.config.max_norm > 0
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether `optimizer_step` measures the gradient norm itself and skips a step whose norm is
+        not finite: under ZeRO-0 in fp32 DeepSpeed steps the plain torch optimizer, which would
+        write a NaN gradient into the weights, while its ZeRO and bf16 optimizers skip such a step.
+        Here it is skipped the same way: no update, no scheduler step, counted as skipped."""
+        return self.config.zero_stage == 0 and not self.config.bf16
 
     def get_ds_train_config(self) -> dict:
         c = self.config
@@ -304,11 +311,38 @@ class DeepspeedStrategy:
     def optimizer_step(self, optimizer, model, scheduler=None, name: str = "model") -> None:
         """Counts a micro-batch; at the end of each accumulation window the gradients are clipped
         to `max_norm` (by DeepSpeed, or here when `clips_gradients`), and DeepSpeed steps the
-        optimizer and the scheduler and zeroes the gradients."""
-        if self.clips_gradients and model.is_gradient_accumulation_boundary():
+        optimizer and the scheduler and zeroes the gradients. A window whose gradient norm is not
+        finite makes no update (see `checks_gradients`)."""
+        if self.checks_gradients and model.is_gradient_accumulation_boundary():
             params = [p for p in model.module.parameters() if p.grad is not None]
-            self._grad_norms[id(model)] = torch.nn.utils.clip_grad_norm_(params, self.config.max_norm)
+            max_norm = self.config.max_norm
+            norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm > 0
+                    else torch.nn.utils.get_total_norm([p.grad for p in params]))
+            self._grad_norms[id(model)] = norm
+            if not torch.isfinite(norm):
+                self._skip_step(model, params)
+                return
         model.step()
+
+    @staticmethod
+    def _skip_step(model, params: list[torch.Tensor]) -> None:
+        """Ends an accumulation window without an update, as DeepSpeed's own optimizers skip an
+        overflowing step: the gradients are dropped (torch's optimizers leave a parameter without
+        one untouched), and the `overflow` flag DeepSpeed reads after `optimizer.step()` makes it
+        count the step as skipped and leave the learning-rate scheduler where it was."""
+        for p in params:
+            p.grad = None
+        optimizer = model.optimizer
+        had_flag = "overflow" in vars(optimizer)
+        previous = getattr(optimizer, "overflow", False)
+        optimizer.overflow = True
+        try:
+            model.step()
+        finally:
+            if had_flag:
+                optimizer.overflow = previous
+            else:
+                del optimizer.overflow
 
     def grad_norm(self, model) -> float | None:
         """The global gradient norm of `model`'s last optimizer step, before clipping (None when

@@ -5,8 +5,9 @@ import math
 
 
 class NonFiniteGuard:
-    """Counts optimizer steps whose loss or gradient norm was not finite (DeepSpeed's ZeRO
-    optimizers skip such updates) and says when `max_in_row` of them came in a row."""
+    """Counts optimizer steps whose loss or gradient norm was not finite (skipped: by DeepSpeed's
+    ZeRO and bf16 optimizers, or by `DeepspeedStrategy.optimizer_step` under ZeRO-0 in fp32) and
+    says when `max_in_row` of them came in a row."""
 
     def __init__(self, max_in_row: int = 3):
         self.max_in_row = max_in_row

@@ -24,7 +24,7 @@ def launch(toy, out: Path, fault: str | None = None, check: bool = True, **overr
 
 
 def actor_weights(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
-    """The actor's full weights in a checkpoint (ZeRO-2 keeps them whole in the model-states file)."""
+    """The actor's full weights in a checkpoint (ZeRO-0 and ZeRO-2 keep them whole in the model-states file)."""
     files = list((ckpt / "_actor" / f"global_step{step}").rglob("mp_rank_00_model_states.pt"))
     assert len(files) == 1, files
     return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
@@ -34,8 +34,10 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(toy, tmp_path):
-    proc = launch(toy, tmp_path, fault="nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4")
+@pytest.mark.parametrize("zero_stage", [2, 0])     # ZeRO-0 in fp32: the strategy skips the step, not DeepSpeed
+def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(toy, tmp_path, zero_stage):
+    proc = launch(toy, tmp_path, fault="nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4",
+                  zero_stage=zero_stage)
     summary = summary_line(proc.stdout)
     assert summary["step"] == 4 and summary["stop_reason"] == "finished"
     scalars = {tag: dict(series) for tag, series in tensorboard_scalars(tmp_path / "tb").items()}

@@ -1,4 +1,5 @@
-"""Gradient clipping under ZeRO-0 in fp32: the strategy's own clipping against DeepSpeed's.
+"""Gradient clipping under ZeRO-0 in fp32: the strategy's own clipping against DeepSpeed's, and the
+step the strategy skips when a gradient is not finite.
 
 Run by tests/strategy/test_optimizer.py with `torchrun --nproc_per_node 2`. Both paths train the same
 tiny model with SGD on the same batches (two micro-batches per optimizer step on each rank, `max_norm`
@@ -6,6 +7,10 @@ small enough that every step clips) and write the final weights and, per rank, t
 of each optimizer step and the all-reduces each optimizer step made. The strategy path also reports
 `strategy.grad_norm`; the DeepSpeed path measures the norm of the averaged gradients itself, in
 float64, right before DeepSpeed clips them.
+
+The `nan` paths (clipping on, and `max_norm` 0) make rank 1's gradient NaN in the second optimizer
+step and record, per step, whether the weights moved, the learning-rate scheduler's position and
+DeepSpeed's count of skipped steps.
 """
 
 import argparse
@@ -37,12 +42,13 @@ class DeepSpeedClips(DeepspeedStrategy):
         super().optimizer_step(optimizer, model, scheduler, name)
 
 
-def train(strategy: DeepspeedStrategy, out: Path, name: str) -> dict:
+def train(strategy: DeepspeedStrategy, out: Path, name: str, nan_step: int | None = None) -> dict:
     tokenizer = build_char_tokenizer()
     model = build_tiny_causal_lm(tokenizer, arch="qwen2", seed=0)
     # Plain SGD: the clip coefficient scales the update itself (Adam would mostly normalise it away).
     optim = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine, optim, _ = strategy.prepare((model, optim, None))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: 1.0)   # constant; counts its steps
+    engine, optim, scheduler = strategy.prepare((model, optim, scheduler))
     calls = []
     original = dist.all_reduce
 
@@ -50,18 +56,25 @@ def train(strategy: DeepspeedStrategy, out: Path, name: str) -> dict:
         calls[-1] += 1
         return original(*args, **kwargs)
 
-    norms = []
+    norms, moved, finite, scheduler_steps, skipped = [], [], [], [], []
     dist.all_reduce = counted
     try:
         for step in range(STEPS):
             calls.append(0)
+            before = [p.detach().clone() for p in engine.module.parameters()]
             for micro in range(2):
                 generator = torch.Generator().manual_seed(100 * step + 10 * strategy.rank + micro)
                 ids = 4 + torch.randint(0, 90, (2, 12), generator=generator)
                 loss = engine(input_ids=ids, labels=ids).loss
+                if step == nan_step and strategy.rank == 1 and micro == 0:
+                    loss = loss * float("nan")      # a NaN gradient on one rank reaches both after the all-reduce
                 strategy.backward(loss, engine, optim)
-                strategy.optimizer_step(optim, engine, None)
+                strategy.optimizer_step(optim, engine, scheduler)
             norms.append(strategy.grad_norm(engine))
+            moved.append(max((p.detach() - b).abs().max().item() for p, b in zip(engine.module.parameters(), before)))
+            finite.append(all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()))
+            scheduler_steps.append(scheduler.last_epoch)
+            skipped.append(engine.skipped_steps)
     finally:
         dist.all_reduce = original
     state = strategy.full_state_dict(engine)        # on rank 0
@@ -69,7 +82,8 @@ def train(strategy: DeepspeedStrategy, out: Path, name: str) -> dict:
         torch.save(state, out / f"{name}.pt")
     return {"name": name, "all_reduces": calls, "grad_norms": norms,
             "reference_norms": getattr(strategy, "reference_norms", None),
-            "ds_gradient_clipping": strategy.get_ds_train_config()["gradient_clipping"]}
+            "ds_gradient_clipping": strategy.get_ds_train_config()["gradient_clipping"],
+            "moved": moved, "finite": finite, "scheduler_steps": scheduler_steps, "skipped_steps": skipped}
 
 
 def main():
@@ -81,7 +95,9 @@ def main():
     ours.setup_distributed()
     theirs = DeepSpeedClips(dataclasses.replace(config))
     theirs.reference_norms = []
-    records = [train(ours, out, "strategy"), train(theirs, out, "deepspeed")]
+    records = [train(ours, out, "strategy"), train(theirs, out, "deepspeed"),
+               train(ours, out, "nan", nan_step=1),
+               train(DeepspeedStrategy(dataclasses.replace(config, max_norm=0.0)), out, "nan_unclipped", nan_step=1)]
     (out / f"clip_rank{ours.rank}.json").write_text(json.dumps(records))
     ours.close()
 

@@ -3,6 +3,7 @@ CPU makes exactly the per-tensor loop's update, and under ZeRO-0 in fp32 the str
 making one all-reduce per optimizer step instead of two."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,25 @@ def test_zero0_clipping_by_the_strategy_equals_deepspeeds(clip_runs):
     # SGD moves each weight by lr x clipped gradient: equal up to rounding. Without clipping, the
     # first step alone would move them ~30x further (norm 1.6 against max_norm 0.05).
     assert moved > 1e-3 and gap < 1e-4 * moved
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["nan", "nan_unclipped"])
+def test_zero0_fp32_skips_a_step_whose_gradient_is_not_finite(clip_runs, name):
+    """Under ZeRO-0 in fp32 DeepSpeed steps the plain torch optimizer, which would write rank 1's NaN
+    gradient into every rank's weights; the strategy skips that step as DeepSpeed's own optimizers do.
+    Both with clipping on and with `max_norm` 0 (no clipping to measure a norm for)."""
+    _, ranks = clip_runs
+    for records in ranks:
+        run = records[name]
+        norms = run["grad_norms"]
+        assert math.isfinite(norms[0]) and math.isnan(norms[1]) and math.isfinite(norms[2])
+        # The skipped step leaves the weights exactly as they were; the steps around it train.
+        assert run["moved"][0] > 1e-3 and run["moved"][1] == 0.0 and run["moved"][2] > 1e-3
+        assert run["finite"] == [True, True, True]
+        # DeepSpeed counts it as skipped and does not advance the learning-rate schedule.
+        assert run["skipped_steps"] == [0, 1, 1]
+        assert run["scheduler_steps"] == [1, 1, 2]
+    # The first step, before the NaN, is the clipped step of the strategy's run to the bit.
+    assert ranks[0]["nan"]["grad_norms"][0] == ranks[0]["strategy"]["grad_norms"][0]
+    assert ranks[0]["nan_unclipped"]["grad_norms"][0] == pytest.approx(ranks[0]["strategy"]["grad_norms"][0], rel=1e-6)
