@@ -8,6 +8,7 @@ the non-finite guard are the run services shared with SFT and RM (`run_services.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Optional, Sequence
@@ -43,6 +44,25 @@ from lightrft.trainer.run_services import CheckpointPart, RunServices
 PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
                   "train_batch_size", "micro_train_batch_size", "policy_loss", "loss_agg_mode",
                   "kl_estimator", "use_kl_loss", "seed", "prompt_data", "recorded_data", "max_epochs")
+
+
+EXTREME_SUFFIXES = ("_max", "_min")
+
+
+def combine_metric(key: str, values: list[float], signed: bool = False) -> float:
+    """Combines one training metric over micro-batches, ranks or optimizer steps: the largest of
+    a `*_max` metric, the smallest of a `*_min` one, the mean of any other. Extremes skip NaN (what
+    a micro-batch with no token to train on reports) and are NaN when nothing is left. `signed`
+    returns an extreme as a value to maximise (`*_min` negated, -inf for none): the form the
+    cross-rank max all-reduce takes."""
+    if not key.endswith(EXTREME_SUFFIXES):
+        return sum(values) / len(values)
+    kept = [v for v in values if not math.isnan(v)]
+    if key.endswith("_max"):
+        best = max(kept, default=float("-inf"))
+        return best if signed or kept else float("nan")
+    best = -min(kept, default=float("inf"))
+    return best if signed else (-best if kept else float("nan"))
 
 
 class GlobalCounts(Mapping):
@@ -388,7 +408,7 @@ class PPOTrainer:
                 step_metrics.append(metrics)
         if not step_metrics:
             return {}
-        return {k: sum(m[k] for m in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        return {k: combine_metric(k, [m[k] for m in step_metrics]) for k in step_metrics[0]}
 
     @torch.no_grad()
     def fill_old_log_probs(self, micro_batches: list[Experience], samples: list[list[Sample]]) -> None:
@@ -488,6 +508,11 @@ class PPOTrainer:
             rollout_log_probs=experience.rollout_log_probs, return_metrics=True, global_num_tokens=counts["tokens"],
             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len)
         metrics["nonfinite_policy_loss"] = (~torch.isfinite(policy_loss.detach())).float()
+        # A micro-batch with no token to train on has no extremes (the loss reports 0 for them):
+        # NaN, which `combine_metric` skips, so they do not pass for the smallest ratio.
+        trains = mask.any()
+        for key in [k for k in metrics if k.endswith(EXTREME_SUFFIXES)]:
+            metrics[key] = torch.where(trains, metrics[key].detach(), float("nan"))
         loss = policy_loss
         if self.algo.use_kl_loss and experience.base_action_log_probs is not None:
             kl = compute_approx_kl(log_probs, experience.base_action_log_probs, mask,
@@ -553,19 +578,25 @@ class PPOTrainer:
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def reduce_pass_metrics(self, steps: list[list[dict]], preempted: bool = False) -> tuple[list[dict[str, float]], bool]:
-        """Averages each optimizer step's micro-batch metrics over its micro-batches and over the
-        ranks, for all the steps of a pass in a single all-reduce (the only host sync of the pass),
-        which also tells whether any rank was `preempted` (asked to stop). Shape: `steps` is
-        (optimizer steps, micro-batches) of dicts of 0-d tensors. Returns (a dict per optimizer
-        step, preempted on any rank)."""
+        """Each optimizer step's micro-batch metrics over its micro-batches and over the ranks, for
+        all the steps of a pass at once: averaged in one all-reduce (the only waited host sync of
+        the pass), which also tells whether any rank was `preempted` (asked to stop); extremes
+        (`*_max`, `*_min`, see `combine_metric`) travel in a max all-reduce in flight beside it.
+        Shape: `steps` is (optimizer steps, micro-batches) of dicts of 0-d tensors. Returns (a dict
+        per optimizer step, preempted on any rank)."""
         keys = sorted(steps[0][0]) if steps and steps[0] else []
-        rows = [torch.stack([torch.stack([m[k].detach().float().cpu() for m in micro]).mean() for k in keys])
-                if keys else torch.zeros(0) for micro in steps]
-        local = torch.stack(rows) if rows else torch.zeros(0, 0)
+        local = torch.tensor([[combine_metric(k, [float(m[k]) for m in micro], signed=True) for k in keys]
+                              for micro in steps], dtype=torch.float64).reshape(len(steps), len(keys))
+        extremes = [j for j, k in enumerate(keys) if k.endswith(EXTREME_SUFFIXES)]
+        pending = self.strategy.start_all_reduce(local[:, extremes], op="max") if extremes else None
         totals = self.strategy.all_reduce_many({"metrics": local, "preempted": torch.tensor([float(preempted)])},
                                                op="sum")
-        means = (totals["metrics"] / self.strategy.world_size).tolist()     # (steps, keys)
-        return [dict(zip(keys, row)) for row in means], bool(totals["preempted"].item() > 0)
+        reduced = totals["metrics"] / self.strategy.world_size     # (steps, keys)
+        if pending is not None:
+            signed = pending.result().to(reduced.dtype)
+            sign = torch.tensor([1.0 if keys[j].endswith("_max") else -1.0 for j in extremes], dtype=reduced.dtype)
+            reduced[:, extremes] = torch.where(torch.isinf(signed), float("nan"), signed * sign)
+        return [dict(zip(keys, row)) for row in reduced.tolist()], bool(totals["preempted"].item() > 0)
 
     @staticmethod
     def _current_lr(scheduler) -> float:

@@ -3,6 +3,7 @@ train_ppo's own wiring: options that must change the update do, and options that
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -404,8 +405,8 @@ def test_eval_on_startup_logs_the_starting_policy_at_step_0(task, tmp_path):
 def test_a_grpo_step_waits_for_three_all_reduces_and_leaves_the_collector_frozen_while_it_trains(task, tmp_path):
     # Two optimizer steps per rollout under ZeRO-0. Waited for: one gradient all-reduce per optimizer
     # step (no second one for the gradient norm) and the pass's metrics with the preemption flag.
-    # In flight while the rank works: the loss normalisers (during the old-log-prob forward) and
-    # the rollout's totals (during training).
+    # In flight while the rank works: the loss normalisers (during the old-log-prob forward), the
+    # rollout's totals (during training) and the metrics' extremes (beside the pass's metrics).
     import gc
 
     import torch.distributed as dist
@@ -437,47 +438,80 @@ def test_a_grpo_step_waits_for_three_all_reduces_and_leaves_the_collector_frozen
                       max_steps=3)
     finally:
         dist.all_reduce = original
-    assert spans.counts[1:] == [{"waited": 3, "in flight": 2}] * 2
+    assert spans.counts[1:] == [{"waited": 3, "in flight": 3}] * 2
     assert min(spans.frozen) > 1000 and gc.get_freeze_count() == 0   # frozen during the run, not after
     # The step's totals carry the reward file's counters: 3 rollouts of 16 samples, no failure.
     assert logs["rollout/reward_source0_samples"] == 48.0
     assert logs["rollout/reward_source0_errors_rate"] == logs["rollout/reward_source0_timeouts_rate"] == 0.0
 
 
-def test_the_metrics_of_a_pass_are_averaged_per_optimizer_step_in_one_all_reduce():
+def test_the_metrics_of_a_pass_are_reduced_per_optimizer_step_in_one_waited_all_reduce():
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
     reduced = []
+    nan = float("nan")
 
     class Recording(OneRank):
         def _reduce(self, tensor, op, wait):
-            reduced.append((tuple(tensor.shape), op))
+            reduced.append((tuple(tensor.shape), op, wait))
             return DeepspeedStrategy._reduce(self, tensor, op, wait)
 
     class TwoRanks(Recording):
-        """A second rank that logged the same metrics and was asked to stop."""
+        """A second rank that logged the same means, other extremes, and was asked to stop."""
         world_size = 2
 
         def _reduce(self, tensor, op, wait):
-            both = tensor * 2           # the other rank's metrics equal this rank's
+            if op == "max":             # its ratio_max / -ratio_min per optimizer step
+                return Recording._reduce(self, torch.maximum(tensor, torch.tensor([[1.375, -0.75], [2.0, -0.5]],
+                                                                                  dtype=tensor.dtype)), op, wait)
+            both = tensor * 2           # the other rank's means equal this rank's
             both[-1] += 1               # the preemption flag travels last; the other rank's is 1
             return Recording._reduce(self, both, op, wait)
+
+    def same(got, want):
+        return got.keys() == want.keys() and all(
+            (math.isnan(got[k]) and math.isnan(want[k])) or got[k] == want[k] for k in want)
 
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.strategy = Recording()
     t = torch.tensor
-    steps = [[{"a": t(1.0), "b": t(2.0)}, {"a": t(3.0), "b": t(6.0)}],        # optimizer step 1: 2 micro-batches
-             [{"a": t(5.0), "b": t(0.0)}, {"a": t(7.0), "b": t(1.0)}]]        # optimizer step 2
-    means = [{"a": 2.0, "b": 4.0}, {"a": 6.0, "b": 0.5}]
-    assert trainer.reduce_pass_metrics(steps) == (means, False)
-    assert trainer.reduce_pass_metrics(steps, preempted=True) == (means, True)
-    # 2x2 metrics and the preemption flag travel together: one collective per pass.
-    assert reduced == [((5,), "sum"), ((5,), "sum")]
+    # Two optimizer steps of two micro-batches. A micro-batch with nothing to train on reports NaN
+    # extremes; in the second step neither micro-batch trains on anything on this rank.
+    steps = [[{"a": t(1.0), "b": t(2.0), "ratio_max": t(1.25), "ratio_min": t(0.875)},
+              {"a": t(3.0), "b": t(6.0), "ratio_max": t(nan), "ratio_min": t(nan)}],
+             [{"a": t(5.0), "b": t(0.0), "ratio_max": t(nan), "ratio_min": t(nan)},
+              {"a": t(7.0), "b": t(1.0), "ratio_max": t(nan), "ratio_min": t(nan)}]]
+    one_rank = [{"a": 2.0, "b": 4.0, "ratio_max": 1.25, "ratio_min": 0.875},
+                {"a": 6.0, "b": 0.5, "ratio_max": nan, "ratio_min": nan}]
+    for preempted in (False, True):
+        metrics, stop = trainer.reduce_pass_metrics(steps, preempted=preempted)
+        assert stop is preempted and all(same(g, w) for g, w in zip(metrics, one_rank)) and len(metrics) == 2
+    # The extremes go first, in flight (a max over the ranks, *_min negated); then the 2x4 metrics
+    # and the preemption flag together, waited: one waited collective per pass.
+    assert reduced == [((2, 2), "max", False), ((9,), "sum", True)] * 2
     trainer.strategy = TwoRanks()      # this rank was not asked to stop, the other one was
-    assert trainer.reduce_pass_metrics(steps) == (means, True)
+    metrics, stop = trainer.reduce_pass_metrics(steps)
+    assert stop is True
+    assert same(metrics[0], {"a": 2.0, "b": 4.0, "ratio_max": 1.375, "ratio_min": 0.75})
+    assert same(metrics[1], {"a": 6.0, "b": 0.5, "ratio_max": 2.0, "ratio_min": 0.5})
     # A pass without optimizer steps still says whether to stop.
     trainer.strategy = Recording()
     assert trainer.reduce_pass_metrics([], preempted=True) == ([], True)
+
+
+def test_metrics_combine_as_means_and_extremes():
+    from lightrft.trainer.ppo_trainer import combine_metric
+
+    nan = float("nan")
+    assert combine_metric("train/policy_loss", [1.0, 2.0, 6.0]) == 3.0
+    assert combine_metric("train/ratio_max", [1.25, nan, 1.5, 0.75]) == 1.5     # not the mean of maxima
+    assert combine_metric("train/ratio_min", [1.25, nan, 1.5, 0.75]) == 0.75
+    assert math.isnan(combine_metric("train/ratio_max", [nan, nan]))
+    assert math.isnan(combine_metric("train/ratio_min", []))
+    # The form the max all-reduce takes: *_min negated, -inf for nothing.
+    assert combine_metric("train/ratio_min", [1.25, 0.75], signed=True) == -0.75
+    assert combine_metric("train/ratio_max", [nan], signed=True) == float("-inf")
+    assert combine_metric("train/ratio_min", [nan], signed=True) == float("-inf")
 
 
 def test_reward_source_failure_rates_are_per_call():
