@@ -332,17 +332,11 @@ class DeepspeedStrategy:
         count the step as skipped and leave the learning-rate scheduler where it was."""
         for p in params:
             p.grad = None
-        optimizer = model.optimizer
-        had_flag = "overflow" in vars(optimizer)
-        previous = getattr(optimizer, "overflow", False)
-        optimizer.overflow = True
+        model.optimizer.overflow = True      # the plain torch optimizer of ZeRO-0 fp32 has no flag of its own
         try:
             model.step()
         finally:
-            if had_flag:
-                optimizer.overflow = previous
-            else:
-                del optimizer.overflow
+            model.optimizer.overflow = False
 
     def grad_norm(self, model) -> float | None:
         """The global gradient norm of `model`'s last optimizer step, before clipping (None when
