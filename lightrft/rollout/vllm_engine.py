@@ -96,10 +96,41 @@ def _quiet_partial_reload():
             logger.setLevel(level)
 
 
-def _reload_on_worker(worker, named_params: list) -> None:
-    """Runs inside the vLLM worker: in-place reload of Hugging Face-named tensors (see module doc)."""
+def _reload_on_worker(worker, named_params: list) -> int:
+    """Runs inside the vLLM worker: in-place reload of Hugging Face-named tensors (see module doc),
+    then `refresh_tied_heads`. Returns how many tied heads were refreshed."""
     with _quiet_partial_reload():
         worker.reload_weights(weights_iterator=named_params, is_checkpoint_format=True)
+    return refresh_tied_heads(worker.get_model(), [name for name, _ in named_params])
+
+
+def refresh_tied_heads(model: torch.nn.Module, loaded_names: Sequence[str]) -> int:
+    """Re-runs the post-load processing of every output layer whose weight is tied to an
+    embedding that `loaded_names` just reloaded, and returns how many it refreshed.
+
+    With tied embeddings (SmolLM2, Qwen2.5-0.5B, Gemma) the LM head and the input embedding are one
+    parameter, which the trainer sends once, under the embedding's name. vLLM's reload skips the
+    head as an alias and, having loaded nothing into it, puts back its previous kernel tensors. On
+    CUDA the head computes logits from the shared parameter itself, so it sees the new values
+    anyway and this call repeats a no-op. On CPU the head computes logits from a oneDNN copy
+    packed at load time (`process_weights_after_loading`): without a refresh the engine would
+    embed with the new weights and sample from the pretrained head."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    loaded = set(loaded_names)
+    owners: dict[int, str] = {}     # id(parameter) -> qualname of the first module holding it
+    refreshed = 0
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, VocabParallelEmbedding) or weight is None:
+            continue
+        qualname = f"{prefix}.weight"
+        owner = owners.setdefault(id(weight), qualname)
+        # Names match where vLLM keeps the Hugging Face layout; a mapped model's names share the tail.
+        if owner != qualname and any(name == owner or name.endswith(owner) or owner.endswith(name) for name in loaded):
+            module.quant_method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
 
 
 class VLLMEngine:

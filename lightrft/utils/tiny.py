@@ -70,8 +70,11 @@ def build_tiny_causal_lm(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    tie_word_embeddings: bool = False,
 ) -> torch.nn.Module:
     """A randomly initialised Qwen2- or Llama-shaped causal LM sized for `tokenizer`, in float32.
+    `tie_word_embeddings=True` shares one matrix between the input embeddings and the LM head,
+    as SmolLM2, Qwen2.5-0.5B and Gemma do.
 
     The weights depend only on `seed` and the sizes, so two calls give identical models."""
     kwargs = dict(
@@ -85,7 +88,7 @@ def build_tiny_causal_lm(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     if arch == "qwen2":
         config, model_cls = Qwen2Config(**kwargs), Qwen2ForCausalLM

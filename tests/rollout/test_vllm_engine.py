@@ -22,6 +22,7 @@ from tests.rollout.contract import (
     RolloutEngineContract,
     build_contract_model,
     greedy_chain,
+    reference_logits,
     response_of,
 )
 
@@ -155,6 +156,58 @@ def test_manager_syncs_a_stale_engine_before_generating(vllm_case):
     finally:
         case.engine.wake_up()
         case.engine.update_weights(case.reference.named_parameters())
+
+
+def sampled_log_prob_gap(engine, model, prompt_ids, seed: int = 3) -> tuple[float, float]:
+    """Mean and max |engine log-prob - model's teacher-forced log-prob| over sampled tokens."""
+    out = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed))
+    a = out.action_mask.size(1)
+    logits = reference_logits(model, out.sequences, out.attention_mask)[:, -a - 1:-1]
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1)
+    gap = (log_probs - out.rollout_log_probs.float()).abs()[out.action_mask.bool()]
+    return gap.mean().item(), gap.max().item()
+
+
+@pytest.fixture(scope="module")
+def tied_vllm_case(tmp_path_factory):
+    """A Llama-shaped model whose LM head is its input embedding (`tie_word_embeddings`)."""
+    path = tmp_path_factory.mktemp("tied_model_0")
+    tokenizer, model = build_contract_model(arch="llama", seed=0, hidden_size=128, tie_word_embeddings=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    engine = VLLMEngine(str(path), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
+                        gpu_memory_utilization=0.3, kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    return EngineCase(engine, model.to(engine_device()), prompt_ids, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+@needs_vllm
+@pytest.mark.parametrize("bucket_mb", [None, 0.3])
+def test_a_tied_lm_head_follows_the_synced_embedding(tied_vllm_case, bucket_mb):
+    """A tied model's parameters name the shared matrix once, as the embedding; the engine's LM
+    head must follow it. Before the fix vLLM-CPU kept sampling from the head packed at load time:
+    the engine's log-probs of another model's weights were off by ~0.3 nats per token."""
+    case = tied_vllm_case
+    _, other = build_contract_model(arch="llama", seed=1, hidden_size=128, tie_word_embeddings=True)
+    other = other.to(engine_device())
+    assert other.lm_head.weight is other.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(other.named_parameters())
+    assert sampled_log_prob_gap(case.engine, case.reference, case.prompt_ids)[0] <= 1e-5
+    strategy = DeepspeedStrategy(StrategyConfig())
+    try:
+        if bucket_mb is None:
+            case.engine.update_weights(other.named_parameters())
+        else:
+            buckets = list(strategy.iter_parameter_buckets(other, bucket_mb))
+            assert len(buckets) > 1
+            for bucket in buckets:
+                case.engine.update_weights(bucket)
+        mean_gap, max_gap = sampled_log_prob_gap(case.engine, other, case.prompt_ids)
+        assert mean_gap <= 1e-5 and max_gap <= 1e-4
+        assert greedy_matches(case.engine, other, case.prompt_ids, case.eos_token_id)
+    finally:
+        case.engine.update_weights(case.reference.named_parameters())
+    assert sampled_log_prob_gap(case.engine, case.reference, case.prompt_ids)[0] <= 1e-5
 
 
 @needs_vllm
