@@ -157,6 +157,8 @@ def _gpt2(ids: dict) -> PretrainedConfig:
 TINY_ARCHS: dict[str, TinyArch] = {arch.name: arch for arch in [
     TinyArch("llama", "Llama", lambda ids: LlamaConfig(**_COMMON, **ids), bos_tokenizer=True,
              features="grouped-query attention, BOS-adding tokenizer"),
+    TinyArch("llama_tied", "Llama, tied embeddings (SmolLM2, Llama 3.2 1B)", lambda ids: LlamaConfig(**_TIED, **ids),
+             bos_tokenizer=True, features="one matrix for the input embeddings and the LM head"),
     TinyArch("qwen2", "Qwen2 / Qwen2.5", lambda ids: Qwen2Config(
         **_COMMON, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=1, **ids),
         features=f"`use_sliding_window`: layer 0 full, layer 1 window {TINY_WINDOW}"),

@@ -32,6 +32,8 @@ class MatrixRow:
 
 MATRIX: list[MatrixRow] = [
     MatrixRow("llama", "LlamaForCausalLM"),
+    MatrixRow("llama_tied", "LlamaForCausalLM",
+              notes="the tied LM head follows every vLLM weight sync (before: vLLM-CPU kept the head it loaded)"),
     MatrixRow("qwen2", "Qwen2ForCausalLM", notes="sliding-window layers (`use_sliding_window`) packed exactly",
               vllm="not supported: vLLM 0.32 refuses a window on some layers only (`max_window_layers` < layers)"),
     MatrixRow("qwen3", "Qwen3ForCausalLM"),

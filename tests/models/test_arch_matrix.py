@@ -247,21 +247,30 @@ def test_first_grpo_step_is_on_policy_for_every_architecture(tmp_path):
 @pytest.mark.parametrize("arch", [row.arch for row in MATRIX if row.vllm == VLLM_MATCHES])
 def test_vllm_log_probs_match_the_trainer(arch, arch_dir):
     """The rollout engine samples from the policy the trainer scores: VLLMEngine's log-probs of its
-    own samples (temperature 1, responses past the sliding windows) equal ActorLanguage's."""
+    own samples (temperature 1, responses past the sliding windows) equal ActorLanguage's, as
+    loaded and after every weight is moved and synced (tied LM heads included: the trainer names
+    a tied matrix once, as the embedding)."""
     from lightrft.rollout import SamplingParams, VLLMEngine
 
     tokenizer = tiny_tokenizer(arch)
     engine = VLLMEngine(str(arch_dir(arch)), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0,
                         dtype="float32", kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
     prompts = [tokenizer.encode(p) for p in ("12+7=", "3+4=", "19+19=", "0+5=")]
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=14, n=2, seed=0))
-    del engine
-    assert out.attention_mask.sum(1).max() > TINY_WINDOW + 8
     actor = ActorLanguage(arch_dir(arch)).eval()
-    with torch.no_grad():
-        trainer = actor(out.sequences, out.action_mask.size(1), attention_mask=out.attention_mask)
-    mask = out.action_mask.bool()
-    torch.testing.assert_close(out.rollout_log_probs[mask], trainer[mask], atol=VLLM_LOGPROB_ATOL, rtol=0)
+    for synced in (False, True):
+        if synced:
+            with torch.no_grad():
+                for param in actor.parameters():
+                    param.add_(0.05 * param.abs().mean() * torch.randn(param.shape,
+                                                                       generator=torch.Generator().manual_seed(2)))
+            engine.update_weights(actor.model.named_parameters())
+        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=14, n=2, seed=0))
+        assert out.attention_mask.sum(1).max() > TINY_WINDOW + 8
+        with torch.no_grad():
+            trainer = actor(out.sequences, out.action_mask.size(1), attention_mask=out.attention_mask)
+        mask = out.action_mask.bool()
+        torch.testing.assert_close(out.rollout_log_probs[mask], trainer[mask], atol=VLLM_LOGPROB_ATOL, rtol=0,
+                                   msg=lambda m: f"{'after a sync' if synced else 'as loaded'}: {m}")
 
 
 def load_doc_generator():
