@@ -1,4 +1,5 @@
-"""Shared test fixtures: a torchrun launcher for multi-rank CPU tests, and the GPU marker gate."""
+"""Shared test fixtures: a torchrun launcher for multi-rank CPU tests, the GPU marker gate, and the
+check that lightrft code raises no FutureWarning or DeprecationWarning (tests/deprecations.py)."""
 
 import json
 import os
@@ -10,7 +11,35 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.deprecations import LightrftDeprecations
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _without_lightrft_deprecations(phase: str, item):
+    """Runs one phase of a test under `LightrftDeprecations`: a FutureWarning or DeprecationWarning
+    raised from lightrft code fails it (tests/deprecations.py)."""
+    with LightrftDeprecations() as check:
+        result = yield
+    if check.found:
+        pytest.fail(f"lightrft code made deprecated calls during {phase} of {item.nodeid}; use the current API:\n  "
+                    + "\n  ".join(dict.fromkeys(check.found)), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _without_lightrft_deprecations("setup", item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _without_lightrft_deprecations("the test", item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from _without_lightrft_deprecations("teardown", item))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ and written column by column, and the sample streams come from one reseeded gene
 """
 
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,27 @@ from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
 
 
+def forward_parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
+    """The parameters of the causal LM's `forward`, looked through a PEFT wrapper (whose own
+    forward takes `**kwargs` and passes them on)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inspect.signature(base.forward).parameters
+
+
+def cache_argument(parameters: Mapping[str, inspect.Parameter]) -> str:
+    """The name under which a forward with these parameters takes and returns its KV cache:
+    `cache` in transformers releases that renamed it (where `past_key_values` is deprecated),
+    `past_key_values` before. Decided once per model from its signature, not per call."""
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 class HFEngine:
     """Batched sampling with a live Hugging Face causal LM.
 
     Args:
         model: a Hugging Face causal LM (or a PEFT wrapper of one) taking `input_ids`,
-            `attention_mask`, `position_ids`, `past_key_values` and `use_cache`.
+            `attention_mask`, `position_ids`, `use_cache` and its KV cache as `cache` or, in
+            transformers releases before that name, `past_key_values` (see `cache_argument`).
         pad_token_id: token written after a response ends.
         eos_token_id: one id or a list of ids that end a response (any of them stops it).
         synced_gpus: keep every rank running forward passes until all ranks have finished. Needed
@@ -60,8 +75,10 @@ class HFEngine:
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.synced_gpus = synced_gpus
         self.micro_batch_size = micro_batch_size
+        parameters = forward_parameters(model)
         # Asking for the last position's logits only keeps the prefill from building (B, T, V) logits.
-        self._keep_last_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._keep_last_logits = "logits_to_keep" in parameters
+        self._cache_name = cache_argument(parameters)
 
     @property
     def device(self) -> torch.device:
@@ -150,14 +167,14 @@ class HFEngine:
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
 
-        logits, past_key_values = self._prefill(input_ids, prompt_mask, position_ids, rows, extra)
+        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra)
         decoded = 0
         for step in range(steps):
             if step > 0:
                 out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
-                                 position_ids=position_ids[:, -1:] + step, past_key_values=past_key_values,
-                                 use_cache=True, **extra)
-                logits, past_key_values = out.logits[:, -1, :], out.past_key_values
+                                 position_ids=position_ids[:, -1:] + step, use_cache=True,
+                                 **{self._cache_name: cache}, **extra)
+                logits, cache = out.logits[:, -1, :], getattr(out, self._cache_name)
             banned = eos if step < params.min_new_tokens else None
             next_tokens, next_log_probs = sample_next_tokens(
                 logits, params.temperature, params.top_k, params.top_p,
@@ -184,8 +201,8 @@ class HFEngine:
             first = first.to(input_ids.device)
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                         past_key_values=None, use_cache=True, **extra)
-        logits, cache = out.logits[:, -1, :], out.past_key_values
+                         use_cache=True, **extra)
+        logits, cache = out.logits[:, -1, :], getattr(out, self._cache_name)
         if dedupe:
             expand = expand.to(logits.device)
             if not hasattr(cache, "batch_select_indices"):

@@ -1,14 +1,17 @@
 """HFEngine: the shared rollout contract plus what is particular to decoding with the live model."""
 
 import copy
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.utils.deprecation import deprecate_kwarg
 
 from lightrft.models import ActorLanguage
 from lightrft.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingParams
 from lightrft.rollout.base import request_seeds_for
-from lightrft.rollout.hf_engine import distinct_rows, left_pad
+from lightrft.rollout.hf_engine import cache_argument, distinct_rows, forward_parameters, left_pad
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.tiny import build_tiny_arch, tiny_tokenizer
@@ -94,6 +97,36 @@ def test_padding_does_not_change_a_prompt_samples(case):
         length = int(alone.response_lengths[0])
         torch.testing.assert_close(alone.rollout_log_probs[0, :length], batched.rollout_log_probs[row, :length],
                                    atol=1e-5, rtol=0)
+
+
+class RenamedCacheLM(torch.nn.Module):
+    """A causal LM with the forward of newer transformers releases: the KV cache is `cache` in and
+    out, and `past_key_values` is a deprecated alias (transformers' own `deprecate_kwarg`, which
+    warns with a FutureWarning)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.inner_name = cache_argument(forward_parameters(lm))
+
+    @deprecate_kwarg("past_key_values", "99.0.0", new_name="cache")
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, use_cache=None,
+                logits_to_keep=0):
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=use_cache, logits_to_keep=logits_to_keep, **{self.inner_name: cache})
+        cache = getattr(out, self.inner_name)
+        return SimpleNamespace(logits=out.logits, cache=cache, past_key_values=cache)  # the old name still reads
+
+
+def test_the_kv_cache_goes_by_the_name_the_forward_takes(case):
+    renamed = HFEngine(RenamedCacheLM(case.engine.model), case.pad_token_id, case.eos_token_id)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)     # the deprecated name is never passed
+        got = renamed.generate(case.prompt_ids, params, seeds=[3, 4, 5])
+    want = case.engine.generate(case.prompt_ids, params, seeds=[3, 4, 5])
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.rollout_log_probs, want.rollout_log_probs, atol=1e-6, rtol=0)
 
 
 def test_rollout_log_probs_equal_the_actor_log_probs():
@@ -239,13 +272,14 @@ def reference_generate(model, prompts: list, sample_seeds: list, params: Samplin
     eos = torch.tensor(eos_token_ids)
     positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
     step_ids, cache = input_ids, None
+    cache_name = cache_argument(forward_parameters(model))
     unfinished = torch.ones(batch, dtype=torch.bool)
     tokens, log_probs, is_action = [], [], []
     with torch.no_grad():
         for step in range(steps):
             out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                        use_cache=True, **{cache_name: cache})
+            cache = getattr(out, cache_name)
             next_tokens, next_log_probs = sample_next_tokens(
                 out.logits[:, -1, :], params.temperature, params.top_k, params.top_p,
                 None if uniforms is None else uniforms[:, step], eos if step < params.min_new_tokens else None)
