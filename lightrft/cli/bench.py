@@ -18,8 +18,9 @@ Each checkpoint is scored with the evaluation train_ppo runs (`lightrft.trainer.
 `eval/reward_greedy`, the mean task reward of greedy decoding, and with --eval_n_samples k > 1,
 `eval/pass@k` (share of prompts with a positive reward among k samples) and `eval/reward_mean`.
 Sampling seeds depend on the --seed and the prompt, not on the checkpoint, so checkpoints are
-compared on the same draws. Writes bench.csv, bench.md and bench.png (x: step) to --output_dir
-(default: --ckpt_path). Runs on one process, or on several under torchrun (prompts are split).
+compared on the same draws. Writes bench.csv, bench.md and bench.png (x: step; the plot needs
+matplotlib: `pip install "lightrft[plot]"`) to --output_dir (default: --ckpt_path). Runs on one
+process, or on several under torchrun (prompts are split).
 """
 
 import argparse
@@ -172,7 +173,10 @@ class Evaluator:
         tokenizer and generation config (for the stop tokens)."""
         from lightrft.cli.train_ppo import stop_token_ids
         from lightrft.datasets import PromptDataset
+        from lightrft.datasets.prompt_dataset import encode_prompts
+        from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
         from lightrft.rollout.hf_engine import HFEngine
+        from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
         from lightrft.trainer.evaluation import evaluate_policy
         from lightrft.trainer.experience_maker import NaiveExperienceMaker
@@ -194,18 +198,23 @@ class Evaluator:
         prompts = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
                                 apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
                                 truncate_long_prompts=args.truncate_long_prompts)
+        fed = None
+        if len(tokenizer) > vocabulary_rows(model):
+            fed = ids_in_data(encode_prompts(tokenizer, [p for p, _ in prompts], args.apply_chat_template),
+                              f"--eval_data {args.eval_data}")
+        try:
+            check_vocabulary(model, tokenizer, source, chat_template=args.apply_chat_template, fed=fed)
+        except ValueError as err:
+            raise CheckpointReadError(str(err)) from err
         dataloader = self.strategy.setup_dataloader(prompts, args.micro_rollout_batch_size, shuffle=False,
                                                     collate_fn=prompts.collate_fn, drop_last=False)
         return evaluate_policy(maker, self.strategy, dataloader, self.generate_kwargs, k=args.eval_n_samples)
 
 
 def write_results(rows: list[dict], output_dir: Path) -> list[Path]:
-    """bench.csv, bench.md (a markdown table) and bench.png (each metric against the step)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """bench.csv, bench.md (a markdown table) and, where matplotlib imports, bench.png (each
+    metric against the step). The tables are written first, so the results are kept when the plot
+    cannot be drawn."""
     from lightrft.utils.trackers import markdown_table
 
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -215,6 +224,16 @@ def write_results(rows: list[dict], output_dir: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows(rows)
     (output_dir / "bench.md").write_text(markdown_table(columns, [list(r.values()) for r in rows]) + "\n")
+    written = [output_dir / "bench.csv", output_dir / "bench.md"]
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"bench: matplotlib is not installed, so no plot ({output_dir / 'bench.png'}); "
+              'pip install "lightrft[plot]" to get it', file=sys.stderr, flush=True)
+        return written
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     metrics = [c for c in columns if c.startswith("eval/")]
     figure, axis = plt.subplots(figsize=(6, 4), dpi=100)
     steps = [r["step"] for r in rows]
@@ -228,7 +247,7 @@ def write_results(rows: list[dict], output_dir: Path) -> list[Path]:
     figure.tight_layout()
     figure.savefig(output_dir / "bench.png")
     plt.close(figure)
-    return [output_dir / name for name in ("bench.csv", "bench.md", "bench.png")]
+    return [*written, output_dir / "bench.png"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -263,12 +282,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for checkpoint in checkpoints:
         # Every rank reads the same files, so a checkpoint fails to load on all ranks alike.
         try:
-            policy = evaluator.load(checkpoint)
+            logs = evaluator.score(*evaluator.load(checkpoint))
         except CheckpointReadError as err:
             skipped.append(str(err))
             strategy.print(f"bench: skipping step {checkpoint.step}: {err}")
             continue
-        logs = evaluator.score(*policy)
         rows.append({"step": checkpoint.step, "checkpoint": str(checkpoint.path), **logs})
         strategy.print(f"bench: step {checkpoint.step} ({checkpoint.path}): "
                        + ", ".join(f"{k} {v:.4f}" for k, v in logs.items()))

@@ -8,6 +8,8 @@ against the final Hugging Face export of the same run."""
 
 import csv
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepsp
 from lightrft.strategy.checkpoint_io import save_checkpoint_dir
 from lightrft.utils.tiny import save_tiny_model
 from lightrft.utils.toy import arithmetic_splits, write_jsonl
+from tests.conftest import REPO_ROOT, subprocess_env
 from tests.trainer import ppo_harness
 from tests.trainer.ppo_harness import LAUNCH_ENV, REWARD_FILE
 
@@ -121,6 +124,40 @@ def test_bench_writes_table_and_plot_for_three_checkpoints(run_folder, capsys):
     image = imread(out / "bench.png")
     assert image.shape[:2] == (400, 600)          # figsize 6 x 4 inches at 100 dpi
     assert image[..., :3].std() > 0.05           # something is drawn
+
+
+# Runs bench in a fresh interpreter where importing matplotlib fails, as after `pip install -e .`.
+WITHOUT_MATPLOTLIB = """
+import sys
+
+class NoMatplotlib:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoMatplotlib())
+from lightrft.cli.bench import main
+main(sys.argv[1:])
+"""
+
+
+def test_bench_without_matplotlib_writes_the_tables_and_says_how_to_get_the_plot(tmp_path, run_folder):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "report"
+    save_tiny_model(ckpt / "global_step3_hf", seed=0)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MATPLOTLIB, "--ckpt_path", str(ckpt), "--eval_data", str(run_folder["eval"]),
+         "--input_key", "input", "--remote_rm_url", str(run_folder["reward"]), "--generate_max_len", "4",
+         "--output_dir", str(out)],
+        cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "bench.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in table] == [3]
+    assert 0 <= float(table[0]["eval/reward_greedy"]) <= 1
+    assert (out / "bench.md").read_text().startswith("| step | checkpoint | eval/reward_greedy |")
+    assert not (out / "bench.png").exists()
+    assert proc.stderr.count('pip install "lightrft[plot]"') == 1
+    assert f"bench: wrote {out / 'bench.csv'}, {out / 'bench.md'}\n" in proc.stdout
 
 
 def test_find_checkpoints_orders_by_step_and_adds_pretrain(run_folder):
