@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from lightrft.models import RewardModel
+    from lightrft.models.vocabulary import check_vocabulary
 
     model = RewardModel(args.reward_pretrain, value_head_prefix=args.value_head_prefix,
                         normalize_reward=args.normalize_reward, bf16=args.bf16,
@@ -195,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.reward_pretrain, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    try:
+        check_vocabulary(model, tokenizer, f"--reward_pretrain {args.reward_pretrain}")
+    except ValueError as err:
+        parser.error(str(err))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardScorer(model, tokenizer, batch_size=args.batch_size, max_len=args.max_len, device=device)
     server = build_server(scorer, args.host, args.port)

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from lightrft.cli.common import announce_config, parse_run_config, run_command
-from lightrft.cli.train_sft import load_tokenizer, run_supervised
+from lightrft.cli.train_sft import check_data_vocabulary, load_tokenizer, run_supervised
 from lightrft.config import RMRunConfig
 
 
@@ -64,6 +64,8 @@ def train(args: RMRunConfig) -> dict:
                             gradient_checkpointing=args.gradient_checkpointing)
 
     train_set, eval_set = build_datasets(args, tokenizer)
+    check_data_vocabulary(args, model, tokenizer, train_set, eval_set,
+                          lambda pair: [pair.chosen_ids.tolist(), pair.rejected_ids.tolist()])
     collate = (train_set.dataset if hasattr(train_set, "indices") else train_set).collate_fn
 
     def store_reward_statistics(trainer, engine, logs):

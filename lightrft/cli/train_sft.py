@@ -6,7 +6,8 @@
 The loss covers response tokens only (prompt tokens are labelled -100). Rows are prompt/response
 pairs (`--input_key`, `--output_key`), or with `--multiturn` whole conversations in `--input_key`
 whose assistant turns are all trained. Evaluation loss comes from `--eval_dataset` or a held-out
-`--eval_split` fraction. The model is exported as a Hugging Face folder to `--save_path` at the end.
+`--eval_split` fraction. `--max_steps N` stops after N optimizer steps (a quick try of a config).
+The model is exported as a Hugging Face folder to `--save_path` at the end.
 """
 
 import argparse
@@ -55,6 +56,22 @@ def build_datasets(args, tokenizer):
     return train_set, eval_set
 
 
+def check_data_vocabulary(args, model, tokenizer, train_set, eval_set, sample_ids) -> None:
+    """`check_vocabulary` for the model of `train_sft` / `train_rm`: the tokens the run feeds it,
+    and the ids of its data sets (`sample_ids(sample)` lists a sample's rows of ids) when the
+    tokenizer is longer than the model's vocabulary."""
+    from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
+
+    fed = None
+    if len(tokenizer) > vocabulary_rows(model):
+        fed = {}
+        for flag, path, data in (("--eval_dataset", args.eval_dataset, eval_set), ("--dataset", args.dataset, train_set)):
+            if data is not None:
+                rows = [ids for sample in data for ids in sample_ids(sample)]
+                fed.update(ids_in_data(rows, f"{flag} {path or args.dataset}"))
+    check_vocabulary(model, tokenizer, f"--pretrain {args.pretrain}", chat_template=args.apply_chat_template, fed=fed)
+
+
 def train(args: SFTRunConfig) -> dict:
     """Builds everything from parsed flags and runs SFT; returns the last logged metrics."""
     from lightrft.models import ActorLanguage
@@ -73,6 +90,7 @@ def train(args: SFTRunConfig) -> dict:
                               packing_samples=args.packing_samples)
 
     train_set, eval_set = build_datasets(args, tokenizer)
+    check_data_vocabulary(args, model, tokenizer, train_set, eval_set, lambda sample: [sample.input_ids.tolist()])
     base = train_set.dataset if hasattr(train_set, "indices") else train_set
     collate = base.packing_collate_fn if args.packing_samples else base.collate_fn
     return run_supervised(args, strategy, model, tokenizer, SFTTrainer, train_set, eval_set, collate)
@@ -82,9 +100,13 @@ def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eva
                    before_export=None) -> dict:
     """The part of `train_sft` and `train_rm` after the model and data exist: optimizer and
     schedule, DeepSpeed engines, tracker, resume, training, Hugging Face export, the summary line.
-    `before_export(trainer, model, logs)` runs after a finished run, before the export."""
+    `before_export(trainer, model, logs)` runs after a finished run (or one --max_steps ended),
+    before the export."""
+    from lightrft.trainer.sft_trainer import supervised_total_steps
+
     dataloader = strategy.setup_dataloader(train_set, args.micro_train_batch_size, shuffle=True, collate_fn=collate)
-    total_steps = max(1, len(train_set) // args.train_batch_size * args.max_epochs)
+    # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
+    total_steps = max(1, supervised_total_steps(len(train_set), args.train_batch_size, args.max_epochs, args.max_steps))
     optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
                                       weight_decay=args.l2)
     scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
@@ -100,7 +122,7 @@ def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eva
         trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader)
     logs = dict(trainer.last_logs)
-    if trainer.stop_reason is None:
+    if trainer.stop_reason in (None, "max_steps"):
         if before_export is not None:
             before_export(trainer, model, logs)
         trainer.export_hf(args.save_path)

@@ -203,6 +203,17 @@ class OpenAIServer:
         with self._counter_lock:
             return mix_seed(self.seed, next(self._counter))
 
+    def check_prompt_ids(self, request: GenerationRequest) -> None:
+        """Refuses a prompt holding a token the served model has no embedding row for (a tokenizer
+        longer than the model's vocabulary is served as long as no request uses the extra ids)."""
+        rows = self.policy.vocab_rows
+        outside = sorted({t for t in request.prompt_token_ids if t >= rows})
+        if outside:
+            tokens = ", ".join(f"{self.tokenizer.convert_ids_to_tokens(t)!r} (id {t})" for t in outside[:5])
+            raise RequestError(f"the prompt holds {tokens}, which this model has no embedding for (its vocabulary is "
+                               f"{rows} tokens, its tokenizer's {len(self.tokenizer)}); leave those tokens out",
+                               "messages" if request.kind == "chat" else "prompt")
+
     def run(self, request: GenerationRequest) -> tuple[str, int, list[Choice]]:
         """Generates the request's choices and records them; returns (response id, policy version, choices)."""
         seed = request.seed if request.seed is not None else self.next_seed()
@@ -321,6 +332,7 @@ def make_handler(api: OpenAIServer) -> type[BaseHTTPRequestHandler]:
                     raise RequestError(f"no POST route {self.path}; use /v1/completions, /v1/chat/completions or "
                                        "/v1/feedback", status=HTTPStatus.NOT_FOUND)
                 request = routes[path](payload, api.tokenizer, api.limits)
+                api.check_prompt_ids(request)
             except RequestError as e:
                 self._error(e)
                 return

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lightrft.models.vocabulary import check_vocabulary
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.serving.records import tokenizer_fingerprint
@@ -72,15 +73,15 @@ class ServedPolicy:
         kwargs = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
                                                      **kwargs).to(self.device).eval()
-        if model.get_input_embeddings().num_embeddings < len(self.tokenizer):
-            raise ValueError(f"{path}: the model's vocabulary ({model.get_input_embeddings().num_embeddings}) is "
-                             f"smaller than the tokenizer's ({len(self.tokenizer)})")
+        # Requests are checked against the rows as they come (OpenAIServer.check_prompt_ids).
+        rows = check_vocabulary(model, self.tokenizer, str(path), chat_template=True)
         if version is None:
             step = export_step(path)
             version = step if step is not None else self.version + 1
         engine = HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids)
         with self._lock:
             self.model, self.engine, self.path, self.version = model, engine, path, version
+            self.vocab_rows = rows
         logger.info("serving %s as policy version %d", path, version)
 
     @torch.no_grad()

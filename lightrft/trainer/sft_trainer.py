@@ -32,6 +32,13 @@ SFT_PINNED_OPTIONS = ("pretrain", "dataset", "input_key", "output_key", "apply_c
                       "lora_rank", "learning_rate", "eval_split")
 
 
+def supervised_total_steps(samples: int, train_batch_size: int, max_epochs: int, max_steps: int = -1) -> int:
+    """Optimizer steps of a supervised run: `max_epochs` passes of `samples // train_batch_size`
+    steps, capped by `max_steps` when it is positive. The LR schedule spans exactly these steps."""
+    steps = samples // train_batch_size * max_epochs
+    return min(steps, max_steps) if max_steps > 0 else steps
+
+
 class SupervisedTrainer:
     """The loop shared by the SFT and reward-model trainers: optimizer steps over groups of GAS
     micro-batches, epochs resumable mid-way, evaluation, logs, checkpoints and preemption.
@@ -68,18 +75,22 @@ class SupervisedTrainer:
 
     # ====================================================================================== fit
     def fit(self, args, train_dataloader) -> None:
-        """Runs `max_epochs` passes over the data, resuming after `self.consumed_samples`."""
+        """Runs `max_epochs` passes over the data, or `--max_steps` optimizer steps when that is
+        fewer, resuming after `self.consumed_samples`. A run cut short by `--max_steps` ends as a
+        finished one does (evaluation, checkpoint) with `stop_reason` "max_steps"."""
         self.args = args
         steps_per_epoch = len(train_dataloader.dataset) // args.train_batch_size
         if steps_per_epoch == 0:
             raise ValueError(f"the training set has {len(train_dataloader.dataset)} samples, fewer than "
                              f"--train_batch_size {args.train_batch_size}; lower --train_batch_size")
-        total_steps = steps_per_epoch * self.max_epochs
+        total_steps = supervised_total_steps(len(train_dataloader.dataset), args.train_batch_size, self.max_epochs,
+                                             getattr(args, "max_steps", -1))
         self.services.start(self)
-        bar = tqdm(total=total_steps, initial=self.global_step, desc=self.progress_desc,
+        bar = tqdm(total=total_steps, initial=min(self.global_step, total_steps), desc=self.progress_desc,
                    disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
+        remaining = max(0, total_steps - self.global_step)
         try:
-            for step_batches in self._step_groups(train_dataloader, steps_per_epoch):
+            for step_batches in itertools.islice(self._step_groups(train_dataloader, steps_per_epoch), remaining):
                 # 1. One optimizer step over GAS micro-batches.
                 started = time.time()
                 logs = self.training_step(step_batches)
@@ -98,6 +109,8 @@ class SupervisedTrainer:
                 if self.stop_reason is not None:
                     self.save_checkpoint(args)
                     break
+            if self.stop_reason is None and total_steps < steps_per_epoch * self.max_epochs:
+                self.stop_reason = "max_steps"
         finally:
             bar.close()
             self.services.stop()
