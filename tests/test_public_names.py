@@ -34,8 +34,10 @@ def test_ppo_trainer_signature_matches_design():
     positional = ["strategy", "actor", "critic", "reward_model", "initial_model", "ema_model", "actor_optim",
                   "critic_optim", "actor_scheduler", "critic_scheduler"]
     assert list(params)[1:11] == positional
-    defaults = dict(ema_beta=0.992, init_kl_coef=0.001, kl_target=None, kl_horizon=10000, ptx_coef=0,
-                    micro_train_batch_size=8, buffer_limit=0, buffer_cpu_offload=True, eps_clip=0.2, value_clip=0.2,
+    # The classic PPO options default to None: they take `algo`'s value, and without `algo` the design's
+    # 0.001, None, 10000, 0, 0.2, 0.2 (tests/trainer/test_trainer_options.py checks the values trained with).
+    defaults = dict(ema_beta=0.992, init_kl_coef=None, kl_target=None, kl_horizon=None, ptx_coef=None,
+                    micro_train_batch_size=8, buffer_limit=0, buffer_cpu_offload=True, eps_clip=None, value_clip=None,
                     micro_rollout_batch_size=8, gradient_checkpointing=False, max_epochs=1, max_norm=1.0,
                     tokenizer=None, prompt_max_len=128, dataloader_pin_memory=True, remote_rm_url=None,
                     reward_fn=None, save_hf_ckpt=False, disable_ds_ckpt=False)

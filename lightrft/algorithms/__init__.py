@@ -1,6 +1,6 @@
 """The math of reinforcement fine-tuning as pure torch functions: masked reductions, KL
 estimators and controllers, advantage estimators, policy and value losses, loss aggregation,
-log-probs and entropies from logits, supervised losses.
+log-probs and entropies from logits, supervised losses, global advantage whitening.
 
 Pluggable axes are registries with one signature each (ADVANTAGE_ESTIMATORS, POLICY_LOSSES,
 KL_ESTIMATORS); `docs/algorithms.md` lists every option with its formula and paper.
@@ -12,6 +12,7 @@ from lightrft.algorithms.advantages import (
     AdvantageEstimator,
     AdvantageInputs,
     AdvantageOutputs,
+    compute_advantages,
     discounted_returns,
     generalized_advantage_estimation,
     get_advantage_estimator,
@@ -27,6 +28,7 @@ from lightrft.algorithms.aggregation import (
     loss_normalizers,
 )
 from lightrft.algorithms.kl import (
+    KL_CLAMPS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -45,6 +47,7 @@ from lightrft.algorithms.policy_loss import (
     register_policy_loss,
 )
 from lightrft.algorithms.value_loss import clipped_value_loss
+from lightrft.algorithms.whitening import whiten, whiten_with_moments, whitening_moments
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -53,6 +56,7 @@ __all__ = [
     "AdvantageInputs",
     "AdvantageOutputs",
     "FixedKLController",
+    "KL_CLAMPS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -60,6 +64,7 @@ __all__ = [
     "aggregate_loss",
     "check_loss_agg_mode",
     "clipped_value_loss",
+    "compute_advantages",
     "compute_approx_kl",
     "discounted_returns",
     "dp_loss_scale",
@@ -84,4 +89,7 @@ __all__ = [
     "sft_token_loss",
     "token_rewards_from_scores",
     "validate_group_size",
+    "whiten",
+    "whiten_with_moments",
+    "whitening_moments",
 ]

@@ -8,7 +8,12 @@ targets only by `gae`).
 
 Estimators flagged `normalize_globally` (gae, reinforce, reinforce_baseline, reinforce++, as in
 OpenRLHF) must then be whitened over the whole global batch across ranks by the caller (the replay
-buffer), with `masked_whiten(advantages, mask, mean=global_mean, var=global_var)`.
+buffer), with `whitening_moments` summed over ranks and `whiten_with_moments`
+(`lightrft.algorithms.whitening`).
+
+Group estimators give exactly 0 to a group whose scores are all equal, in every dtype: the centred
+scores are computed in float64 and set to 0 where a group's max equals its min, so neither a
+rounded mean nor a std of ~1e-8 divided by (std + eps) can turn equal scores into a signal.
 
 Group estimators compare the G samples of one prompt; those samples sit in contiguous rows
 (g*G ... g*G + G - 1), and a batch must hold whole groups.
@@ -30,7 +35,10 @@ class AdvantageInputs:
 
     action_mask: Tensor  # (B, A) 1/True on response tokens
     scores: Tensor  # (B,) one scalar reward per sample
-    token_rewards: Tensor | None = None  # (B, A) KL penalty folded in, score added on the last action token
+    # (B, A) dense per-token rewards (process rewards, per-turn rewards). Estimators that read token
+    # rewards take them as the whole reward r_t; `compute_advantages` first adds the score on the last
+    # action token and the KL penalty to them.
+    token_rewards: Tensor | None = None
     values: Tensor | None = None  # (B, A) critic values V(s_t)
     group_size: int = 1  # G samples per prompt (`--n_samples_per_prompt`)
     gamma: float = 1.0  # discount (`--gamma`)
@@ -53,7 +61,7 @@ class AdvantageInputs:
         if not 0.0 <= self.lambd <= 1.0:
             raise ValueError(f"--lambd must be in [0, 1]; got {self.lambd}")
         if not self.eps > 0.0:
-            raise ValueError(f"eps must be > 0 (it keeps groups of equal scores at advantage 0); got {self.eps}")
+            raise ValueError(f"eps must be > 0 (it bounds nearly equal groups' advantages); got {self.eps}")
 
 
 @dataclass
@@ -198,8 +206,21 @@ def _groups(inp: AdvantageInputs, name: str) -> Tensor:
     return scores.reshape(-1, inp.group_size)  # (B, ) -> (B / G, G)
 
 
+def _centred(groups: Tensor) -> Tensor:
+    """s_i - mean_g in float64, exactly 0 in a group whose scores are all equal: a mean rounded in
+    the scores' dtype (float32 0.7 x 8 is one ulp off) must not become a signal.
+    Shape: (B / G, G) -> (B / G, G) float64."""
+    wide = groups.double()
+    centred = wide - wide.mean(-1, keepdim=True)
+    equal = groups.amax(-1, keepdim=True) == groups.amin(-1, keepdim=True)  # (B / G, 1)
+    return torch.where(equal, torch.zeros((), dtype=wide.dtype, device=wide.device), centred)
+
+
 def _sequence_level(per_sample: Tensor, inp: AdvantageInputs) -> AdvantageOutputs:
-    """Broadcasts one advantage per sample (B / G, G) or (B,) over its action tokens (B, A)."""
+    """Broadcasts one advantage per sample (B / G, G) or (B,) over its action tokens (B, A), in the
+    dtype of the scores."""
+    dtype = inp.scores.dtype if inp.scores.is_floating_point() else torch.get_default_dtype()
+    per_sample = per_sample.to(dtype)
     advantages = fill_masked(per_sample.reshape(-1, 1).expand(inp.action_mask.shape), inp.action_mask)
     return AdvantageOutputs(advantages=advantages, returns=advantages)
 
@@ -224,11 +245,13 @@ def gae(inp: AdvantageInputs) -> AdvantageOutputs:
 @register_advantage_estimator("group_norm", group=True)
 def group_norm(inp: AdvantageInputs) -> AdvantageOutputs:
     """GRPO (Shao et al. 2024, DeepSeekMath, section 4.1.2): A_i = (s_i - mean_g) / (std_g + eps)
-    with the unbiased (n - 1) sample std of the prompt's G scores, as `torch.std` computes it.
-    A group of equal scores gives A = 0."""
+    with the unbiased (n - 1) sample std of the prompt's G scores, as `torch.std` computes it,
+    eps = 1e-6 (verl's epsilon; OpenRLHF adds 1e-9). Computed in float64; a group of equal scores
+    gives exactly A = 0 in any dtype (module docstring)."""
     groups = _groups(inp, "group_norm")
-    centred = groups - groups.mean(-1, keepdim=True)
-    return _sequence_level(centred / (groups.std(-1, keepdim=True) + inp.eps), inp)
+    centred = _centred(groups)
+    std = centred.square().sum(-1, keepdim=True).div(inp.group_size - 1).sqrt()
+    return _sequence_level(centred / (std + inp.eps), inp)
 
 
 @register_advantage_estimator("dr_grpo", group=True)
@@ -236,17 +259,17 @@ def dr_grpo(inp: AdvantageInputs) -> AdvantageOutputs:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783):
     A_i = s_i - mean_g, without dividing by the group std (which favours easy and hard prompts)."""
     groups = _groups(inp, "dr_grpo")
-    return _sequence_level(groups - groups.mean(-1, keepdim=True), inp)
+    return _sequence_level(_centred(groups), inp)
 
 
 @register_advantage_estimator("rloo", group=True)
 def rloo(inp: AdvantageInputs) -> AdvantageOutputs:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740): leave-one-out
-    baseline A_i = s_i - (1 / (G - 1)) sum_{j != i} s_j = G / (G - 1) * (s_i - mean_g)."""
+    baseline A_i = s_i - (1 / (G - 1)) sum_{j != i} s_j = G / (G - 1) * (s_i - mean_g), computed in
+    the second form (exactly 0 for a group of equal scores)."""
     groups = _groups(inp, "rloo")
     G = inp.group_size
-    leave_one_out_mean = (groups.sum(-1, keepdim=True) - groups) / (G - 1)
-    return _sequence_level(groups - leave_one_out_mean, inp)
+    return _sequence_level(_centred(groups) * (G / (G - 1)), inp)
 
 
 @register_advantage_estimator("reinforce", normalize_globally=True, uses_token_rewards=True)
@@ -264,7 +287,7 @@ def reinforce_baseline(inp: AdvantageInputs) -> AdvantageOutputs:
     whitened over the global batch by the caller. Reads scores only: put the KL penalty in the
     loss (`--use_kl_loss`)."""
     groups = _groups(inp, "reinforce_baseline")
-    return _sequence_level(groups - groups.mean(-1, keepdim=True), inp)
+    return _sequence_level(_centred(groups), inp)
 
 
 @register_advantage_estimator("reinforce++", normalize_globally=True, uses_token_rewards=True)
@@ -297,8 +320,23 @@ def compute_advantages(estimator: AdvantageEstimator, inp: AdvantageInputs, kl: 
     """Runs `estimator` with the KL penalty in the reward wherever it belongs: folded into the
     per-token rewards for estimators that read them (gae, reinforce, reinforce++), added to the
     sequence advantages for those that read only scores. `kl_coef = 0` (or `kl=None`) means no
-    penalty. Shape: kl (B, A) like `inp.action_mask`."""
+    penalty. This is what the experience maker calls.
+
+    Dense rewards in `inp.token_rewards` (process or per-turn rewards) are added to the per-token
+    rewards: r_t = token_rewards_t - kl_coef * KL_t, plus the score on the last action token.
+    Estimators that read only the scores cannot use them and refuse them.
+    Shape: kl (B, A) like `inp.action_mask`."""
     if estimator.uses_token_rewards:
         token_rewards = token_rewards_from_scores(inp.scores, inp.action_mask, kl, kl_coef)
+        if inp.token_rewards is not None:
+            dense = fill_masked(inp.token_rewards, as_bool_mask(inp.action_mask, inp.token_rewards))
+            token_rewards = token_rewards + dense.to(token_rewards.dtype)
         return estimator.fn(replace(inp, token_rewards=token_rewards))
+    if inp.token_rewards is not None:
+        readers = ", ".join(n for n, e in sorted(ADVANTAGE_ESTIMATORS.items()) if e.uses_token_rewards)
+        raise ValueError(
+            f"--advantage_estimator {estimator.name} reads one score per sample and would drop the dense "
+            f"per-token rewards passed in AdvantageInputs.token_rewards; use an estimator that reads them "
+            f"({readers}), or add them into the sample's score"
+        )
     return sequence_advantages_with_kl(estimator.fn(inp), kl, inp.action_mask, kl_coef, inp.gamma)

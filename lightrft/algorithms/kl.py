@@ -9,10 +9,25 @@ d = log pi(y_t) - log pi_ref(y_t) of tokens sampled from pi, estimating KL(pi ||
     k3 = exp(-d) - 1 + d         unbiased, low variance, always >= 0 (r - 1 - log r with
                                  r = pi_ref / pi = exp(-d))
 
-d is clamped to [-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP] = [-10, 10] before the estimator: a
-per-token log-ratio of 10 means the probabilities differ by e^10 ~ 2.2e4, where exp(-d) in k3
-overflows half precision and a single token would dominate the batch. Beyond the clamp the
-gradient is 0.
+Clamps (`KL_CLAMPS`, `--kl_clamp`), all bounding one token's estimate to [-10, 10] except
+`log_ratio`:
+
+    scale       (default) the value is clamped to [-10, 10] as verl and OpenRLHF do, and where it is
+                clamped the gradient is the estimator's, scaled by the same factor 10 / |k|: the most
+                drifted tokens keep a bounded gradient that points back towards the reference
+                (k3 at d = -5: value 10, gradient -10.35) instead of none.
+    estimate    the value is clamped to [-10, 10] and the gradient is 0 beyond it: verl's
+                `low_var_kl` (k3 only) and OpenRLHF's `compute_approx_kl` (k1, k2, k3). For k3 this
+                drops the gradient of every token with pi_ref / pi > 13.6 (d < -2.61).
+    log_ratio   d is clamped to [-10, 10] before the estimator: k3 reaches exp(10) - 11 = 22015 at
+                d = -10, so one token can dominate a batch; the gradient is 0 beyond |d| = 10.
+
+In every mode d is first clamped to [-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP] = [-20, 20] (verl's
+numerical guard), so exp(-d) stays finite in float32. Values at d = -10, -5, 0, 5, 10 (docs/algorithms.md):
+
+    k1  scale, estimate, log_ratio:  -10, -5, 0, 5, 10
+    k2  scale, estimate:              10, 10, 0, 10, 10      log_ratio: 50, 12.5, 0, 12.5, 50
+    k3  scale, estimate:              10, 10, 0, 4.0067, 9.0000   log_ratio: 22015.5, 142.41, 0, 4.0067, 9.0000
 """
 
 from collections.abc import Callable
@@ -23,7 +38,9 @@ from torch import Tensor
 from lightrft.algorithms.checks import check_same_shape
 from lightrft.algorithms.masked import fill_masked
 
-KL_LOG_RATIO_CLAMP = 10.0
+KL_LOG_RATIO_CLAMP = 20.0  # |d| bound of every mode (exp(-d) finite); `log_ratio` clamps d to KL_VALUE_CLAMP
+KL_VALUE_CLAMP = 10.0  # |estimate| bound of `scale` and `estimate`; |d| bound of `log_ratio`
+KL_CLAMPS = ("scale", "estimate", "log_ratio")
 
 KLEstimatorFn = Callable[[Tensor], Tensor]
 
@@ -73,17 +90,28 @@ def compute_approx_kl(
     base_log_probs: Tensor,
     action_mask: Tensor | None = None,
     kl_estimator: str = "k1",
+    clamp: str = "scale",
 ) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
 
-    d = clamp(log_probs - base_log_probs, -10, 10), then k1/k2/k3 (module docstring); positions
-    outside action_mask are 0. Differentiable in both inputs (use it as a KL loss as well).
+    d = log_probs - base_log_probs, then k1/k2/k3 bounded as `clamp` says (module docstring:
+    `scale`, `estimate` or `log_ratio`); positions outside action_mask are 0. Differentiable in
+    both inputs (use it as a KL loss as well).
     Shape: log_probs, base_log_probs, action_mask (B, A) -> (B, A)."""
     check_same_shape("log_probs", log_probs, base_log_probs=base_log_probs, action_mask=action_mask)
     estimator = get_kl_estimator(kl_estimator)
+    if clamp not in KL_CLAMPS:
+        raise ValueError(f"unknown --kl_clamp {clamp!r}; choose one of: {', '.join(KL_CLAMPS)}")
     log_ratio = fill_masked(log_probs, action_mask) - fill_masked(base_log_probs, action_mask)
-    log_ratio = log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-    return fill_masked(estimator(log_ratio), action_mask)
+    bound = KL_VALUE_CLAMP if clamp == "log_ratio" else KL_LOG_RATIO_CLAMP
+    estimate = estimator(log_ratio.clamp(-bound, bound))
+    if clamp == "estimate":
+        estimate = estimate.clamp(-KL_VALUE_CLAMP, KL_VALUE_CLAMP)
+    elif clamp == "scale":
+        # k * sg[min(1, 10 / |k|)]: the value of the clamp, the gradient of k shrunk by the same factor.
+        factor = (KL_VALUE_CLAMP / estimate.detach().abs().clamp(min=KL_VALUE_CLAMP))
+        estimate = estimate * factor
+    return fill_masked(estimate, action_mask)
 
 
 class FixedKLController:

@@ -51,11 +51,14 @@ def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -
     return masked_sum(x, keep, dim) / count.clamp(min=1).to(x.dtype)
 
 
-def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True, dim: int | None = None) -> Tensor:
+def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = False, dim: int | None = None) -> Tensor:
     """variance of x over the kept positions.
 
-    unbiased=True divides the squared deviations by (n - 1) (Bessel), else by n. Fewer than two
-    kept values (one for unbiased=False: none) give 0 rather than NaN.
+    The default is the population variance (divide the squared deviations by n), the one that
+    `masked_whiten` and the global whitening of advantages use, as OpenRLHF does (verl's
+    `masked_var` defaults to the unbiased one; group_norm's group std is unbiased, as in GRPO).
+    unbiased=True divides by (n - 1) (Bessel). Nothing kept (fewer than two values for
+    unbiased=True) gives 0 rather than NaN.
     Shape: x, mask (..., ) -> scalar (dim=None) or x with `dim` reduced."""
     x = _floating(x)
     keep = as_bool_mask(mask, x)

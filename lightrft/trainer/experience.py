@@ -6,8 +6,12 @@ layouts that share the per-action tensors exactly:
   positions are the action slots, so `sequences[:, -A:]` are the responses.
 - packed: `sequences` (1, P), the real tokens of B sequences concatenated with no padding,
   `packed_seq_lens` their B lengths and `num_actions` their B response lengths.
-In both, per-action tensors are (B, A) with each row's actions left-aligned and zero-padded on
-the right, and `action_mask` (B, A) marks the real ones.
+In both, per-action tensors are (B, A) with each row's response positions left-aligned and
+zero-padded on the right. `action_mask` (B, A) is the per-token loss mask: it marks the response
+tokens that are the policy's and train. It may have holes (tool or environment output between two
+assistant turns): those positions are real tokens, attended to and kept in place, that neither
+train nor enter the advantages and the KL. The response layout (which slots hold tokens) is the
+attention mask's, separate from it.
 """
 
 from dataclasses import dataclass, field, fields, replace
@@ -24,7 +28,7 @@ PER_ACTION_FIELDS = ("action_log_probs", "base_action_log_probs", "rollout_log_p
 class Experience:
     sequences: Tensor                       # (B, T) padded or (1, P) packed
     attention_mask: Optional[Tensor]        # (B, T) padded; None when packed
-    action_mask: Tensor                     # (B, A) bool
+    action_mask: Tensor                     # (B, A) bool per-token loss mask over the response slots (may have holes)
     num_actions: int | list[int]            # A when padded; B response lengths when packed
     packed_seq_lens: Optional[list[int]]    # B sequence lengths when packed, else None
     action_log_probs: Optional[Tensor]      # (B, A) policy log-probs at rollout time ("old"); None when the
@@ -64,28 +68,42 @@ class Sample:
     """One sequence of an Experience without padding: what the replay buffer stores."""
 
     sequence: Tensor                 # (L,) prompt + response tokens, no padding
-    num_actions: int                 # response length A_i (the last A_i tokens of `sequence`)
+    num_actions: int                 # response length A_i (the last A_i tokens of `sequence`), every
+                                     # response position up to the last trained one kept in place
+    action_mask: Tensor              # (A_i,) bool per-token loss mask: False on response tokens that do
+                                     # not train (tool or environment output between turns)
     per_action: dict[str, Tensor]    # each (A_i,): action_log_probs, advantages, returns, ...
     info: dict[str, Tensor]          # each a 0-d tensor
 
 
+def response_lengths(exp: Experience) -> Tensor:
+    """Per row of a padded Experience, the number of response slots to keep: up to the last slot
+    that is attended to or trains, so holes in `action_mask` stay in place. Shape: (B,)."""
+    num_actions = exp.action_mask.size(1)
+    occupied = exp.action_mask.bool() | exp.attention_mask[:, exp.attention_mask.size(1) - num_actions:].bool()
+    slot = torch.arange(1, num_actions + 1, device=occupied.device)                              # (A,)
+    return (occupied * slot).amax(dim=1) if num_actions else occupied.new_zeros(occupied.size(0), dtype=torch.long)
+
+
 def split_experience(exp: Experience) -> list[Sample]:
     """Splits a padded Experience into unpadded Samples (one per row): row i keeps its real prompt
-    tokens and the first `action_mask[i].sum()` action slots. The Samples' tensors are views of a
-    few flat tensors (one gather per field), not per-row copies."""
+    tokens and its response slots up to the last one attended to or trained (`response_lengths`),
+    holes included, with its loss mask `action_mask[i]` over them. The Samples' tensors are views
+    of a few flat tensors (one gather per field), not per-row copies."""
     if exp.packed_seq_lens is not None:
         raise ValueError("split_experience takes a padded Experience; this one is packed")
     num_actions = exp.action_mask.size(1)
-    response_lens = exp.action_mask.sum(dim=1)
+    response_lens = response_lengths(exp)                                                          # (B,)
     kept = torch.arange(num_actions, device=response_lens.device) < response_lens.unsqueeze(1)   # (B, A)
-    prompt_mask = exp.attention_mask[:, :-num_actions].bool()
+    prompt_mask = exp.attention_mask[:, :exp.attention_mask.size(1) - num_actions].bool()
     tokens = torch.cat([prompt_mask, kept], dim=1)                                                # (B, T)
     lens = response_lens.tolist()
     sequences = exp.sequences[tokens].split(tokens.sum(dim=1).tolist())
+    masks = exp.action_mask.bool()[kept].split(lens)
     per_action = {name: getattr(exp, name)[kept].split(lens) for name in PER_ACTION_FIELDS
                   if getattr(exp, name) is not None}
     info = {k: v.unbind(0) for k, v in exp.info.items()}
-    return [Sample(sequence=sequences[i], num_actions=int(a_i),
+    return [Sample(sequence=sequences[i], num_actions=int(a_i), action_mask=masks[i],
                    per_action={name: rows[i] for name, rows in per_action.items()},
                    info={k: rows[i] for k, rows in info.items()})
             for i, a_i in enumerate(lens)]
@@ -101,13 +119,16 @@ def _left_aligned(rows: list[Tensor], mask: Tensor) -> Tensor:
 
 
 def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> Experience:
-    """Builds an Experience from Samples, padded or packed; per-action tensors are identical."""
+    """Builds an Experience from Samples, padded or packed; per-action tensors are identical. The
+    samples' loss masks become `action_mask` (holes kept); every response slot of a sample is
+    attended to."""
     num_actions = [s.num_actions for s in samples]
     width = max(max(num_actions), 1)
     device = samples[0].sequence.device
     actions = torch.tensor(num_actions, device=device)
-    action_mask = torch.arange(width, device=device) < actions.unsqueeze(1)                    # (B, A)
-    per_action = {name: _left_aligned([s.per_action[name] for s in samples], action_mask)
+    slots = torch.arange(width, device=device) < actions.unsqueeze(1)                          # (B, A) layout
+    action_mask = _left_aligned([s.action_mask.bool() for s in samples], slots)                # (B, A) loss mask
+    per_action = {name: _left_aligned([s.per_action[name] for s in samples], slots)
                   for name in PER_ACTION_FIELDS if name in samples[0].per_action}
     per_action.setdefault("action_log_probs", None)
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}

@@ -49,7 +49,7 @@ class NaiveExperienceMaker:
                  kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
                  rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
                  kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
-                 lambd: float = AlgorithmConfig.lambd,
+                 lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
                  micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size, reward_sources: Sequence = (),
                  overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
                  apply_chat_template: bool = False, mask_truncated_samples: bool = False,
@@ -67,7 +67,7 @@ class NaiveExperienceMaker:
         self.engine = rollout_engine
         self.estimator = get_advantage_estimator(advantage_estimator)
         self.n_samples_per_prompt = n_samples_per_prompt
-        self.kl_estimator = kl_estimator
+        self.kl_estimator, self.kl_clamp = kl_estimator, kl_clamp
         self.use_kl_loss = use_kl_loss
         self.gamma = gamma
         self.lambd = lambd
@@ -264,7 +264,7 @@ class NaiveExperienceMaker:
 
         kl = None
         if base_log_probs is not None:
-            kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, kl_estimator=self.kl_estimator)
+            kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, self.kl_estimator, self.kl_clamp)
         # The KL penalty enters the advantages (per token, before the returns) unless it is a loss term.
         kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
         outputs = self.advantages(AdvantageInputs(action_mask=mask_f, scores=scores, values=values, group_size=n,

@@ -2,7 +2,7 @@
 
 import torch
 
-from lightrft.algorithms.masked import masked_whiten
+from lightrft.algorithms.whitening import WHITEN_EPS, whiten_with_moments, whitening_moments
 from lightrft.trainer.experience import Experience, Sample, collate_samples, split_experience
 
 
@@ -41,23 +41,21 @@ class NaiveReplayBuffer(torch.utils.data.Dataset):
     def collate_fn(self, batch: list[Sample]) -> Experience:
         return collate_samples(batch, self.pad_token_id, self.packing_samples)
 
-    def normalize(self, key: str, strategy, eps: float = 1e-8) -> None:
-        """Whitens `key` (e.g. "advantages") over the action tokens of every rank's buffer:
-        x <- (x - mean) / sqrt(var + eps), mean and var over the global batch (one all-reduce).
-        Samples marked invalid (dropped, filler or masked out) neither enter the statistics nor
-        get whitened: they stay at 0 and train on nothing."""
+    def normalize(self, key: str, strategy, eps: float = WHITEN_EPS) -> None:
+        """Whitens `key` (e.g. "advantages") over the trained tokens of every rank's buffer:
+        x <- (x - mean) / sqrt(var + eps), mean and population var over the global batch
+        (`lightrft.algorithms.whitening`; the moments take one all-reduce). Tokens outside a
+        sample's loss mask and samples marked invalid (dropped, filler or masked out) neither enter
+        the statistics nor get whitened: they stay at 0 and train on nothing."""
         trained = [item for item in self.items if self._trains(item)]
         rows = [item.per_action[key] for item in trained]
-        values = torch.cat(rows or [torch.zeros(0)]).double()
-        stats = torch.stack([values.sum(), values.square().sum(), torch.tensor(float(values.numel()))])
-        stats = strategy.all_reduce(stats, op="sum")
-        total, total_sq, count = stats.tolist()
-        if count == 0 or not rows:      # nothing trains here (other ranks may still whiten theirs)
+        values = torch.cat(rows or [torch.zeros(0)])
+        mask = torch.cat([item.action_mask for item in trained] or [torch.zeros(0, dtype=torch.bool)])
+        moments = strategy.all_reduce(whitening_moments(values, mask), op="sum")
+        if not rows:      # nothing trains here (other ranks may still whiten theirs)
             return
-        mean = total / count
-        var = max(total_sq / count - mean * mean, 0.0)
         # Elementwise, so whitening all rows at once gives each row exactly its own result.
-        whitened = masked_whiten(values, None, eps=eps, mean=mean, var=var).to(rows[0].dtype)
+        whitened = whiten_with_moments(values, mask, moments, eps)
         for item, row in zip(trained, whitened.split([r.numel() for r in rows])):
             item.per_action[key] = row
 

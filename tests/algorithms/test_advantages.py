@@ -108,11 +108,11 @@ def test_group_estimators_by_hand(name):
 
 
 def test_group_norm_eps_keeps_equal_groups_at_zero():
-    # 0.1 is not exact in binary: the group mean differs from 0.1 by rounding and the std is ~1e-17,
-    # so the eps in the denominator is what keeps these advantages at ~0 instead of O(1) noise
+    # 0.1 is not exact in binary: a mean rounded in the scores' dtype would differ from 0.1 and the
+    # std would be ~1e-17; equal groups are set to exactly 0
     scores = t([0.1, 0.1, 0.1, 0.7, 0.7, 0.7])
     out = run("group_norm", action_mask=torch.ones(6, 2), scores=scores, group_size=3)
-    assert out.advantages.abs().max() < 1e-9
+    assert torch.equal(out.advantages, torch.zeros(6, 2, dtype=F64))
     with pytest.raises(ValueError, match="eps must be > 0"):
         AdvantageInputs(action_mask=MASK, scores=SCORES, eps=0.0)
 
@@ -309,3 +309,66 @@ def test_token_reward_estimators_fold_the_kl_into_their_rewards():
     out = compute_advantages(ADVANTAGE_ESTIMATORS["reinforce++"], inp, kl=kl, kl_coef=0.5)
     # r = (-0.2, 1 - 0.1): returns G_0 = 0.7, G_1 = 0.9.
     assert torch.allclose(out.advantages, t([[0.7, 0.9]]), atol=1e-6)
+
+
+# ---------- groups of equal scores ----------
+
+GROUP_ESTIMATORS = ["group_norm", "dr_grpo", "rloo", "reinforce_baseline"]
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_group_of_equal_scores_gets_exactly_zero(name, dtype):
+    # float32 0.7 x 8 has a mean one ulp off and a std of ~1e-8: (s - mean) / (std + 1e-6) was 0.056
+    for G in range(2, 17):
+        for score in (0.1, 0.3, 0.7, 1 / 3):
+            scores = torch.full((2 * G,), score, dtype=dtype)
+            scores[G:] = 2 * score          # a second, different constant group
+            out = run(name, action_mask=torch.ones(2 * G, 3), scores=scores, group_size=G)
+            assert out.advantages.dtype == dtype
+            assert torch.equal(out.advantages, torch.zeros(2 * G, 3, dtype=dtype)), (G, score)
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_other_groups_still_match_the_float64_reference(name, dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    for G in (2, 5, 8, 16):
+        scores = torch.rand(4 * G, generator=gen, dtype=F64).to(dtype)
+        scores[:G] = scores[0]                          # one degenerate group among them
+        got = run(name, action_mask=torch.ones(4 * G, 1), scores=scores, group_size=G).advantages[:, 0]
+        want = loop_group(scores.double(), G, name)
+        want[:G] = 0.0
+        torch.testing.assert_close(got.double(), want.to(F64), rtol=tol, atol=tol)
+
+
+# ---------- dense per-token rewards ----------
+
+
+def test_compute_advantages_adds_dense_token_rewards_to_the_score_and_the_kl():
+    import lightrft.algorithms
+
+    assert lightrft.algorithms.compute_advantages is compute_advantages
+    mask = torch.tensor([[1.0, 1.0, 1.0]], dtype=F64)
+    dense = t([[0.5, 0.0, 0.25]])           # e.g. process rewards per step
+    kl = t([[0.2, 0.4, 0.6]])
+    inp = AdvantageInputs(action_mask=mask, scores=t([1.0]), token_rewards=dense, gamma=1.0)
+    out = compute_advantages(ADVANTAGE_ESTIMATORS["reinforce++"], inp, kl=kl, kl_coef=0.5)
+    # r = dense - 0.5 * kl + score on the last token = (0.4, -0.2, 0.25 - 0.3 + 1 = 0.95)
+    # returns (gamma = 1): 0.4 - 0.2 + 0.95 = 1.15, -0.2 + 0.95 = 0.75, 0.95
+    torch.testing.assert_close(out.advantages, t([[1.15, 0.75, 0.95]]))
+    # gae with zero values and lambda = 1 gives the same returns
+    gae_inp = AdvantageInputs(action_mask=mask, scores=t([1.0]), token_rewards=dense,
+                              values=torch.zeros(1, 3, dtype=F64), gamma=1.0, lambd=1.0)
+    torch.testing.assert_close(compute_advantages(ADVANTAGE_ESTIMATORS["gae"], gae_inp, kl=kl, kl_coef=0.5).advantages,
+                               t([[1.15, 0.75, 0.95]]))
+
+
+@pytest.mark.parametrize("name", GROUP_ESTIMATORS)
+def test_estimators_reading_scores_refuse_dense_token_rewards(name):
+    inp = AdvantageInputs(action_mask=torch.ones(2, 2), scores=t([1.0, 0.0]), token_rewards=torch.ones(2, 2),
+                          group_size=2)
+    readers = r"\(gae, reinforce, reinforce\+\+\)"
+    with pytest.raises(ValueError, match=rf"--advantage_estimator {name} reads one score per sample.*"
+                                         rf"token_rewards; use an estimator that reads them {readers}"):
+        compute_advantages(ADVANTAGE_ESTIMATORS[name], inp)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightrft.algorithms.kl import (
+    KL_CLAMPS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -12,7 +13,7 @@ from lightrft.algorithms.kl import (
 )
 
 F64 = torch.float64
-# d = log_probs - base = [0.5, -0.5, 0, 12 -> clamped to 10]
+# d = log_probs - base = [0.5, -0.5, 0, 12]; the default clamp bounds each estimate to [-10, 10]
 LOG_PROBS = torch.tensor([[0.5, -0.2, 0.0, 3.0]], dtype=F64)
 BASE = torch.tensor([[0.0, 0.3, 0.0, -9.0]], dtype=F64)
 
@@ -21,14 +22,59 @@ BASE = torch.tensor([[0.0, 0.3, 0.0, -9.0]], dtype=F64)
     "name, expected",
     [
         ("k1", [0.5, -0.5, 0.0, 10.0]),
-        ("k2", [0.5**2 / 2, 0.5**2 / 2, 0.0, 10.0**2 / 2]),
-        # exp(-d) - 1 + d
-        ("k3", [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0, math.exp(-10) + 9]),
+        ("k2", [0.5**2 / 2, 0.5**2 / 2, 0.0, 10.0]),  # 12^2 / 2 = 72 -> 10
+        # exp(-d) - 1 + d; 11.000006 at d = 12 -> 10
+        ("k3", [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0, 10.0]),
     ],
 )
 def test_estimators_by_hand(name, expected):
     out = compute_approx_kl(LOG_PROBS, BASE, kl_estimator=name)
     torch.testing.assert_close(out, torch.tensor([expected], dtype=F64))
+
+
+# Values and gradients d/dd at d = -10, -5, 0, 5, 10 for every clamp, written out by hand
+# (the table of docs/algorithms.md). k3 = e^-d - 1 + d, k3' = 1 - e^-d; k2 = d^2 / 2, k2' = d.
+E5, E10 = math.exp(5), math.exp(10)
+K3 = [E10 - 11, E5 - 6, 0.0, math.exp(-5) + 4, math.exp(-10) + 9]
+K3_GRAD = [1 - E10, 1 - E5, 0.0, 1 - math.exp(-5), 1 - math.exp(-10)]
+CLAMP_TABLE = {
+    ("k1", "log_ratio"): ([-10, -5, 0, 5, 10], [1, 1, 1, 1, 1]),
+    ("k1", "estimate"): ([-10, -5, 0, 5, 10], [1, 1, 1, 1, 1]),
+    ("k1", "scale"): ([-10, -5, 0, 5, 10], [1, 1, 1, 1, 1]),
+    ("k2", "log_ratio"): ([50, 12.5, 0, 12.5, 50], [-10, -5, 0, 5, 10]),
+    # OpenRLHF clamps k2 at 10 (verl does not clamp it): no gradient past |d| = sqrt(20)
+    ("k2", "estimate"): ([10, 10, 0, 10, 10], [0, 0, 0, 0, 0]),
+    # the gradient of k2 times 10 / k2: -10 * 10/50 = -2, -5 * 10/12.5 = -4
+    ("k2", "scale"): ([10, 10, 0, 10, 10], [-2, -4, 0, 4, 2]),
+    ("k3", "log_ratio"): (K3, K3_GRAD),
+    # verl's low_var_kl and OpenRLHF: 10 with gradient 0 wherever pi_ref / pi > 13.6
+    ("k3", "estimate"): ([10, 10, 0, K3[3], K3[4]], [0, 0, 0, K3_GRAD[3], K3_GRAD[4]]),
+    ("k3", "scale"): ([10, 10, 0, K3[3], K3[4]],
+                      [K3_GRAD[0] * 10 / K3[0], K3_GRAD[1] * 10 / K3[1], 0, K3_GRAD[3], K3_GRAD[4]]),
+}
+
+
+@pytest.mark.parametrize("name, clamp", sorted(CLAMP_TABLE))
+def test_clamp_values_and_gradients_at_the_documented_points(name, clamp):
+    value, grad = CLAMP_TABLE[(name, clamp)]
+    log_probs = torch.tensor([[-10.0, -5.0, 0.0, 5.0, 10.0]], dtype=F64, requires_grad=True)
+    out = compute_approx_kl(log_probs, torch.zeros(1, 5, dtype=F64), kl_estimator=name, clamp=clamp)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach(), torch.tensor([value], dtype=F64))
+    torch.testing.assert_close(log_probs.grad, torch.tensor([grad], dtype=F64))
+
+
+def test_default_clamp_bounds_the_k3_value_and_keeps_a_restoring_gradient():
+    # k3 at d = -5 was 142.4 with gradient -147.4 (d clamped at 10 only); the default is bounded at 10
+    # like the peers' and, unlike theirs, keeps a gradient of the right sign: -147.41 * 10 / 142.41.
+    log_probs = torch.tensor([[-5.0]], dtype=F64, requires_grad=True)
+    out = compute_approx_kl(log_probs, torch.zeros(1, 1, dtype=F64), kl_estimator="k3")
+    out.sum().backward()
+    assert out.item() == pytest.approx(10.0)
+    assert log_probs.grad.item() == pytest.approx(-10.3511, abs=1e-4)
+    assert KL_CLAMPS == ("scale", "estimate", "log_ratio")
+    with pytest.raises(ValueError, match=r"unknown --kl_clamp 'value'; choose one of: scale, estimate, log_ratio"):
+        compute_approx_kl(log_probs, log_probs, kl_estimator="k3", clamp="value")
 
 
 def test_k1_and_k3_are_unbiased_estimators_of_kl_pi_to_ref():

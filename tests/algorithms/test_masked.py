@@ -30,11 +30,23 @@ def test_empty_selection_gives_zero_not_nan():
 
 def test_var_by_hand():
     # kept 1, 2, 4: mean 7/3, squared deviations 16/9 + 1/9 + 25/9 = 42/9
-    assert masked_var(X, MASK).item() == pytest.approx(42 / 9 / 2)  # unbiased: / (n - 1)
-    assert masked_var(X, MASK, unbiased=False).item() == pytest.approx(42 / 9 / 3)
-    # per row: [1, 2] -> 0.5 unbiased; [4] alone -> 0 (fewer than two values)
-    torch.testing.assert_close(masked_var(X, MASK, dim=-1), torch.tensor([0.5, 0.0], dtype=torch.float64))
-    torch.testing.assert_close(masked_var(X, None), X.reshape(-1).var())
+    # the default is the population variance (/ n), the one masked_whiten uses
+    assert masked_var(X, MASK).item() == pytest.approx(42 / 9 / 3)
+    assert masked_var(X, MASK).item() == masked_var(X, MASK, unbiased=False).item()
+    assert masked_var(X, MASK, unbiased=True).item() == pytest.approx(42 / 9 / 2)  # / (n - 1)
+    # per row, unbiased: [1, 2] -> 0.5; [4] alone -> 0 (fewer than two values)
+    torch.testing.assert_close(masked_var(X, MASK, unbiased=True, dim=-1),
+                               torch.tensor([0.5, 0.0], dtype=torch.float64))
+    # per row, population: [1, 2] -> 0.25; [4] alone -> 0
+    torch.testing.assert_close(masked_var(X, MASK, dim=-1), torch.tensor([0.25, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(masked_var(X, None), X.reshape(-1).var(unbiased=False))
+
+
+def test_whiten_divides_by_the_default_masked_var():
+    # one convention: masked_whiten(x) == (x - mean) / sqrt(masked_var(x) + eps) with masked_var's default
+    out = masked_whiten(X, MASK, eps=1e-8)
+    mean = masked_mean(X, MASK)
+    torch.testing.assert_close(out, ((X - mean) / torch.sqrt(masked_var(X, MASK) + 1e-8)) * MASK)
 
 
 def test_whiten_by_hand():

@@ -62,11 +62,15 @@ def test_packed_collate_concatenates_real_tokens_and_shares_per_action_tensors()
 # The per-row split and collate the vectorised ones replaced, kept here as the reference.
 def reference_split(exp: Experience) -> list[Sample]:
     samples, width = [], exp.action_mask.size(1)
-    for i, a_i in enumerate(exp.action_mask.sum(dim=1).tolist()):
+    for i in range(exp.batch_size):
+        # keep the response up to its last attended or trained slot, holes in the loss mask included
+        occupied = (exp.action_mask[i] | exp.attention_mask[i, -width:].bool()).tolist()
+        a_i = max((t + 1 for t, o in enumerate(occupied) if o), default=0)
         prompt = exp.sequences[i, :-width][exp.attention_mask[i, :-width].bool()]
         per_action = {name: getattr(exp, name)[i, :a_i] for name in PER_ACTION_FIELDS if getattr(exp, name) is not None}
         samples.append(Sample(sequence=torch.cat([prompt, exp.sequences[i, -width:][:a_i]]), num_actions=a_i,
-                              per_action=per_action, info={k: v[i] for k, v in exp.info.items()}))
+                              action_mask=exp.action_mask[i, :a_i], per_action=per_action,
+                              info={k: v[i] for k, v in exp.info.items()}))
     return samples
 
 
@@ -75,7 +79,8 @@ def reference_collate(samples: list[Sample], pad: int, packing: bool) -> Experie
         return torch.stack([F.pad(r, (0, length - r.numel()), value=value) for r in rows])
     num_actions = [s.num_actions for s in samples]
     width = max(max(num_actions), 1)
-    action_mask = pad_rows([torch.ones(a, dtype=torch.bool) for a in num_actions], width, False)
+    slots = pad_rows([torch.ones(a, dtype=torch.bool) for a in num_actions], width, False)
+    action_mask = pad_rows([s.action_mask for s in samples], width, False)
     per_action = {name: pad_rows([s.per_action[name] for s in samples], width)
                   for name in PER_ACTION_FIELDS if name in samples[0].per_action}
     per_action.setdefault("action_log_probs", None)
@@ -90,7 +95,7 @@ def reference_collate(samples: list[Sample], pad: int, packing: bool) -> Experie
     left = torch.stack([F.pad(p, (prompt_width - p.numel(), 0), value=pad) for p in prompts])
     prompt_mask = torch.stack([F.pad(torch.ones_like(p), (prompt_width - p.numel(), 0)) for p in prompts])
     return Experience(sequences=torch.cat([left, pad_rows(responses, width, pad)], dim=1),
-                      attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1), action_mask=action_mask,
+                      attention_mask=torch.cat([prompt_mask, slots.long()], dim=1), action_mask=action_mask,
                       num_actions=width, packed_seq_lens=None, info=info, **per_action)
 
 
@@ -106,7 +111,7 @@ def random_experience(gen: torch.Generator, batch: int, prompt_width: int, width
     sequences = torch.where(real, torch.randint(1, 50, real.shape, generator=gen), PAD)
     action_mask = torch.arange(width) < response_lens.unsqueeze(1)
     if response_lens[2] > 1:
-        action_mask[2, 0] = False          # a hole: the split keeps the first action_mask.sum() slots
+        action_mask[2, 0] = False          # a hole: the split keeps the slot, out of the loss mask
     per_action = {name: torch.randn(batch, width, generator=gen) for name in ("action_log_probs", "advantages",
                                                                                "returns", "kl")}
     attention_mask = torch.cat([real[:, :prompt_width].long(), action_mask.long()], dim=1)
