@@ -117,8 +117,35 @@ def make_vllm_engine(args: PPORunConfig, tokenizer, seed: int):
                                **({"lora_rank": args.lora_rank} if args.lora_rank > 0 else {}),
                                # the trainer's precision: vLLM's "auto" runs float32 models in half
                                dtype="bfloat16" if args.bf16 else "float32",
+                               # the longest sequence a rollout makes (prompts are cut to prompt_max_len):
+                               # vLLM would otherwise size its KV cache for the model's whole context
+                               max_model_len=args.prompt_max_len + args.generate_max_len,
                                pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=stop_token_ids(tokenizer, args.pretrain))
+
+
+def check_run_vocabulary(args: PPORunConfig, tokenizer, prompts, actor, critic, reward_models) -> None:
+    """`check_vocabulary` for the run's models: the actor on the tokens the run feeds it (and on the
+    prompt data's ids when the tokenizer is longer than its vocabulary); the critic and reward
+    models score the actor's samples, so they also need every id the actor can produce."""
+    from lightrft.datasets.prompt_dataset import encode_prompts
+    from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
+
+    fed = None
+    if len(tokenizer) > vocabulary_rows(actor):
+        if args.recorded_data:
+            fed = ids_in_data((s.prompt_token_ids + s.response_token_ids for s in prompts.samples),
+                              f"--recorded_data {args.recorded_data}")
+        else:
+            fed = ids_in_data(encode_prompts(tokenizer, [p for p, _ in prompts], args.apply_chat_template),
+                              f"--prompt_data {args.prompt_data}")
+    rows = check_vocabulary(actor, tokenizer, f"--pretrain {args.pretrain}", chat_template=args.apply_chat_template,
+                            fed=fed)
+    scorers = [(critic, f"--critic_pretrain {args.critic_pretrain}")] if critic is not None else []
+    scorers += [(rm, f"--reward_pretrain {path.strip()}") for rm, path in
+                zip(reward_models, [p for p in (args.reward_pretrain or "").split(",") if p.strip()])]
+    for model, what in scorers:
+        check_vocabulary(model, tokenizer, what, chat_template=args.apply_chat_template, fed=fed, produced_by=rows)
 
 
 def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
@@ -167,6 +194,7 @@ def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
         trainer_cls = trainer_cls or RecordedPPOTrainer
     else:
         prompts = prompt_dataset(args, tokenizer)
+    check_run_vocabulary(args, tokenizer, prompts, actor, critic, reward_models)
     per_rank = args.rollout_batch_size // strategy.world_size
     if len(prompts) < args.rollout_batch_size:
         raise ValueError(f"--{'recorded' if args.recorded_data else 'prompt'}_data "

@@ -10,7 +10,7 @@ from typing import Optional
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from lightrft.algorithms.aggregation import LOSS_AGG_MODES
-from lightrft.algorithms.kl import KL_ESTIMATORS
+from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.config.options import option
 
@@ -159,10 +159,17 @@ class RolloutConfig:
                                                "are split per replica and every sample still trains exactly once")
     vllm_sync_bucket_mb: float = option(512.0, "MB of gathered weights per vLLM weight-sync call (whole decoder "
                                                "layers per bucket)")
+    engine_logprob_gap_threshold: Optional[float] = option(
+        None, "largest mean |engine - trainer| log-prob gap per response token (nats) a step may show, logged every "
+              "step as rollout/engine_logprob_gap_mean and _max; past it the engine is not serving the trained "
+              "weights (default: 1e-3 in float32, 3e-2 with --bf16)")
+    engine_logprob_gap_action: str = option("stop", "what a step past --engine_logprob_gap_threshold does: stop the "
+                                                    "run with an error, or warn once and go on",
+                                            choices=("stop", "warn"))
 
     def __post_init__(self):
         check_positive(self, "rollout_batch_size", "micro_rollout_batch_size", "generate_max_len",
-                       "vllm_tensor_parallel_size")
+                       "vllm_tensor_parallel_size", "engine_logprob_gap_threshold")
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,10 @@ class AlgorithmConfig:
                                                "loss, k1 has zero expected gradient and is refused, k2 has the "
                                                "gradient of KL(pi||ref), k3 that of KL(ref||pi)",
                                          choices=lambda: sorted(KL_ESTIMATORS))
+    kl_clamp: str = option("scale", "bound of one token's KL estimate: scale clamps the value to [-10, 10] and "
+                                    "shrinks its gradient by the same factor; estimate clamps the value and "
+                                    "zeroes the gradient beyond it (verl, OpenRLHF); log_ratio clamps d to "
+                                    "[-10, 10] (k3 up to 2.2e4)", choices=KL_CLAMPS)
     gamma: float = option(1.0, "discount factor")
     lambd: float = option(0.95, "GAE lambda")
     entropy_coef: float = option(0.0, "entropy bonus weight")
@@ -347,6 +358,7 @@ class PPOLoggingConfig(LoggingConfig):
 @dataclass(frozen=True)
 class SupervisedOptimConfig(OptimConfig):
     learning_rate: float = option(5e-6, "peak learning rate")
+    max_steps: int = option(-1, "stop after N optimizer steps with a checkpoint and the export (-1: run all epochs)")
 
     def __post_init__(self):
         super().__post_init__()

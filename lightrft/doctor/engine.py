@@ -18,14 +18,15 @@ import torch
 
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import RolloutOutput, SamplingParams
+from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
 
 # Largest mean / max gap per response token (nats) between engine and trainer log-probs, by the
-# run's precision: float32 engines agree to ~1e-5 (docs/rollout.md); bfloat16 kernels differ more.
-TOLERANCE = {"float32": (1e-3, 2e-2), "bfloat16": (3e-2, 1.0)}
+# run's precision: the numbers every training step checks too (`lightrft.rollout.checks`).
+TOLERANCE = ENGINE_GAP_TOLERANCE
 
 
 def tolerance(args) -> tuple[float, float]:
-    return TOLERANCE["bfloat16" if args.bf16 else "float32"]
+    return engine_gap_tolerance(args.bf16)
 
 
 def sampling_params(args, seed: int) -> SamplingParams:

@@ -25,6 +25,7 @@ from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, comp
 from lightrft.config.run import plain_options
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
+from lightrft.rollout.checks import EngineSyncError, engine_gap_tolerance, engine_logprob_gap
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.manager import RolloutManager
 from lightrft.strategy.deepspeed_strategy import PendingReduction
@@ -99,7 +100,9 @@ class PPOTrainer:
     training micro-batches. The keyword defaults are the documented OpenRLHF-compatible ones; a
     run's defaults live in its config: `PPOTrainer.from_config(config, ...)` passes every option
     from a `lightrft.config.PPORunConfig`. The classic arguments (`init_kl_coef`, `kl_target`,
-    `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) override the same fields of `algo`."""
+    `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) default to None, which takes the value of the
+    same field of `algo`; a value given explicitly overrides it. Without `algo` they take the classic
+    values 0.001, None (fixed KL), 10000, 0, 0.2 and 0.2."""
 
     # Whether the old log-probs skip the separate forward at rollout time: None decides per run
     # (yes with one epoch, no KL term needing the policy's log-probs at rollout time, and no active
@@ -111,9 +114,10 @@ class PPOTrainer:
 
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
                  critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
-                 init_kl_coef: float = 0.001, kl_target: Optional[float] = None, kl_horizon: int = 10000,
-                 ptx_coef: float = 0, micro_train_batch_size: int = 8, buffer_limit: int = 0,
-                 buffer_cpu_offload: bool = True, eps_clip: float = 0.2, value_clip: float = 0.2,
+                 init_kl_coef: Optional[float] = None, kl_target: Optional[float] = None,
+                 kl_horizon: Optional[int] = None, ptx_coef: Optional[float] = None, micro_train_batch_size: int = 8,
+                 buffer_limit: int = 0, buffer_cpu_offload: bool = True, eps_clip: Optional[float] = None,
+                 value_clip: Optional[float] = None,
                  micro_rollout_batch_size: int = 8, gradient_checkpointing: bool = False,
                  max_epochs: int = 1, max_norm: float = 1.0, tokenizer=None, prompt_max_len: int = 128,
                  dataloader_pin_memory: bool = True, remote_rm_url=None, reward_fn=None,
@@ -122,11 +126,14 @@ class PPOTrainer:
                  packing_samples: bool = False, callbacks: Sequence = (), tracker=None,
                  preemption_grace: float = 600.0, apply_chat_template: bool = False,
                  eos_token_ids: Optional[Sequence[int]] = None, max_ckpt_num: int = 3,
-                 eval_generate_kwargs: Optional[dict] = None, **generate_kwargs):
-        # The classic PPO arguments are the values used; `from_config` fills them from the run config.
-        self.algo = dataclasses.replace(algo or AlgorithmConfig(), init_kl_coef=init_kl_coef, kl_target=kl_target,
-                                        kl_horizon=kl_horizon, ptx_coef=ptx_coef, eps_clip=eps_clip,
-                                        value_clip=value_clip)
+                 eval_generate_kwargs: Optional[dict] = None, engine_logprob_gap_threshold: Optional[float] = None,
+                 engine_logprob_gap_action: str = "stop", **generate_kwargs):
+        # A classic PPO argument given explicitly overrides `algo`; None takes `algo`'s value. Without
+        # `algo` the classic signature's documented values apply (init_kl_coef 0.001, not the CLI's 0.01).
+        classic = dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, ptx_coef=ptx_coef,
+                       eps_clip=eps_clip, value_clip=value_clip)
+        self.algo = dataclasses.replace(algo if algo is not None else AlgorithmConfig(init_kl_coef=0.001),
+                                        **{k: v for k, v in classic.items() if v is not None})
         self.strategy = strategy
         self.actor, self.critic = actor, critic
         self.reward_model, self.initial_model, self.ema_model = reward_model, initial_model, ema_model
@@ -145,6 +152,13 @@ class PPOTrainer:
         self.eval_generate_kwargs = eval_generate_kwargs or {}
         self.callbacks = CallbackList(callbacks)
         self.tracker = tracker
+        # Every step checks that the engine samples from the trained weights (`lightrft.rollout.checks`).
+        if engine_logprob_gap_action not in ("stop", "warn"):
+            raise ValueError(f"--engine_logprob_gap_action {engine_logprob_gap_action!r}: choose stop or warn")
+        self.engine_gap_threshold = (engine_gap_tolerance(strategy.config.bf16)[0]
+                                     if engine_logprob_gap_threshold is None else float(engine_logprob_gap_threshold))
+        self.engine_gap_action = engine_logprob_gap_action
+        self._warned_engine_gap = False
         self.services = RunServices(strategy, preemption_grace=preemption_grace,
                                     max_nonfinite_steps=self.algo.max_nonfinite_steps, max_ckpt_num=max_ckpt_num)
 
@@ -176,6 +190,7 @@ class PPOTrainer:
             remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
             advantage_estimator=algo.advantage_estimator, n_samples_per_prompt=algo.n_samples_per_prompt,
             kl_estimator=algo.kl_estimator, use_kl_loss=algo.use_kl_loss, gamma=algo.gamma, lambd=algo.lambd,
+            kl_clamp=algo.kl_clamp,
             micro_rollout_batch_size=micro_rollout_batch_size, overlong_buffer_len=algo.overlong_buffer_len,
             overlong_penalty_factor=algo.overlong_penalty_factor, seed=strategy.config.seed,
             apply_chat_template=apply_chat_template, mask_truncated_samples=algo.mask_truncated_samples,
@@ -210,7 +225,8 @@ class PPOTrainer:
                    packing_samples=config.model.packing_samples, preemption_grace=config.checkpoint.preemption_grace,
                    apply_chat_template=config.data.apply_chat_template, max_ckpt_num=config.checkpoint.max_ckpt_num,
                    max_new_tokens=r.generate_max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   **kwargs)
+                   engine_logprob_gap_threshold=r.engine_logprob_gap_threshold,
+                   engine_logprob_gap_action=r.engine_logprob_gap_action, **kwargs)
 
     def attach_explorers(self, explorers) -> None:
         """Takes each step's rollouts from explorer ranks (`lightrft.trainer.decoupled.ExplorerLink`)
@@ -259,6 +275,7 @@ class PPOTrainer:
                 self.pass_preempted = None
                 train_logs = self.ppo_train(self.global_step)
                 self.rollout.mark_stale()
+                self.check_engine_gap(train_logs)
                 train_time = time.time() - started
                 self.replay_buffer.clear()
                 rollout_logs = totals.result()
@@ -408,7 +425,36 @@ class PPOTrainer:
                 step_metrics.append(metrics)
         if not step_metrics:
             return {}
-        return {k: combine_metric(k, [m[k] for m in step_metrics]) for k in step_metrics[0]}
+        logs = {k: combine_metric(k, [m[k] for m in step_metrics]) for k in step_metrics[0]}
+        if "train/engine_logprob_gap_sum" in logs:
+            # Means of sums over means of counts: every token weighs the same, wherever it trained.
+            gap_sum, tokens = logs.pop("train/engine_logprob_gap_sum"), logs.pop("train/engine_logprob_gap_tokens")
+            logs["rollout/engine_logprob_gap_mean"] = gap_sum / tokens if tokens > 0 else float("nan")
+            logs["rollout/engine_logprob_gap_max"] = logs.pop("train/engine_logprob_gap_max")
+        return logs
+
+    def check_engine_gap(self, logs: dict[str, float]) -> None:
+        """Stops the run (or warns once, `--engine_logprob_gap_action warn`) when this step's
+        rollouts were sampled from other weights than the trainer's: a mean engine-vs-trainer
+        log-prob gap past `--engine_logprob_gap_threshold`. Only where the engine is meant to hold
+        the trainer's weights: explorer ranks sample from a policy up to `--sync_offset` versions
+        old on purpose."""
+        gap = logs.get("rollout/engine_logprob_gap_mean", float("nan"))
+        if self.explorers is not None or not gap > self.engine_gap_threshold:
+            return
+        manager = self.rollout
+        message = (f"step {self.global_step + 1}: the {type(self.rollout_engine).__name__} rollout engine's log-probs "
+                   f"differ from the trainer's by {gap:.2e} nats per response token on average (largest "
+                   f"{logs.get('rollout/engine_logprob_gap_max', float('nan')):.2e}; "
+                   f"--engine_logprob_gap_threshold {self.engine_gap_threshold:.0e}) after weight sync {manager.syncs} "
+                   f"({manager.last_sync_bytes / 2**20:.1f} MiB in {manager.last_sync_seconds:.2f} s): the engine "
+                   "samples from other weights than the ones trained. `python -m lightrft.cli.doctor` with the same "
+                   "flags checks the sync; --engine_logprob_gap_action warn goes on anyway.")
+        if self.engine_gap_action == "stop":
+            raise EngineSyncError(message)
+        if not self._warned_engine_gap:
+            self._warned_engine_gap = True
+            self.strategy.print(f"warning: {message}")
 
     @torch.no_grad()
     def fill_old_log_probs(self, micro_batches: list[Experience], samples: list[list[Sample]]) -> None:
@@ -508,6 +554,11 @@ class PPOTrainer:
             rollout_log_probs=experience.rollout_log_probs, return_metrics=True, global_num_tokens=counts["tokens"],
             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len)
         metrics["nonfinite_policy_loss"] = (~torch.isfinite(policy_loss.detach())).float()
+        if experience.rollout_log_probs is not None:
+            # The engine's log-prob of each sampled token against the trainer's at rollout time.
+            gap_sum, gap_tokens, metrics["engine_logprob_gap_max"] = engine_logprob_gap(
+                old_log_probs, experience.rollout_log_probs, mask)
+            metrics["engine_logprob_gap_sum"], metrics["engine_logprob_gap_tokens"] = gap_sum, gap_tokens
         # A micro-batch with no token to train on has no extremes (the loss reports 0 for them):
         # NaN, which `combine_metric` skips, so they do not pass for the smallest ratio.
         trains = mask.any()
@@ -516,7 +567,7 @@ class PPOTrainer:
         loss = policy_loss
         if self.algo.use_kl_loss and experience.base_action_log_probs is not None:
             kl = compute_approx_kl(log_probs, experience.base_action_log_probs, mask,
-                                   kl_estimator=self.algo.kl_estimator)
+                                   kl_estimator=self.algo.kl_estimator, clamp=self.algo.kl_clamp)
             kl_loss = self._aggregate(kl, mask, counts)
             loss = loss + self.kl_ctl.value * kl_loss
             metrics["kl_loss"] = kl_loss.detach()

@@ -9,7 +9,11 @@
   gradient does (the optimizer step must be skipped and counted);
 - `sigterm-rollout`, `sigterm-train`, `sigterm-save`: the process sends itself SIGTERM during the
   rollout, during the first optimizer step, or just before the checkpoint of that step is written
-  (the run must finish the step, write a complete checkpoint and exit 0).
+  (the run must finish the step, write a complete checkpoint and exit 0);
+- `stale-sync`: the weight sync before that step's rollout does not reach rank 0's engine (the
+  buckets are still gathered, so ZeRO-3 ranks stay in step); the engine keeps sampling from the
+  previous weights, and the run must stop on the engine-vs-trainer log-prob gap. Engines that
+  decode with the trainer's own module (`HFEngine`) are never synced, so nothing happens there.
 
 There is one hook point: `install_faults(trainer)`, which the run services call when a run starts.
 It wraps the trainer's overridable seams (`make_experience`, `save_checkpoint`, the experience
@@ -26,7 +30,7 @@ import torch
 
 FAULT_ENV = "LIGHTRFT_TRAIN_FAULT"
 FAULT_KINDS = ("nan-reward", "nan-logprob", "nan-advantage", "nan-loss", "nan-grad",
-               "sigterm-rollout", "sigterm-train", "sigterm-save")
+               "sigterm-rollout", "sigterm-train", "sigterm-save", "stale-sync")
 
 
 def planned_faults() -> dict[str, set[int]]:
@@ -149,6 +153,14 @@ def _install_ppo(trainer, plan: _Plan) -> None:
             outputs.advantages = _poison_first(outputs.advantages)
         return outputs
 
+    def update_weights(original, named_params):
+        if plan.step() in plan.plan.get("stale-sync", ()):  # every bucket of that step's sync
+            return None
+        return original(named_params)
+
+    engine = trainer.rollout.engine
+    if not trainer.rollout.shares_live_weights and hasattr(engine, "update_weights"):
+        _wrap(engine, "update_weights", update_weights)
     _wrap(trainer, "make_experience", make_experience)
     _wrap(trainer, "save_checkpoint", save_checkpoint)
     _wrap(trainer, "training_step", training_step)

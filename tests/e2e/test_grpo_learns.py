@@ -31,5 +31,9 @@ def test_grpo_raises_held_out_accuracy_and_logs(toy, tmp_path):
     assert [step for step, _ in scalars["rollout/reward"]] == list(range(1, 51))
     rewards = [value for _, value in scalars["rollout/reward"]]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.05
+    # The HF engine decodes with the trainer's own module: its cached decoding agrees with the
+    # teacher-forced forward to float32 rounding at every step.
+    gaps = [value for _, value in scalars["rollout/engine_logprob_gap_mean"]]
+    assert len(gaps) == 50 and max(gaps) < 1e-5, gaps
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "W&B offline run not written"

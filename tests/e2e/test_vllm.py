@@ -42,12 +42,12 @@ def toy_vllm(tmp_path_factory):
             "train": write_jsonl(train_rows, root / "train.jsonl"), "eval": write_jsonl(eval_rows, root / "eval.jsonl")}
 
 
-def launch(toy, out: Path, fault: str | None = None, **overrides):
+def launch(toy, out: Path, fault: str | None = None, check: bool = True, **overrides):
     env = {"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE}
     if fault:
         env["LIGHTRFT_TRAIN_FAULT"] = fault
     flags = grpo_flags(toy, out, **{**VLLM, **overrides})
-    return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env)
+    return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env, check=check)
 
 
 def test_grpo_with_vllm_under_zero3_raises_held_out_accuracy(toy_vllm, tmp_path):
@@ -89,3 +89,23 @@ def test_preempted_vllm_run_resumes_exactly(toy_vllm, tmp_path, uninterrupted):
     resumed = summary_line(launch(toy_vllm, tmp_path, load_checkpoint=True, **SMALL).stdout)
     assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
     assert_resumed_like_uninterrupted(uninterrupted, tmp_path)
+
+
+def test_a_sync_that_does_not_arrive_stops_the_run_at_the_next_step(toy_vllm, tmp_path, uninterrupted):
+    """Every step logs the engine-vs-trainer log-prob gap over the tokens it trains on: ~1e-7 when
+    each sync arrives (float32 on both sides). When the sync before step 2 does not reach rank 0's
+    engine, step 2 samples from step 1's weights: the gap jumps past the float32 threshold (1e-3)
+    and the run stops there with a message naming the engine, the step and the sync, leaving the
+    step-1 checkpoint as the last one."""
+    clean = tensorboard_scalars(uninterrupted / "tb")
+    gaps, largest = ([value for _, value in clean[f"rollout/engine_logprob_gap_{k}"]] for k in ("mean", "max"))
+    assert len(gaps) == 4 and max(gaps) < 1e-5 and max(largest) < 1e-3, (gaps, largest)
+    proc = launch(toy_vllm, tmp_path, fault="stale-sync@2", check=False, **SMALL)
+    assert proc.returncode != 0
+    message = next((line for line in proc.stderr.splitlines() if "rollout engine's log-probs" in line), "")
+    print(message)
+    assert "train_ppo: error: step 2: the VLLMEngine rollout engine's log-probs differ" in message, proc.stderr[-3000:]
+    assert "after weight sync 2" in message and "--engine_logprob_gap_threshold 1e-03" in message
+    gap = float(message.split("trainer's by ")[1].split()[0])
+    assert gap > 1e-3
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "_actor").iterdir() if p.is_dir()) == ["global_step1"]
