@@ -120,7 +120,14 @@ class SFTDataset(Dataset):
         ids = list(enc["input_ids"])
         trained = [any(start <= begin < end for start, end in spans) for begin, _ in enc["offset_mapping"]]
         eos = self.tokenizer.eos_token_id
-        if ids[-1] != eos:
+        # A template that closes each turn with EOS (ChatML's <|im_end|>) renders a newline after it:
+        # the turn ends at the EOS, so what follows it in the span is not trained, and no second EOS
+        # is appended (a policy stops at the first one and never samples "<|im_end|>\n<|im_end|>").
+        for k in range(1, len(ids)):
+            if trained[k] and trained[k - 1] and ids[k - 1] == eos:
+                trained[k] = False
+        last = max((k for k, on in enumerate(trained) if on), default=len(ids) - 1)
+        if ids[last] != eos:
             ids.append(eos)
             trained.append(True)
         ids, trained = ids[: self.max_len], trained[: self.max_len]
