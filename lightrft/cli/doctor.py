@@ -169,6 +169,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
             if hasattr(source, "close"):
                 source.close()
         run.tracker.close()
+        run.trainer.rollout.shutdown()      # a vLLM engine's teardown needs the process group the strategy closes
         run.strategy.close()
     return results
 

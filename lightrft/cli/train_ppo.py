@@ -303,6 +303,7 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
         logs.update(trainer.evaluate(run.eval_dataloader))
     run.tracker.close()
     print_summary(run.strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4)
+    trainer.rollout.shutdown()      # a vLLM engine's teardown needs the process group the strategy closes
     run.strategy.close()
     if trainer.stop_reason == "nonfinite":
         raise SystemExit(3)

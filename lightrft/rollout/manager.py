@@ -181,6 +181,13 @@ class RolloutManager:
             self.engine.wake_up()
             self.asleep = False
 
+    def shutdown(self) -> None:
+        """Releases the engine (`VLLMEngine.shutdown`: every rank together, before the strategy
+        closes); nothing for an engine without a shutdown (`HFEngine`). Safe to call twice."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def sync_weights(self) -> None:
         """Pushes the trainer's weights to the engine now, bucket by bucket (all ranks together)."""
         if self.shares_live_weights:

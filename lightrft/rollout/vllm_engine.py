@@ -24,10 +24,15 @@ replica per T consecutive ranks (vLLM's own grouping: world 4 with T 2 gives rep
 and runs in this process, so `update_weights` hands tensors to the model by reference (nothing
 written to disk, no copies between processes). With one rank the engine core is kept in this
 process for the same reason. vLLM's shutdown destroys the default process group, so the engine is
-never shut down before the trainer is done with it. Under T > 1 every rank of a replica must call
-`generate` together with identical prompts, sampling parameters and seeds (each rank runs its own
-scheduler and they must agree); `RolloutManager` gathers the replica's prompts so that they do.
-Weight updates under T > 1 give every rank the full Hugging Face tensors; each keeps its shard.
+never shut down before the trainer is done with it: whoever owns the engine calls `shutdown()` on
+every rank after training and the final export, before `DeepspeedStrategy.close()` (which then
+finds the group gone). Left to itself, vLLM shuts down from a finalizer at interpreter exit, after
+the strategy destroyed the group, and raises "Invalid process group specified" there.
+
+Under T > 1 every rank of a replica must call `generate` together with identical prompts, sampling
+parameters and seeds (each rank runs its own scheduler and they must agree); `RolloutManager`
+gathers the replica's prompts so that they do. Weight updates under T > 1 give every rank the full
+Hugging Face tensors; each keeps its shard.
 
 LoRA (`lora_rank` > 0): the engine serves the base model plus one adapter. `load_adapter` writes
 the trainer's adapter tensors (peft format, a few MB) to a folder of this rank and registers it
@@ -225,6 +230,8 @@ class VLLMEngine:
         request seeded with `sample_seed(seeds[i], j)`, the stream `HFEngine` uses, rather than
         vLLM's n-children (seeded `seed + j`), so streams never overlap between prompts."""
         validate_prompts(prompt_token_ids)
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate() called after shutdown(): build a new engine")
         if self._asleep:
             raise RuntimeError("VLLMEngine.generate() called while the engine sleeps: call wake_up() first "
                                "(RolloutManager does this)")
@@ -318,6 +325,25 @@ class VLLMEngine:
         if self.sleep_enabled and self._asleep:
             self.llm.wake_up()
         self._asleep = False
+
+    def shutdown(self) -> None:
+        """Releases vLLM's engine core (model executor, scheduler, KV cache) and its distributed
+        state now, while the process group still exists. Every rank calls it together, after the
+        trainer is done with the group and before `DeepspeedStrategy.close()`: vLLM's teardown
+        destroys the default process group (module doc). A second call, or one on an engine whose
+        vLLM was never built, does nothing; the engine cannot generate afterwards.
+
+        The barrier first: ranks still generating would lose their tensor-parallel group, and
+        collectives still in flight on the group (ZeRO-3 prefetches) finish before it goes, which
+        is what `DeepspeedStrategy.close()` waits for when it is the one destroying the group."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        # vLLM 0.32's LLM has no shutdown of its own; the engine core client's is the call its exit
+        # finalizer makes, and it detaches that finalizer, so nothing is left to run at exit.
+        llm.llm_engine.engine_core.shutdown()
 
 
 def replica_leader_value(value, leader: int):

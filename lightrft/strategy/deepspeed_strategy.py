@@ -147,7 +147,10 @@ class DeepspeedStrategy:
         pthread_exit, whose unwinding through a C++ destructor calls std::terminate ("terminate
         called without an active exception", SIGABRT) after all the work is done. The barrier
         here (gloo's barrier waits for every earlier collective) lets that happen while Python is
-        alive; the group is then destroyed."""
+        alive; the group is then destroyed.
+
+        A vLLM rollout engine is shut down before this (`VLLMEngine.shutdown`, which waits at the
+        same barrier): its teardown needs the group and destroys it, so here the group may be gone."""
         if is_dist_initialized():
             dist.barrier()
             deepspeed.comm.destroy_process_group()

@@ -379,6 +379,9 @@ def run_explorer(args, link: JobLink) -> dict:
                         prompt_dataset(args, tokenizer),
                         index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
     sent = explorer.run()
+    # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"role": "explorer", "batches_sent": sent}

@@ -272,6 +272,9 @@ def test_vllm_engine_follows_the_trainer_through_a_sync(task, tmp_path):
     proc = run_cli(flags({**task, "model": model}, tmp_path / "run", rollout_engine="vllm", generate_max_len=8)
                    + ["--doctor_checks", "engine", "--doctor_report", report])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The engine is shut down before the strategy destroys the process group: vLLM's exit
+    # finalizer, left to run after it, raises "Invalid process group specified".
+    assert "Traceback" not in proc.stderr and "Invalid process group" not in proc.stderr, proc.stderr[-3000:]
     engine = json.loads(report.read_text())["checks"][0]
     assert engine["status"] == "PASS" and engine["figures"]["shares_live_weights"] is False
     assert engine["figures"]["gap_mean"] < 1e-4 and engine["figures"]["moved_gap_mean"] < 1e-4
