@@ -53,9 +53,9 @@ def test_make_rollout_engine_builds_the_hf_engine():
     assert response_of(out, 0) == greedy_chain(model, tokenizer.encode("abc"), 4, tokenizer.eos_token_id)[0]
 
 
-def save_contract_model(path, seed: int):
+def save_contract_model(path, seed: int, **shape):
     # head_dim 32 (128 / 4 heads): vLLM's CPU attention does not take the 16 of the default tiny size.
-    tokenizer, model = build_contract_model(seed=seed, hidden_size=128)
+    tokenizer, model = build_contract_model(seed=seed, hidden_size=128, **shape)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return tokenizer, model
@@ -65,14 +65,18 @@ def engine_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module")
-def vllm_case(tmp_path_factory):
-    path = tmp_path_factory.mktemp("contract_model_0")
-    tokenizer, model = save_contract_model(path, seed=0)
+def build_vllm_case(path, **shape) -> EngineCase:
+    """A float32 VLLMEngine over a saved contract model (seed 0) and that model as the reference."""
+    tokenizer, model = save_contract_model(path, seed=0, **shape)
     engine = VLLMEngine(str(path), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
                         gpu_memory_utilization=0.3, kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     return EngineCase(engine, model.to(engine_device()), prompt_ids, tokenizer.pad_token_id, tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def vllm_case(tmp_path_factory):
+    return build_vllm_case(tmp_path_factory.mktemp("contract_model_0"))
 
 
 @needs_vllm
@@ -171,14 +175,7 @@ def sampled_log_prob_gap(engine, model, prompt_ids, seed: int = 3) -> tuple[floa
 @pytest.fixture(scope="module")
 def tied_vllm_case(tmp_path_factory):
     """A Llama-shaped model whose LM head is its input embedding (`tie_word_embeddings`)."""
-    path = tmp_path_factory.mktemp("tied_model_0")
-    tokenizer, model = build_contract_model(arch="llama", seed=0, hidden_size=128, tie_word_embeddings=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    engine = VLLMEngine(str(path), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
-                        gpu_memory_utilization=0.3, kv_cache_gb=0.25, max_model_len=256, enforce_eager=True)
-    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    return EngineCase(engine, model.to(engine_device()), prompt_ids, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    return build_vllm_case(tmp_path_factory.mktemp("tied_model_0"), arch="llama", tie_word_embeddings=True)
 
 
 @needs_vllm
