@@ -42,15 +42,20 @@ on CPU a call that mixes base requests with adapter requests returns wrong base 
 
 Weight updates take whole modules per call: `reload_weights` processes a layer once all of its
 weights arrived in that call and keeps its old tensors otherwise, but a fused layer (q/k/v,
-gate/up) given only part of its weights is processed with the rest uninitialised, silently.
-`DeepspeedStrategy.iter_parameter_buckets` yields whole decoder layers per bucket for that reason.
+gate/up) given only part of its weights is processed with the rest uninitialised, silently (or,
+when the allocator happens to hand back the previous call's buffer, correctly: it depends on
+memory reuse). `DeepspeedStrategy.iter_parameter_buckets` yields whole decoder layers per bucket
+for that reason, and `update_weights` refuses a call that carries part of a decoder layer named in
+the checkpoint the engine was built from.
 
 Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was drawn from
 (after `min_tokens`, temperature, top-k/top-p), as `HFEngine` reports (`lightrft.rollout.sampling`).
 """
 
+import glob
 import logging
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -59,6 +64,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
@@ -74,6 +80,39 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
 # The LoRA ranks vLLM 0.32 can be built for (`max_lora_rank`); an adapter of rank r needs one >= r.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_DECODER_LAYER = re.compile(r"^(.*?\.layers\.\d+\.)")
+
+
+def checkpoint_decoder_layers(model_path: str) -> dict[str, frozenset[str]]:
+    """The tensor names of each decoder layer (`model.layers.3.`) in a safetensors checkpoint
+    folder, read from the files' headers. Empty for other folders: then nothing is checked."""
+    layers: dict[str, set[str]] = {}
+    for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                match = _DECODER_LAYER.match(name)
+                if match:
+                    layers.setdefault(match.group(1), set()).add(name)
+    return {prefix: frozenset(names) for prefix, names in layers.items()}
+
+
+def check_whole_layers(layers: dict[str, frozenset[str]], names: Iterable[str]) -> None:
+    """Refuses an update that carries part of a decoder layer (see the module doc: vLLM would
+    rebuild the layer's fused q/k/v or gate/up weights with the missing part uninitialised)."""
+    touched: dict[str, set[str]] = {}
+    for name in names:
+        match = _DECODER_LAYER.match(name)
+        if match and match.group(1) in layers:
+            touched.setdefault(match.group(1), set()).add(name)
+    for prefix, got in touched.items():
+        missing = sorted(layers[prefix] - got)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise ValueError(
+                f"VLLMEngine.update_weights() got part of decoder layer {prefix!r}, without {shown}: one call "
+                "must carry every tensor of each layer it touches, or vLLM rebuilds the layer's fused weights "
+                "with the missing part uninitialised. Send whole layers per call, as "
+                "DeepspeedStrategy.iter_parameter_buckets yields them")
 
 
 def _import_vllm():
@@ -220,6 +259,7 @@ class VLLMEngine:
                            max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
+        self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
         self._asleep = False
         self.adapter = None          # the vLLM LoRARequest every request uses (LoRA engines)
         self._adapter_root = None    # this rank's folder of adapter files, removed with the engine
@@ -277,6 +317,7 @@ class VLLMEngine:
         named_params = list(named_params)
         if not named_params:
             return
+        check_whole_layers(self._layers, [name for name, _ in named_params])
         self.llm.collective_rpc(_reload_on_worker, args=(named_params,))
         self.llm.reset_prefix_cache()
 

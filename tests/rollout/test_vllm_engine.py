@@ -118,13 +118,22 @@ def test_update_weights_switches_the_served_model(vllm_case, bucket_mb):
 
 
 @needs_vllm
-def test_splitting_a_fused_layer_over_calls_is_what_buckets_prevent(vllm_case):
+def test_an_update_carrying_part_of_a_layer_is_refused(vllm_case):
     """Why buckets hold whole layers: one parameter per call leaves vLLM's fused q/k/v and
-    gate/up layers built from one part and uninitialised rest, and decoding goes wrong."""
+    gate/up layers built from one part and uninitialised rest (right or wrong depending on which
+    buffer the allocator hands back). The engine refuses such a call, names the layer and what it
+    lacks, and loads nothing of it; a whole-layer call still loads."""
     case = vllm_case
+    _, other = build_contract_model(seed=1, hidden_size=128)
+    params = dict(other.to(engine_device()).named_parameters())
+    q_name = next(name for name in params if name.endswith("layers.0.self_attn.q_proj.weight"))
+    with pytest.raises(ValueError, match=r"part of decoder layer 'model\.layers\.0\.', without "
+                                         r"model\.layers\.0\.input_layernorm\.weight.*iter_parameter_buckets"):
+        case.engine.update_weights([(q_name, params[q_name])])
+    assert greedy_matches(case.engine, case.reference, case.prompt_ids, case.eos_token_id)
+    layer_0 = [(name, tensor) for name, tensor in params.items() if ".layers.0." in name]
     try:
-        for name, tensor in case.reference.named_parameters():
-            case.engine.update_weights([(name, tensor)])
+        case.engine.update_weights(layer_0)
         assert not greedy_matches(case.engine, case.reference, case.prompt_ids, case.eos_token_id)
     finally:
         case.engine.update_weights(case.reference.named_parameters())
