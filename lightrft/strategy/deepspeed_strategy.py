@@ -84,6 +84,18 @@ class PendingReduction:
         return PendingReduction(None, lambda: fn(self.result()))
 
 
+def skip_shared_memory_comm_op() -> None:
+    """Keeps DeepSpeed from building its shared-memory all-reduce op when it joins the group.
+
+    DeepSpeed's communication backend builds `deepspeed_shm_comm_op` at start-up on CPU machines:
+    a C++ JIT compile on each machine's first run (40-85 s on a 2-core VM, the quickstart's first
+    minute) and a load after it. Only DeepSpeed's inference all-reduce uses the op, which lightrft
+    never calls; marked incompatible, that path would fall back to `torch.distributed`."""
+    compatible = deepspeed.ops.__compatible_ops__    # DeepSpeed's per-launch probe, meant to be edited
+    if "deepspeed_shm_comm" in compatible:
+        compatible["deepspeed_shm_comm"] = False
+
+
 class DeepspeedStrategy:
     """Owns the process group and turns models into DeepSpeed engines (see the module docstring).
 
@@ -133,6 +145,7 @@ class DeepspeedStrategy:
             torch.cuda.set_device(self.local_rank)
         set_seed(self.config.seed)
         if not is_dist_initialized():
+            skip_shared_memory_comm_op()
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                        timeout=timedelta(minutes=self.config.dist_timeout_minutes))
 
