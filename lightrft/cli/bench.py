@@ -137,8 +137,9 @@ class Evaluator:
         """(model, tokenizer, folder of its tokenizer and generation config) of one checkpoint;
         CheckpointReadError when a DeepSpeed checkpoint cannot be read or has no base model."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
+        from lightrft.builders.tokenizer import build_tokenizer
         from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepspeed_policy, require_complete
 
         args = self.args
@@ -161,8 +162,7 @@ class Evaluator:
             except Exception as err:  # a torn or foreign folder raises many types (OSError, safetensors, ...)
                 raise CheckpointReadError(f"{source}: not a loadable Hugging Face model ({type(err).__name__}: "
                                           f"{err})") from err
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-        return model, tokenizer, source
+        return model, build_tokenizer(source, args.trust_remote_code, padding_side="left"), source
 
     def evaluate(self, checkpoint: Checkpoint) -> dict[str, float]:
         """Loads `checkpoint` and scores it (see `score`)."""
@@ -171,7 +171,7 @@ class Evaluator:
     def score(self, model, tokenizer, source: str) -> dict[str, float]:
         """The evaluation metrics of `model` on --eval_data; `source` is the folder of its
         tokenizer and generation config (for the stop tokens)."""
-        from lightrft.cli.train_ppo import stop_token_ids
+        from lightrft.builders.tokenizer import stop_token_ids
         from lightrft.datasets import PromptDataset
         from lightrft.datasets.prompt_dataset import encode_prompts
         from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
@@ -182,9 +182,6 @@ class Evaluator:
         from lightrft.trainer.experience_maker import NaiveExperienceMaker
 
         args = self.args
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
         model = model.to(self.strategy.device).eval()
         eos = stop_token_ids(tokenizer, source)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,

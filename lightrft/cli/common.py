@@ -117,26 +117,6 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def build_scheduler(optimizer, args, lr: float, total_steps: int):
-    """The learning-rate schedule named by --lr_scheduler, warmed up over --lr_warmup_ratio of
-    `total_steps`; cosine_with_min_lr decays to 10% of `lr`."""
-    from transformers import get_scheduler
-
-    # A rate, not an absolute floor: lr = 0 (a frozen policy, to measure it) stays valid.
-    kwargs = {"min_lr_rate": 0.1} if args.lr_scheduler == "cosine_with_min_lr" else {}
-    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=int(total_steps * args.lr_warmup_ratio),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
-
-
-def make_tracker(args, strategy):
-    """The W&B / TensorBoard tracker the logging flags ask for (writes on rank 0 only)."""
-    from lightrft.utils.trackers import MetricsTracker
-
-    return MetricsTracker(is_rank_0=strategy.is_rank_0(), config=resolved_config(args), use_wandb=args.use_wandb,
-                          wandb_project=args.wandb_project, wandb_org=args.wandb_org,
-                          wandb_run_name=args.wandb_run_name, use_tensorboard=args.use_tensorboard)
-
-
 def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, digits: int = 6) -> None:
     """The one JSON line a training command ends with on rank 0: why it stopped, the step, where the
     model went, and the last logged metrics."""

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from lightrft.builders.ppo_run import check_world_size  # noqa: F401  (the docs' recipe checks call it)
+from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
@@ -74,9 +76,6 @@ def run_config(argv: list[str], options, workdir: str):
     return train_ppo.parse_args(strip_doctor_flags(argv) + overrides)
 
 
-check_world_size = train_ppo.check_world_size
-
-
 def changed_options(options) -> dict:
     """The train_ppo options of the command line that differ from their defaults."""
     defaults = train_ppo.build_parser()
@@ -97,17 +96,6 @@ def strip_doctor_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def load_tokenizer(args):
-    """The tokenizer as `build_run` sets it up (left padding, a pad token)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def run_doctor(argv: list[str], *, prepare=None) -> DoctorReport:
     """Runs the checks `argv` asks for on this rank and returns the report (every rank gets the same
     verdict). `prepare(run)` may change the built `PPORun` before the checks (research code that
@@ -120,7 +108,9 @@ def run_doctor(argv: list[str], *, prepare=None) -> DoctorReport:
         os.environ.setdefault("WANDB_MODE", "disabled")      # a pre-flight check logs no run
         results = []
         if "data" in options.doctor_checks:
-            results.append(guarded("data", lambda: check_data(user_args, load_tokenizer(user_args))))
+            model = user_args.model
+            tokenizer = lambda: build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")  # noqa: E731
+            results.append(guarded("data", lambda: check_data(user_args, tokenizer())))
         model_checks = [c for c in options.doctor_checks if c != "data"]
         if model_checks:
             results += run_model_checks(run_args, options, model_checks, prepare)

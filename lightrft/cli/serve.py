@@ -65,16 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
-    from transformers import AutoTokenizer
 
-    from lightrft.cli.train_ppo import stop_token_ids
+    from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
     from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
     from lightrft.serving.policy import ServedPolicy, WeightWatcher
     from lightrft.serving.records import ExperienceRecorder
 
-    tokenizer = AutoTokenizer.from_pretrained(args.pretrain, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = build_tokenizer(args.pretrain, args.trust_remote_code)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
                           device=device, attn_implementation=args.attn_implementation,

@@ -185,17 +185,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from transformers import AutoTokenizer
-
+    from lightrft.builders.tokenizer import build_tokenizer
     from lightrft.models import RewardModel
     from lightrft.models.vocabulary import check_vocabulary
 
     model = RewardModel(args.reward_pretrain, value_head_prefix=args.value_head_prefix,
                         normalize_reward=args.normalize_reward, bf16=args.bf16,
                         attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(args.reward_pretrain, trust_remote_code=args.trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = build_tokenizer(args.reward_pretrain, args.trust_remote_code)
     try:
         check_vocabulary(model, tokenizer, f"--reward_pretrain {args.reward_pretrain}")
     except ValueError as err:

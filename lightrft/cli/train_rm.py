@@ -13,7 +13,8 @@ import argparse
 import sys
 
 from lightrft.cli.common import announce_config, parse_run_config, run_command
-from lightrft.cli.train_sft import check_data_vocabulary, load_tokenizer, run_supervised
+from lightrft.builders.tokenizer import build_tokenizer
+from lightrft.cli.train_sft import check_data_vocabulary, run_supervised
 from lightrft.config import RMRunConfig
 
 
@@ -56,7 +57,7 @@ def train(args: RMRunConfig) -> dict:
     strategy = get_strategy(args)
     strategy.setup_distributed()
     announce_config(build_parser(), args, strategy, args.ckpt_path)
-    tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
+    tokenizer = build_tokenizer(args.model.pretrain, args.model.trust_remote_code)
     with strategy.zero3_init_context():
         model = RewardModel(args.pretrain, value_head_prefix=args.value_head_prefix, init_value_head=True,
                             bf16=args.bf16, attn_implementation=args.attn_implementation,

@@ -13,7 +13,9 @@ The model is exported as a Hugging Face folder to `--save_path` at the end.
 import argparse
 import sys
 
-from lightrft.cli.common import (announce_config, build_scheduler, make_tracker, parse_run_config, print_summary,
+from lightrft.builders.tokenizer import build_tokenizer
+from lightrft.builders.training import build_scheduler, build_tracker
+from lightrft.cli.common import (announce_config, parse_run_config, print_summary,
                                  run_command)
 from lightrft.config import SFTRunConfig
 
@@ -26,15 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> SFTRunConfig:
     """The typed run config of a command line; a bad option exits with a message naming it."""
     return parse_run_config(SFTRunConfig, build_parser(), argv)
-
-
-def load_tokenizer(path: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def build_datasets(args, tokenizer):
@@ -81,7 +74,7 @@ def train(args: SFTRunConfig) -> dict:
     strategy = get_strategy(args)
     strategy.setup_distributed()
     announce_config(build_parser(), args, strategy, args.ckpt_path)
-    tokenizer = load_tokenizer(args.pretrain, args.trust_remote_code)
+    tokenizer = build_tokenizer(args.model.pretrain, args.model.trust_remote_code)
     with strategy.zero3_init_context():
         model = ActorLanguage(args.pretrain, bf16=args.bf16, attn_implementation=args.attn_implementation,
                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
@@ -109,10 +102,10 @@ def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eva
     total_steps = max(1, supervised_total_steps(len(train_set), args.train_batch_size, args.max_epochs, args.max_steps))
     optim = strategy.create_optimizer(model, lr=args.learning_rate, betas=tuple(args.adam_betas),
                                       weight_decay=args.l2)
-    scheduler = build_scheduler(optim, args, args.learning_rate, total_steps)
+    scheduler = build_scheduler(optim, args.optim, args.learning_rate, total_steps)
     model, optim, scheduler = strategy.prepare((model, optim, scheduler))
 
-    tracker = make_tracker(args, strategy)
+    tracker = build_tracker(args, strategy)
     trainer = trainer_cls(strategy, model, optim, scheduler, tokenizer, max_epochs=args.max_epochs,
                           eval_dataset=eval_set, eval_collate_fn=collate, tracker=tracker,
                           save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,

@@ -127,6 +127,15 @@ def _check_unique_flags(cls) -> None:
             seen[g.name] = f.name
 
 
+def planned_steps(config, num_prompts: int) -> int:
+    """Rollout steps of a PPO run over `num_prompts` prompts: whole rollout batches per episode,
+    times --num_episodes, capped by --max_steps. `config` is a `PPORunConfig` or a namespace of
+    the same flat names (research code may still pass one to `PPOTrainer.fit`)."""
+    steps = num_prompts // config.rollout_batch_size * config.num_episodes
+    max_steps = getattr(config, "max_steps", -1)
+    return min(steps, max_steps) if max_steps > 0 else steps
+
+
 @dataclass(frozen=True)
 class PPORunConfig(RunConfig):
     """Everything a `train_ppo` run needs (see docs/configuration.md for each option)."""
@@ -207,6 +216,10 @@ class PPORunConfig(RunConfig):
         """Optimizer steps per rollout: samples per rollout / --train_batch_size, times --max_epochs."""
         samples = self.rollout.rollout_batch_size * self.algorithm.n_samples_per_prompt
         return samples // self.optim.train_batch_size * self.optim.max_epochs
+
+    def planned_steps(self, num_prompts: int) -> int:
+        """Rollout steps of a run over `num_prompts` prompts (see `planned_steps`)."""
+        return planned_steps(self, num_prompts)
 
 
 @dataclass(frozen=True)

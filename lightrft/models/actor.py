@@ -20,6 +20,7 @@ from lightrft.models.hf_utils import (
     zero_dropout,
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
+from lightrft.models.reference import AdapterDisabledReference
 
 
 class ActorLanguage(nn.Module):
@@ -207,8 +208,6 @@ class ActorLanguage(nn.Module):
         """This LoRA actor with its adapter switched off, as a reference policy with the actor's
         call signature (`lightrft.models.reference.AdapterDisabledReference`): the KL reference of
         a LoRA run without a second copy of the base weights."""
-        from lightrft.models.reference import AdapterDisabledReference  # it imports this module
-
         return AdapterDisabledReference(self)
 
     def merged_model(self) -> PreTrainedModel:

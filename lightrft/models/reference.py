@@ -11,8 +11,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from lightrft.models.actor import ActorLanguage
-
 
 class AdapterDisabledReference(nn.Module):
     """Log-probs of `actor` with its LoRA adapter disabled, with the actor's call signature:
@@ -25,9 +23,10 @@ class AdapterDisabledReference(nn.Module):
     DeepSpeed's ZeRO-3 wrapper reads the dtype of a module's first parameter and fails without one.
     """
 
-    def __init__(self, actor: ActorLanguage):
+    def __init__(self, actor: nn.Module):
         super().__init__()
-        if not isinstance(actor, ActorLanguage) or actor.lora_rank == 0:
+        # An ActorLanguage with an adapter (checked by what it has: actor.py imports this module).
+        if getattr(actor, "lora_rank", 0) == 0:
             raise ValueError("AdapterDisabledReference needs an ActorLanguage with a LoRA adapter (--lora_rank > 0); "
                              "without LoRA the reference is a separate ActorLanguage of --pretrain")
         self.__dict__["actor"] = actor  # not a submodule (see the class doc)

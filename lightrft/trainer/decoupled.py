@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from lightrft.config.run import planned_steps
 from lightrft.config.sections import RolesConfig
 from lightrft.rollout.base import RolloutOutput
 from lightrft.rollout.seeds import request_seeds
@@ -35,13 +36,6 @@ from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver,
                                                WeightPublisher, WeightSubscriber)
 from lightrft.trainer.roles import JobLink, LocalChannel
 from lightrft.utils.distributed_sampler import DistributedSampler
-
-
-def planned_rollout_steps(args, num_prompts: int) -> int:
-    """Rollout steps of a run: prompts // rollout_batch_size per episode, times the episodes,
-    capped by --max_steps."""
-    steps = num_prompts // args.rollout_batch_size * args.num_episodes
-    return min(steps, args.max_steps) if getattr(args, "max_steps", -1) > 0 else steps
 
 
 class ExplorerLink:
@@ -185,7 +179,7 @@ class Explorer:
         self.first_position, self.stride = first_position, stride
         self.loaded_version = -1
         self.per_episode = len(prompts) // args.rollout_batch_size
-        self.total_steps = planned_rollout_steps(args, len(prompts))
+        self.total_steps = planned_steps(args, len(prompts))
         self.sampler = DistributedSampler(prompts, num_replicas=1, rank=0, shuffle=True, seed=args.seed,
                                           drop_last=True)
         self._orders: dict[int, list[int]] = {}
@@ -328,26 +322,29 @@ def explorer_parts(args, link_rank: int):
     (a plain module with `HFEngine`, or vLLM), an experience maker for tokenisation and sampling
     parameters, and one for scoring (the reward sources)."""
     from lightrft.algorithms.kl import FixedKLController
-    from lightrft.cli.train_ppo import (actor_model_kwargs, load_tokenizer, make_vllm_engine, reward_sources,
-                                        stop_token_ids)
+    from lightrft.builders import (build_reward_sources, build_tokenizer, build_vllm_engine, policy_model_kwargs,
+                                   stop_token_ids)
     from lightrft.models import ActorLanguage
     from lightrft.rollout.hf_engine import HFEngine
     from lightrft.trainer.experience_maker import NaiveExperienceMaker
 
-    tokenizer = load_tokenizer(args)
+    def load_tokenizer():
+        return build_tokenizer(args.model.pretrain, args.model.trust_remote_code, padding_side="left")
+
+    tokenizer = load_tokenizer()
     eos = stop_token_ids(tokenizer, args.pretrain)
     module = None
     if args.rollout_engine == "vllm":
-        engine = make_vllm_engine(args, tokenizer, seed=args.seed + link_rank)
+        engine = build_vllm_engine(args, tokenizer, seed=args.seed + link_rank)
     else:
-        actor = ActorLanguage(args.pretrain, **actor_model_kwargs(args))
+        actor = ActorLanguage(args.pretrain, **policy_model_kwargs(args.model, args.distributed))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             actor = actor.to(torch.device("cuda", torch.cuda.current_device()))
         module = actor.model.eval()
         engine = HFEngine(module, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                           micro_batch_size=args.micro_rollout_batch_size)
-    sources = reward_sources(args)
+    sources = build_reward_sources(args.rewards)
 
     def experience_maker(tok):
         return NaiveExperienceMaker(None, None, None, None, tok, args.prompt_max_len, FixedKLController(0.0), None,
@@ -359,7 +356,7 @@ def explorer_parts(args, link_rank: int):
 
     # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
     # safe to call from two threads at once).
-    return tokenizer, engine, module, experience_maker(tokenizer), experience_maker(load_tokenizer(args))
+    return tokenizer, engine, module, experience_maker(tokenizer), experience_maker(load_tokenizer())
 
 
 def run_explorer(args, link: JobLink) -> dict:
@@ -367,7 +364,7 @@ def run_explorer(args, link: JobLink) -> dict:
     the reward sources, then explores until the trainers stop."""
     import torch.distributed as dist
 
-    from lightrft.cli.train_ppo import prompt_dataset
+    from lightrft.builders import build_prompt_dataset
     from lightrft.strategy.seeding import set_seed
     from lightrft.utils.threads import configure_threads
 
@@ -376,7 +373,7 @@ def run_explorer(args, link: JobLink) -> dict:
     layout = link.layout
     tokenizer, engine, module, maker, scorer = explorer_parts(args, layout.rank)
     explorer = Explorer(args, link.experience, link.control, engine, module, maker, scorer,
-                        prompt_dataset(args, tokenizer),
+                        build_prompt_dataset(args.data, tokenizer),
                         index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
     sent = explorer.run()
     # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
@@ -401,11 +398,11 @@ def start_ahead_explorer(args, strategy) -> ExplorerLink:
     """The colocated one-step-ahead mode (`--sync_offset D > 0` without explorer ranks): an
     explorer thread in this rank's own process, with its own copy of the policy, generates this
     rank's share of step k + 1 while the trainer trains step k. Returns the trainer's end."""
-    from lightrft.cli.train_ppo import prompt_dataset
+    from lightrft.builders import build_prompt_dataset
 
     experience, control = LocalChannel(maxsize=1), LocalChannel()
     tokenizer, engine, module, maker, scorer = explorer_parts(args, strategy.rank)
-    explorer = Explorer(args, experience, control, engine, module, maker, scorer, prompt_dataset(args, tokenizer),
+    explorer = Explorer(args, experience, control, engine, module, maker, scorer, build_prompt_dataset(args.data, tokenizer),
                         first_position=strategy.rank, stride=strategy.world_size)
     _Background(explorer.run)   # its error reaches the trainer as a FAILED message, which raises it
     return _explorer_link(args, experience, control, 1)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightrft.algorithms.kl import FixedKLController
-from lightrft.cli.common import build_scheduler
+from lightrft.builders import build_scheduler
 from lightrft.cli.train_ppo import parse_args
 from lightrft.datasets import PromptDataset, SFTDataset
 from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy

@@ -1,0 +1,38 @@
+"""One builder per component of a run, each reading its own config section.
+
+    tokenizer        build_tokenizer, stop_token_ids
+    models           policy_model_kwargs (actor, reference, EMA and explorer copies alike)
+    engines          build_vllm_engine
+    rewards          build_reward_sources (HTTP servers, reward files, builtin rules)
+    datasets         build_prompt_dataset
+    training         build_scheduler, build_tracker (PPO, SFT and RM runs)
+    ppo_run          build_strategy, PPORun, build_ppo_run (the whole PPO run: models, data, trainer)
+
+The command line (`lightrft.cli`) parses flags into a run config and calls these; nothing under
+`lightrft/` outside `cli/` imports the command line. Names resolve on first use, so importing
+this package stays light.
+"""
+
+import importlib
+
+_HOMES = {
+    "build_tokenizer": "lightrft.builders.tokenizer",
+    "stop_token_ids": "lightrft.builders.tokenizer",
+    "policy_model_kwargs": "lightrft.builders.models",
+    "build_vllm_engine": "lightrft.builders.engines",
+    "build_reward_sources": "lightrft.builders.rewards",
+    "build_prompt_dataset": "lightrft.builders.datasets",
+    "build_scheduler": "lightrft.builders.training",
+    "build_tracker": "lightrft.builders.training",
+    "build_strategy": "lightrft.builders.ppo_run",
+    "PPORun": "lightrft.builders.ppo_run",
+    "build_ppo_run": "lightrft.builders.ppo_run",
+    "check_run_vocabulary": "lightrft.builders.ppo_run",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

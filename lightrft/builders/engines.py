@@ -1,0 +1,28 @@
+"""The rollout engine of a run when it is not the trainer's own Hugging Face decoding."""
+
+from lightrft.builders.tokenizer import stop_token_ids
+
+
+def build_vllm_engine(config, tokenizer, seed: int):
+    """A vLLM engine of `--pretrain` with the rollout section's vLLM options. `config` is the
+    `PPORunConfig`: the engine also reads the model (path, LoRA rank), the precision and the
+    longest sequence a rollout makes."""
+    from lightrft.rollout import make_rollout_engine
+
+    model, rollout = config.model, config.rollout
+    return make_rollout_engine("vllm", model_path=model.pretrain, seed=seed,
+                               gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+                               kv_cache_gb=rollout.vllm_kv_cache_gb,
+                               enable_sleep={"auto": None, "on": True, "off": False}[rollout.vllm_enable_sleep],
+                               sync_bucket_mb=rollout.vllm_sync_bucket_mb,
+                               **({"tensor_parallel_size": rollout.vllm_tensor_parallel_size}
+                                  if rollout.vllm_tensor_parallel_size != 1 else {}),
+                               # a LoRA actor syncs only its adapter (RolloutManager.for_actor)
+                               **({"lora_rank": model.lora_rank} if model.lora_rank > 0 else {}),
+                               # the trainer's precision: vLLM's "auto" runs float32 models in half
+                               dtype="bfloat16" if config.distributed.bf16 else "float32",
+                               # the longest sequence a rollout makes (prompts are cut to prompt_max_len):
+                               # vLLM would otherwise size its KV cache for the model's whole context
+                               max_model_len=config.data.prompt_max_len + rollout.generate_max_len,
+                               pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=stop_token_ids(tokenizer, model.pretrain))

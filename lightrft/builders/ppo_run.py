@@ -1,0 +1,182 @@
+"""The whole PPO run, built from its config: strategy, models, data, engine, rewards, trainer."""
+
+from dataclasses import dataclass
+
+from lightrft.builders.datasets import build_prompt_dataset
+from lightrft.builders.engines import build_vllm_engine
+from lightrft.builders.models import policy_model_kwargs
+from lightrft.builders.rewards import build_reward_sources
+from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+from lightrft.builders.training import build_scheduler, build_tracker
+from lightrft.config import PPORunConfig
+
+
+@dataclass
+class PPORun:
+    """A built PPO run (see `build_ppo_run`)."""
+
+    args: PPORunConfig
+    strategy: object
+    tokenizer: object
+    trainer: object
+    prompts: object                  # the PromptDataset of --prompt_data
+    dataloader: object
+    eval_dataloader: object
+    pretrain_dataloader: object
+    updates_per_step: int
+    tracker: object
+
+
+def build_strategy(config: PPORunConfig):
+    """The DeepSpeed strategy of the run, joined to the process group (torchrun's, or a world
+    of one)."""
+    from lightrft.strategy import get_strategy
+
+    strategy = get_strategy(config)
+    strategy.setup_distributed()
+    check_world_size(config, strategy.world_size)
+    return strategy
+
+
+def check_world_size(config: PPORunConfig, world_size: int) -> None:
+    """Every rank gets the same number of prompts per rollout."""
+    batch = config.rollout_batch_size   # flat: the docs' recipe checks pass a namespace
+    if batch % world_size != 0:
+        raise ValueError(f"--rollout_batch_size {batch} must be divisible by the number of "
+                         f"ranks ({world_size}) so every rank gets the same prompts per rollout")
+
+
+def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=()) -> PPORun:
+    """Everything a PPO run needs, on every rank: the models prepared by the strategy, the data
+    loaders, the rollout engine, the reward sources and the trainer (nothing trained yet).
+    `strategy` is the one `build_strategy` made (built here when None)."""
+    from lightrft.models import ActorLanguage, Critic, RewardModel
+    from lightrft.trainer.ppo_trainer import PPOTrainer
+
+    strategy = strategy or build_strategy(config)
+    model, data = config.model, config.data
+    model_kwargs = policy_model_kwargs(model, config.distributed)
+    # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
+    with strategy.zero3_init_context():
+        actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+                              lora_dropout=model.lora_dropout, target_modules=model.target_modules,
+                              gradient_checkpointing=config.distributed.gradient_checkpointing,
+                              temperature=config.rollout.temperature, **model_kwargs)
+        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **model_kwargs)
+                  if model.critic_pretrain else None)
+        reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
+                                     normalize_reward=model.normalize_reward, **model_kwargs)
+                         for path in reward_model_paths(config)]
+        needs_reference = config.algorithm.init_kl_coef > 0
+        # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
+        initial_model = ((actor.adapter_disabled() if model.lora_rank > 0
+                          else ActorLanguage(model.pretrain, temperature=config.rollout.temperature, **model_kwargs))
+                         if needs_reference else None)
+        ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
+
+    tokenizer = build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")
+    if data.recorded_data:
+        # Served traffic as training data: see lightrft/trainer/recorded.py.
+        from lightrft.trainer.recorded import RecordedExperienceDataset, RecordedPPOTrainer
+
+        prompts = RecordedExperienceDataset(data.recorded_data, tokenizer, max_samples=data.max_samples)
+        trainer_cls = trainer_cls or RecordedPPOTrainer
+    else:
+        prompts = build_prompt_dataset(data, tokenizer)
+    check_run_vocabulary(config, tokenizer, prompts, actor, critic, reward_models)
+    dataloader, eval_dataloader, pretrain_dataloader = build_dataloaders(config, strategy, tokenizer, prompts)
+
+    # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
+    total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
+    optim = config.optim
+    actor_optim = strategy.create_optimizer(actor, lr=optim.actor_learning_rate, betas=tuple(optim.adam_betas),
+                                            weight_decay=optim.l2)
+    actor_scheduler = build_scheduler(actor_optim, optim, optim.actor_learning_rate, total_updates)
+    critic_optim = critic_scheduler = None
+    if critic is not None:
+        critic_optim = strategy.create_optimizer(critic, lr=optim.critic_learning_rate, betas=tuple(optim.adam_betas),
+                                                 weight_decay=optim.l2)
+        critic_scheduler = build_scheduler(critic_optim, optim, optim.critic_learning_rate, total_updates)
+
+    actor, actor_optim, actor_scheduler = strategy.prepare((actor, actor_optim, actor_scheduler))
+    if critic is not None:
+        critic, critic_optim, critic_scheduler = strategy.prepare((critic, critic_optim, critic_scheduler))
+    reward_models = [strategy.prepare(rm) for rm in reward_models]
+    initial_model = strategy.prepare(initial_model) if initial_model is not None else None
+    ema_model = strategy.prepare(ema_model) if ema_model is not None else None
+
+    rollout_engine = None
+    if config.rollout.rollout_engine == "vllm" and config.roles.explorer_ranks == 0:  # explorers generate otherwise
+        rollout_engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
+
+    tracker = build_tracker(config, strategy)
+    if config.logging.preview_steps > 0:
+        from lightrft.trainer.preview import RolloutPreview
+
+        callbacks = [*callbacks, RolloutPreview(every=config.logging.preview_steps)]
+    trainer = (trainer_cls or PPOTrainer).from_config(
+        config, strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
+        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=build_reward_sources(config.rewards),
+        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
+        eos_token_ids=stop_token_ids(tokenizer, model.pretrain))
+
+    return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
+                  dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
+                  updates_per_step=config.updates_per_step, tracker=tracker)
+
+
+def reward_model_paths(config: PPORunConfig) -> list[str]:
+    """The comma-separated `--reward_pretrain` folders."""
+    return [path.strip() for path in (config.model.reward_pretrain or "").split(",") if path.strip()]
+
+
+def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts):
+    """(prompt loader, --eval_data loader or None, --pretrain_data loader or None)."""
+    from lightrft.datasets import SFTDataset
+
+    data = config.data
+    batch = config.rollout.rollout_batch_size
+    if len(prompts) < batch:
+        raise ValueError(f"--{'recorded' if data.recorded_data else 'prompt'}_data "
+                         f"{data.recorded_data or data.prompt_data} has {len(prompts)} usable rows, fewer than "
+                         f"--rollout_batch_size {batch}")
+    per_rank = batch // strategy.world_size
+    dataloader = strategy.setup_dataloader(prompts, per_rank, shuffle=True, collate_fn=prompts.collate_fn,
+                                           drop_last=True)
+    eval_dataloader = None
+    if data.eval_data:
+        eval_set = build_prompt_dataset(data, tokenizer, path=data.eval_data)
+        eval_dataloader = strategy.setup_dataloader(eval_set, max(1, config.rollout.micro_rollout_batch_size),
+                                                    shuffle=False, collate_fn=eval_set.collate_fn, drop_last=False)
+    pretrain_dataloader = None
+    if data.pretrain_data:
+        ptx = SFTDataset(data.pretrain_data, tokenizer, input_key=data.input_key, output_key=data.pretrain_output_key,
+                         apply_chat_template=data.apply_chat_template,
+                         max_len=data.prompt_max_len + config.rollout.generate_max_len)
+        pretrain_dataloader = strategy.setup_dataloader(ptx, config.optim.micro_train_batch_size, shuffle=True,
+                                                        collate_fn=ptx.collate_fn)
+    return dataloader, eval_dataloader, pretrain_dataloader
+
+
+def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic, reward_models) -> None:
+    """`check_vocabulary` for the run's models: the actor on the tokens the run feeds it (and on the
+    prompt data's ids when the tokenizer is longer than its vocabulary); the critic and reward
+    models score the actor's samples, so they also need every id the actor can produce."""
+    from lightrft.datasets.prompt_dataset import encode_prompts
+    from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
+
+    model, data = config.model, config.data
+    fed = None
+    if len(tokenizer) > vocabulary_rows(actor):
+        if data.recorded_data:
+            fed = ids_in_data((s.prompt_token_ids + s.response_token_ids for s in prompts.samples),
+                              f"--recorded_data {data.recorded_data}")
+        else:
+            fed = ids_in_data(encode_prompts(tokenizer, [p for p, _ in prompts], data.apply_chat_template),
+                              f"--prompt_data {data.prompt_data}")
+    rows = check_vocabulary(actor, tokenizer, f"--pretrain {model.pretrain}", chat_template=data.apply_chat_template,
+                            fed=fed)
+    scorers = [(critic, f"--critic_pretrain {model.critic_pretrain}")] if critic is not None else []
+    scorers += [(rm, f"--reward_pretrain {path}") for rm, path in zip(reward_models, reward_model_paths(config))]
+    for scorer, what in scorers:
+        check_vocabulary(scorer, tokenizer, what, chat_template=data.apply_chat_template, fed=fed, produced_by=rows)
