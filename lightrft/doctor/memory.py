@@ -119,13 +119,11 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
     peaks["forwards"] = probe.peak_gib()
 
     probe.reset()
-    for experience in experiences:
-        trainer.replay_buffer.append(experience)
-    if trainer.normalize_advantages_globally:
-        trainer.replay_buffer.normalize("advantages", strategy)
-    trainer.ppo_train(trainer.global_step)
-    trainer.replay_buffer.clear()
-    trainer.rollout.mark_stale()
+    # The step training runs; a probe, so the run's step count and KL coefficient stay as they were.
+    step, kl_state = trainer.global_step, trainer.kl_ctl.state_dict()
+    trainer.step(experiences, check_engine=False)   # lengths forced by min_new_tokens: not the policy's samples
+    trainer.global_step = step
+    trainer.kl_ctl.load_state_dict(kl_state)
     peaks["train"] = probe.peak_gib()
 
     probe.reset()

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
-from lightrft.config.run import plain_options
+from lightrft.config.run import plain_options, planned_steps
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.checks import EngineSyncError, engine_gap_tolerance, engine_logprob_gap
@@ -31,7 +31,6 @@ from lightrft.rollout.manager import RolloutManager
 from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import pinned_options
-from lightrft.trainer.decoupled import planned_rollout_steps
 from lightrft.trainer.dynamic_sampling import sample_informative_batch
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience import Experience, Sample, collate_samples
@@ -263,37 +262,20 @@ class PPOTrainer:
                     break
                 rollout_time = time.time() - started
                 self.callbacks.on_rollout_end(self, experiences)
-                # 2. Replay buffer, with global advantage whitening where the estimator needs it.
-                for experience in experiences:
-                    self.replay_buffer.append(experience)
-                if self.normalize_advantages_globally:
-                    self.replay_buffer.normalize("advantages", self.strategy)
-                # The step's totals are reduced over ranks while the actor trains.
-                totals = self.start_step_totals(self.replay_buffer.info_sums())
-                # 3. Optimise: epochs x micro-batches; the engine's weights are stale afterwards.
+                # 2. Train on them (buffer, PPO epochs, KL controller): the named step.
                 started = time.time()
-                self.pass_preempted = None
-                train_logs = self.ppo_train(self.global_step)
-                self.rollout.mark_stale()
-                self.check_engine_gap(train_logs)
+                logs = self.step(experiences)
                 train_time = time.time() - started
-                self.replay_buffer.clear()
-                rollout_logs = totals.result()
                 # Whether any rank was asked to stop travelled with the last pass's metrics.
                 preempted = self.services.preempted() if self.pass_preempted is None else self.pass_preempted
-                # 4. KL controller follows the observed KL (adaptive) or stays fixed.
-                self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
-                                   args.rollout_batch_size * self.algo.n_samples_per_prompt)
-                self.global_step += 1
                 if self.explorers is not None:
                     self.explorers.after_step(self)
-                    rollout_logs.update(self.explorers.logs())
+                    logs.update(self.explorers.logs())
                 bar.update(1)
-                bar.set_postfix(reward=f"{rollout_logs.get('rollout/reward', float('nan')):.3f}")
-                # 5. Logs, evaluation, checkpoints; stop early on preemption or non-finite streaks.
-                logs = {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value,
-                        **perf_metrics(self.experience_maker.timings, rollout_time, train_time,
-                                       args.rollout_batch_size * self.algo.n_samples_per_prompt)}
+                bar.set_postfix(reward=f"{logs.get('rollout/reward', float('nan')):.3f}")
+                # 3. Logs, evaluation, checkpoints; stop early on preemption or non-finite streaks.
+                logs.update(perf_metrics(self.experience_maker.timings, rollout_time, train_time,
+                                         args.rollout_batch_size * self.algo.n_samples_per_prompt))
                 self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
                 # A signal that came during a save (which can take long) stops the run now, not a step later.
                 self.stop_reason = self.services.stop_reason(
@@ -311,6 +293,32 @@ class PPOTrainer:
                 self.explorers.stop(preempted=self.stop_reason == "preempted")
             self.services.stop()
         self.callbacks.on_train_end(self)
+
+    def step(self, experiences: list[Experience], check_engine: bool = True) -> dict[str, float]:
+        """One optimisation round on a rollout's experiences: the step `fit` repeats and
+        `lightrft.cli.doctor` runs. The replay buffer takes them (advantages whitened over all
+        ranks where the estimator asks), the PPO epochs train on them, the engine is marked stale
+        and its log-prob gap checked (`check_engine=False` for samples drawn otherwise than
+        training draws them, as the doctor's memory probe forces their lengths), and the KL
+        controller follows the observed KL. Returns the step's rollout/* and train/* logs;
+        `global_step` counts it."""
+        for experience in experiences:
+            self.replay_buffer.append(experience)
+        if self.normalize_advantages_globally:
+            self.replay_buffer.normalize("advantages", self.strategy)
+        # The step's totals are reduced over ranks while the actor trains.
+        totals = self.start_step_totals(self.replay_buffer.info_sums())
+        self.pass_preempted = None
+        train_logs = self.ppo_train(self.global_step)
+        self.rollout.mark_stale()
+        if check_engine:
+            self.check_engine_gap(train_logs)
+        self.replay_buffer.clear()
+        rollout_logs = totals.result()
+        self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
+                           self.args.rollout_batch_size * self.algo.n_samples_per_prompt)
+        self.global_step += 1
+        return {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value}
 
     def start_step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> PendingReduction:
         """The rollout's statistics over all ranks, in one all-reduce started now and read
@@ -353,7 +361,7 @@ class PPOTrainer:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
         episodes, capped by --max_steps. The LR schedule spans exactly these steps, and the run
         takes them all: with dynamic sampling, prompts are drawn past the last episode if needed."""
-        return planned_rollout_steps(args, len(dataloader.dataset))
+        return planned_steps(args, len(dataloader.dataset))
 
     # ============================================================================ rollout phase
     def _prompt_batches(self, args, dataloader):
