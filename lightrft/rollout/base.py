@@ -94,6 +94,13 @@ class RolloutOutput:
         """The response part of `sequences`. Shape: (B, A)."""
         return self.sequences[:, self.prompt_len:]
 
+    def select(self, rows: Sequence[int]) -> "RolloutOutput":
+        """The given samples of this rollout, widths kept."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return RolloutOutput(self.sequences[index], self.attention_mask[index], self.action_mask[index],
+                             self.rollout_log_probs[index], self.prompt_len,
+                             None if self.truncated is None else self.truncated[index])
+
     @classmethod
     def from_token_lists(
         cls,

@@ -137,14 +137,6 @@ class ExplorerLink:
                 "rollout/dropped_stale_batches": float(self.ledger.dropped), "perf/experience_wait_s": wait}
 
 
-def select_rows(rollout: RolloutOutput, rows: list[int]) -> RolloutOutput:
-    """The given samples of a rollout, widths kept."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return RolloutOutput(rollout.sequences[index], rollout.attention_mask[index], rollout.action_mask[index],
-                         rollout.rollout_log_probs[index], rollout.prompt_len,
-                         None if rollout.truncated is None else rollout.truncated[index])
-
-
 def load_named_weights(module: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
     """Copies Hugging Face named weights into `module` in place (every name must exist)."""
     params = dict(module.named_parameters())
@@ -287,7 +279,7 @@ class Explorer:
             local = list(range(trainer_rank, len(prompts), self.trainers))     # this explorer's prompts
             rows = [i * n + k for i in local for k in range(n)]
             share = RolloutBatch(batch=batch, episode=episode, version=version, prompt_ids=list(ids),
-                                 rollout=select_rows(rollout, rows), scores=rewards.scores[rows],
+                                 rollout=rollout.select(rows), scores=rewards.scores[rows],
                                  valid=rewards.valid[rows], seconds=seconds)
             self.experience.send(share, trainer_rank)
         self.sent += 1

@@ -5,22 +5,11 @@ policy gradient but still dilutes token-mean losses. The trainer drops such grou
 prompts until the batch is full again (or a round limit is hit).
 """
 
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import torch
 
 from lightrft.trainer.experience import Experience
-
-
-def select_rows(exp: Experience, rows: torch.Tensor) -> Experience:
-    """The padded Experience restricted to `rows` (a 1-D index tensor)."""
-    picked = {}
-    for f in fields(exp):
-        value = getattr(exp, f.name)
-        if isinstance(value, torch.Tensor):
-            picked[f.name] = value[rows]
-    picked["info"] = {k: v[rows] for k, v in exp.info.items()}
-    return replace(exp, **picked)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -41,9 +30,9 @@ def filter_informative_groups(experiences: list[Experience],
     for exp in experiences:
         mask = informative_groups(exp.info["reward"], group_size)
         if mask.any():
-            kept.append(select_rows(exp, _group_rows(mask.nonzero().squeeze(1), group_size)))
+            kept.append(exp.select(_group_rows(mask.nonzero().squeeze(1), group_size)))
         if not mask.all():
-            rest.append(select_rows(exp, _group_rows((~mask).nonzero().squeeze(1), group_size)))
+            rest.append(exp.select(_group_rows((~mask).nonzero().squeeze(1), group_size)))
     return kept, rest
 
 
@@ -68,7 +57,7 @@ def fill_to_size(kept: list[Experience], fallback: list[Experience], target: int
         take -= take % group_size
         if take <= 0:
             continue
-        part = select_rows(exp, torch.arange(take)) if take < exp.batch_size else exp
+        part = exp.select(torch.arange(take)) if take < exp.batch_size else exp
         out.append(without_training_signal(part) if filler else part)
         have += take
     return out

@@ -45,6 +45,12 @@ class Experience:
     def batch_size(self) -> int:
         return self.action_mask.size(0)
 
+    def select(self, rows: Tensor) -> "Experience":
+        """This padded experience restricted to `rows` (a 1-D index tensor), widths kept."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        picked = {name: value[rows] for name, value in picked.items()}
+        return replace(self, **picked, info={k: v[rows] for k, v in self.info.items()})
+
     @property
     def loss_mask(self) -> Tensor:
         """The action tokens the losses train on: `action_mask` without the samples marked invalid

@@ -5,8 +5,7 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 
-from lightrft.trainer.dynamic_sampling import (fill_to_size, filter_informative_groups, informative_groups,
-                                               select_rows)
+from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups, informative_groups
 from lightrft.trainer.experience import (PER_ACTION_FIELDS, Experience, Sample, collate_samples,
                                          split_experience)
 
@@ -160,7 +159,7 @@ def test_filter_and_fill_keep_whole_groups_and_exact_size():
     exp = make_experience(rewards=(1.0, 0.0, 2.0))
     # Build a batch of 4 rows = 2 groups of G = 2: group 0 rewards (1, 1) equal, group 1 (0, 2).
     rows = torch.tensor([0, 0, 1, 2])
-    four = select_rows(exp, rows)
+    four = exp.select(rows)
     four.info["reward"] = torch.tensor([1.0, 1.0, 0.0, 2.0])
     kept, rest = filter_informative_groups([four], group_size=2)
     assert len(kept) == 1 and kept[0].info["reward"].tolist() == [0.0, 2.0]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightrft.config import ConfigError, PPORunConfig, RolesConfig
 from lightrft.rollout.base import RolloutOutput
-from lightrft.trainer.decoupled import load_named_weights, select_rows
+from lightrft.trainer.decoupled import load_named_weights
 from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, WeightPublisher,
                                                WeightSubscriber, latest_published)
 from lightrft.trainer.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
@@ -86,7 +86,7 @@ def test_select_rows_keeps_the_widths_and_picks_the_rows():
     rollout = RolloutOutput(torch.randint(0, 9, (6, 5), generator=g), torch.ones(6, 5, dtype=torch.long),
                             torch.rand(6, 3, generator=g) > 0.5, torch.randn(6, 3, generator=g), 2,
                             torch.tensor([True, False] * 3))
-    part = select_rows(rollout, [4, 1])
+    part = rollout.select([4, 1])
     assert torch.equal(part.sequences, rollout.sequences[[4, 1]]) and part.prompt_len == 2
     assert torch.equal(part.rollout_log_probs, rollout.rollout_log_probs[[4, 1]])
     assert part.truncated.tolist() == [True, False]
