@@ -15,7 +15,7 @@ import torch
 
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import SamplingParams
-from lightrft.trainer.experience_maker import RewardBatch
+from lightrft.trainer.scorer import RewardBatch
 
 GIB = 2.0**30
 PHASES = ("generate", "forwards", "train", "weight sync")

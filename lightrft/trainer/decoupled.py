@@ -31,7 +31,7 @@ from lightrft.config.run import planned_steps
 from lightrft.config.sections import RolesConfig
 from lightrft.rollout.base import RolloutOutput
 from lightrft.rollout.seeds import request_seeds
-from lightrft.trainer.experience_maker import RewardBatch
+from lightrft.trainer.scorer import RewardBatch
 from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, RolloutBatch,
                                                WeightPublisher, WeightSubscriber)
 from lightrft.trainer.roles import JobLink, LocalChannel
@@ -152,8 +152,8 @@ class Explorer:
     """An explorer's loop: wait for the weights a batch calls for, generate, score, send.
 
     `engine` is a rollout engine of the policy (`HFEngine` over `module`, or a vLLM engine with
-    `module=None`); `maker` supplies tokenisation and sampling parameters, `scorer` (another
-    experience maker, with a tokenizer of its own) decodes and scores. Scoring and sending batch
+    `module=None`); `maker` supplies tokenisation and sampling parameters, `scorer` (a
+    `lightrft.trainer.scorer.Scorer` with a tokenizer of its own) decodes and scores. Scoring and sending batch
     b run on a thread of their own while batch b + 1 generates, so a slow reward source (an HTTP
     server's latency) stays off the generation's path.
     Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
@@ -271,7 +271,7 @@ class Explorer:
                         rollout: RolloutOutput, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
         n = self.args.n_samples_per_prompt
         started = time.perf_counter()
-        rewards = self.scorer.compute_rewards(rollout, prompts, labels, n, self.args.generate_max_len)
+        rewards = self.scorer.score(rollout, prompts, labels, n, self.args.generate_max_len)
         seconds = {**seconds, "reward": time.perf_counter() - started}
         if subscriber.stopped:       # the trainers are done: nobody will take it
             return
@@ -319,6 +319,7 @@ def explorer_parts(args, link_rank: int):
     from lightrft.models import ActorLanguage
     from lightrft.rollout.hf_engine import HFEngine
     from lightrft.trainer.experience_maker import NaiveExperienceMaker
+    from lightrft.trainer.scorer import Scorer
 
     def load_tokenizer():
         return build_tokenizer(args.model.pretrain, args.model.trust_remote_code, padding_side="left")
@@ -337,18 +338,15 @@ def explorer_parts(args, link_rank: int):
         engine = HFEngine(module, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                           micro_batch_size=args.micro_rollout_batch_size)
     sources = build_reward_sources(args.rewards)
-
-    def experience_maker(tok):
-        return NaiveExperienceMaker(None, None, None, None, tok, args.prompt_max_len, FixedKLController(0.0), None,
-                                    rollout_engine=engine, reward_sources=sources,
-                                    n_samples_per_prompt=args.n_samples_per_prompt,
-                                    overlong_buffer_len=args.overlong_buffer_len,
-                                    overlong_penalty_factor=args.overlong_penalty_factor, seed=args.seed,
-                                    apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
-
+    maker = NaiveExperienceMaker(None, None, None, None, tokenizer, args.prompt_max_len, FixedKLController(0.0), None,
+                                 rollout_engine=engine, reward_sources=sources,
+                                 n_samples_per_prompt=args.n_samples_per_prompt, seed=args.seed,
+                                 apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
     # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
     # safe to call from two threads at once).
-    return tokenizer, engine, module, experience_maker(tokenizer), experience_maker(load_tokenizer())
+    scorer = Scorer(load_tokenizer(), reward_sources=sources, overlong_buffer_len=args.overlong_buffer_len,
+                    overlong_penalty_factor=args.overlong_penalty_factor, eos_token_ids=eos)
+    return tokenizer, engine, module, maker, scorer
 
 
 def run_explorer(args, link: JobLink) -> dict:

@@ -12,7 +12,6 @@ see each group whole on one rank.
 """
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -24,17 +23,10 @@ from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
-from lightrft.rewards.base import call_reward_source
-from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
 from lightrft.trainer.experience import Experience
-
-
-@dataclass
-class RewardBatch:
-    scores: Tensor   # (B,) float32 combined score per sample
-    valid: Tensor    # (B,) bool; False where a reward source failed and dropped the sample
+from lightrft.trainer.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
 
 
 class NaiveExperienceMaker:
@@ -63,7 +55,6 @@ class NaiveExperienceMaker:
         self.prompt_max_len = prompt_max_len
         self.kl_ctl = kl_controller
         self.strategy = strategy
-        self.reward_fn = reward_fn
         self.engine = rollout_engine
         self.estimator = get_advantage_estimator(advantage_estimator)
         self.n_samples_per_prompt = n_samples_per_prompt
@@ -78,15 +69,15 @@ class NaiveExperienceMaker:
 
             specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
             self.reward_sources += [make_reward_source(spec.strip()) for spec in specs if spec.strip()]
-        if not self.reward_models and not self.reward_sources:
-            raise ValueError("no reward: pass --reward_pretrain (a reward model) or --remote_rm_url "
-                             "(an http(s) URL, a .py file defining reward_func, or a builtin rule name)")
-        self.overlong_buffer_len = overlong_buffer_len
-        self.overlong_penalty_factor = overlong_penalty_factor
         self.seed = seed
         self.apply_chat_template = apply_chat_template
         self.mask_truncated_samples = mask_truncated_samples
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
+        self.scorer = Scorer(tokenizer, reward_models=self.reward_models, reward_sources=self.reward_sources,
+                             reward_fn=reward_fn, micro_batch_size=micro_rollout_batch_size,
+                             device=strategy.device if strategy is not None else None,
+                             overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
+                             eos_token_ids=self.eos_token_ids)
         self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
         self.eval_calls = 0
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
@@ -127,51 +118,13 @@ class NaiveExperienceMaker:
 
     # ------------------------------------------------------------------------------------ rewards
     def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
-        """Query texts (prompt + response) and the prompt of each sample, for text reward sources.
-        A response is the first `response_lengths[i]` tokens of its row (the action mask is a
-        prefix), decoded in one batch call."""
-        a = rollout.action_mask.size(1)
-        rows = (rollout.sequences[:, -a:] if a else rollout.sequences[:, :0]).tolist()
-        tokens = [row[:length] for row, length in zip(rows, rollout.response_lengths.tolist())]
-        responses = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        sample_prompts = [p for p in prompts for _ in range(n)]
-        return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
+        """Query texts and prompts of each sample (`Scorer.decode`)."""
+        return self.scorer.decode(rollout, prompts, n)
 
-    @torch.no_grad()
     def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
                         max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
-        """Scores every sample with every reward source and combines them with `reward_fn`.
-        `max_new_tokens` is the generation limit the overlong penalty measures against;
-        `shaping=False` reports the task reward alone (evaluation)."""
-        batch = rollout.sequences.size(0)
-        columns, valid = [], torch.ones(batch, dtype=torch.bool)
-        for model in self.reward_models:
-            scores = []
-            for i in range(0, batch, self.micro_rollout_batch_size):
-                sl = slice(i, i + self.micro_rollout_batch_size)
-                seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
-                scores.append(model(seq, attention_mask=mask).float().cpu())
-            columns.append(torch.cat(scores))
-        if self.reward_sources:
-            queries, sample_prompts = self.decode(rollout, prompts, n)
-            sample_labels = [lab for lab in (labels if labels is not None else [None] * len(prompts))
-                             for _ in range(n)]
-            truncated = self.truncated_rows(rollout).tolist()
-            for source in self.reward_sources:
-                result = call_reward_source(source, queries, sample_prompts, sample_labels, truncated)
-                if hasattr(result, "valid"):
-                    valid &= result.valid.cpu().bool()
-                    result = result.rewards
-                columns.append(torch.as_tensor(result, dtype=torch.float32).cpu().reshape(batch))
-        stacked = torch.stack(columns)                                     # (K, B)
-        scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
-        scores = torch.where(valid, scores, torch.zeros_like(scores))
-        if shaping and self.overlong_buffer_len > 0:
-            if max_new_tokens is None:
-                raise ValueError("overlong reward shaping needs the generation limit (--generate_max_len)")
-            scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), max_new_tokens,
-                                               self.overlong_buffer_len, self.overlong_penalty_factor)
-        return RewardBatch(scores=scores.float(), valid=valid)
+        """Every sample's combined score (`Scorer.score`)."""
+        return self.scorer.score(rollout, prompts, labels, n, max_new_tokens, shaping)
 
     # ----------------------------------------------------------------------------------- forwards
     def _to_device(self, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -228,17 +181,8 @@ class NaiveExperienceMaker:
         return self.initial_model is not None and self.kl_ctl.value != 0.0
 
     def truncated_rows(self, rollout: RolloutOutput) -> Tensor:
-        """Which responses were cut at the length limit rather than ended by an EOS token (an
-        empty response counts as cut): the engine's own flags, else read off the last token (an
-        engine that does not report them). Shape: (B,) bool."""
-        if rollout.truncated is not None:
-            return rollout.truncated.bool().cpu()
-        lengths = rollout.action_mask.sum(dim=1)                                     # (B,)
-        a = rollout.action_mask.size(1)
-        if a == 0:
-            return torch.ones(lengths.shape, dtype=torch.bool)
-        last = rollout.sequences[:, -a:].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        return (lengths == 0) | ~torch.isin(last, torch.tensor(self.eos_token_ids, dtype=last.dtype))
+        """Which responses were cut at the length limit (`lightrft.trainer.scorer.truncated_rows`)."""
+        return truncated_rows(rollout, self.eos_token_ids)
 
     @torch.no_grad()
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:

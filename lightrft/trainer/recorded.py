@@ -28,7 +28,7 @@ from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.rollout.base import RolloutOutput
 from lightrft.serving.records import read_records, tokenizer_fingerprint
 from lightrft.trainer.experience import Experience
-from lightrft.trainer.experience_maker import RewardBatch
+from lightrft.trainer.scorer import RewardBatch
 from lightrft.trainer.ppo_trainer import PPOTrainer
 
 

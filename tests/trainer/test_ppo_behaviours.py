@@ -527,7 +527,7 @@ def test_reward_source_failure_rates_are_per_call():
 def test_responses_decode_in_one_batch_as_row_by_row():
     # The per-row formula decode used before: each row's masked tokens through tokenizer.decode.
     from lightrft.rollout.base import RolloutOutput
-    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+    from lightrft.trainer.scorer import Scorer
 
     tokenizer = build_char_tokenizer_with_bos()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -544,9 +544,8 @@ def test_responses_decode_in_one_batch_as_row_by_row():
     rollout = RolloutOutput(sequences=torch.cat([prompts_ids, responses], dim=1),
                             attention_mask=torch.cat([torch.ones_like(prompts_ids), action_mask.long()], dim=1),
                             action_mask=action_mask, rollout_log_probs=torch.zeros(len(lengths), 6), prompt_len=3)
-    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
-    maker.tokenizer = tokenizer
-    queries, prompts = maker.decode(rollout, ["a+b=", "c+d=", "e+f="], n=2)
+    scorer = Scorer(tokenizer, reward_sources=["a source"])
+    queries, prompts = scorer.decode(rollout, ["a+b=", "c+d=", "e+f="], n=2)
     row_by_row = [tokenizer.decode(row[mask].tolist(), skip_special_tokens=True)
                   for row, mask in zip(responses, action_mask)]
     assert prompts == ["a+b=", "a+b=", "c+d=", "c+d=", "e+f=", "e+f="]
