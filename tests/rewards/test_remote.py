@@ -198,7 +198,8 @@ def test_permanent_failures_are_not_retried(server, behaviour, words):
 @pytest.mark.parametrize("behaviour, bad", [("nan", [0, 4]), ("inf", [4])])
 def test_non_finite_scores_are_errors(server, behaviour, bad):
     server.script = [behaviour]
-    with pytest.raises(RewardSourceError, match=re.escape(f"scores for queries {bad} are NaN, infinite or null")):
+    words = f"scores for queries {bad} are NaN, infinite, null or beyond the float32 range"
+    with pytest.raises(RewardSourceError, match=re.escape(words)):
         client(server.url)(QUERIES, PROMPTS, LABELS)
 
 
