@@ -63,8 +63,8 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         try:
             defaults[dest] = _config_value(action, value)
         except (TypeError, ValueError):
-            parser.error(f"--config {path}: key {key!r} has the value {value!r}, which --{dest} does not take "
-                         f"({action.help})")
+            parser.error(f"--config {path}: key {key!r} has the value {value!r}, but --{dest} takes "
+                         f"{_takes(action)} ({(action.help or '').replace('%%', '%')})")
         if action.choices is not None and defaults[dest] is not None and defaults[dest] not in action.choices:
             parser.error(f"--config {path}: key {key!r} must be one of {sorted(action.choices)}, got {value!r}")
         action.required = False       # the file provides it
@@ -72,18 +72,61 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
 
 
 def _config_value(action: argparse.Action, value):
-    """A YAML value converted as the flag's parser would convert its command-line text."""
+    """A YAML value as the flag would take it from the command line, after checking it against the
+    flag's type: YAML values come typed, and converting them blindly would turn 2.9 and true into
+    the integers 2 and 1, and a mapping into its text. Raises TypeError or ValueError for a value
+    of the wrong type (`_takes` says what the flag takes)."""
     if value is None:
+        if action.default is not None:       # null only where the option's default is null
+            raise TypeError(value)
         return None
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
         if not isinstance(value, bool):
             raise TypeError(value)
         return value
-    convert = action.type or (lambda v: v)
-    if action.nargs in ("*", "+") or isinstance(action.nargs, int):
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return [convert(v) for v in items]
-    return convert(value)
+    if isinstance(action.nargs, int) or action.nargs in ("*", "+"):
+        if not isinstance(value, (list, tuple)):
+            if isinstance(action.nargs, int):
+                raise TypeError(value)
+            value = [value]          # one item of a list flag may be written without the list
+        if isinstance(action.nargs, int) and len(value) != action.nargs:
+            raise ValueError(value)
+        return [_config_scalar(action.type, v) for v in value]
+    return _config_scalar(action.type, value)
+
+
+def _config_scalar(convert, value):
+    """One YAML scalar for a flag of type `convert` (int, float, str or another text parser)."""
+    if isinstance(value, (bool, dict, list, tuple)) or value is None:
+        raise TypeError(value)
+    if convert is int and isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(value)
+        return int(value)
+    if convert in (None, str):
+        return str(value)
+    if convert in (int, float):
+        if not isinstance(value, (int, float, str)):
+            raise TypeError(value)
+        return convert(value)         # int("8"), float("2e-6") as on the command line; float(1)
+    return convert(str(value))        # another parser of command-line text
+
+
+def _takes(action: argparse.Action) -> str:
+    """What a flag takes, in words: 'an integer', 'a list of 2 numbers' ..."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return "true or false"
+    one, many = {int: ("an integer", "integers"), float: ("a number", "numbers")}.get(
+        action.type, ("a string", "strings"))
+    if action.choices is not None:
+        one = f"one of {sorted(action.choices)}"
+    if isinstance(action.nargs, int):
+        return f"a list of {action.nargs} {many}"
+    if action.nargs in ("*", "+"):
+        return f"a list of {many}"
+    return one
 
 
 def resolved_config(args) -> dict:
@@ -104,6 +147,10 @@ def announce_config(parser: argparse.ArgumentParser, args, strategy, ckpt_path: 
     changed = {k: v for k, v in config.items() if k != "config" and v != _plain(parser.get_default(k))}
     print("options: " + json.dumps(changed, default=str, sort_keys=True), flush=True)
     if ckpt_path:
+        # A refused resume must not rewrite the file: it would describe a run that never trained.
+        from lightrft.trainer.run_services import check_resume_before_start
+
+        check_resume_before_start(ckpt_path, args)
         os.makedirs(ckpt_path, exist_ok=True)
         target = os.path.join(ckpt_path, "run_config.yaml")
         tmp = target + ".tmp"

@@ -32,16 +32,16 @@ def build_datasets(args, tokenizer):
     """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
     from lightrft.datasets import PreferenceDataset, split_train_eval
 
-    def pairs(path, max_samples=None):
+    def pairs(path, flag, max_samples=None):
         return PreferenceDataset(path, tokenizer, prompt_key=args.prompt_key, chosen_key=args.chosen_key,
                                  rejected_key=args.rejected_key, apply_chat_template=args.apply_chat_template,
                                  max_len=args.max_len, on_bad_row=args.on_bad_row, margin_key=args.margin_key,
-                                 max_samples=max_samples)
+                                 max_samples=max_samples, flag=flag)
 
-    train_set = pairs(args.dataset, args.max_samples)
+    train_set = pairs(args.dataset, "--dataset", args.max_samples)
     eval_set = None
     if args.eval_dataset:
-        eval_set = pairs(args.eval_dataset)
+        eval_set = pairs(args.eval_dataset, "--eval_dataset")
     elif args.eval_split:
         train_set, eval_set = split_train_eval(train_set, args.eval_split, seed=args.seed)
     return train_set, eval_set

@@ -34,16 +34,17 @@ def build_datasets(args, tokenizer):
     """(train set, eval set or None) from --dataset and --eval_dataset / --eval_split."""
     from lightrft.datasets import SFTDataset, split_train_eval
 
-    def sft(path, max_samples=None):
+    def sft(path, flag, max_samples=None):
         return SFTDataset(path, tokenizer, input_key=args.input_key,
                           output_key=None if args.multiturn else args.output_key,
                           apply_chat_template=args.apply_chat_template, max_len=args.max_len,
-                          on_bad_row=args.on_bad_row, input_template=args.input_template, max_samples=max_samples)
+                          on_bad_row=args.on_bad_row, input_template=args.input_template, max_samples=max_samples,
+                          flag=flag)
 
-    train_set = sft(args.dataset, args.max_samples)
+    train_set = sft(args.dataset, "--dataset", args.max_samples)
     eval_set = None
     if args.eval_dataset:
-        eval_set = sft(args.eval_dataset)
+        eval_set = sft(args.eval_dataset, "--eval_dataset")
     elif args.eval_split:
         train_set, eval_set = split_train_eval(train_set, args.eval_split, seed=args.seed)
     return train_set, eval_set

@@ -5,6 +5,9 @@ command; a command extends one by subclassing it (the subclass's fields come aft
 Field names are the flag names (OpenRLHF's where OpenRLHF has the flag), so recipes port.
 """
 
+import dataclasses
+import math
+import string
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,8 +25,41 @@ class ConfigError(ValueError):
 def check_positive(section, *names: str) -> None:
     for name in names:
         value = getattr(section, name)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:       # NaN too
             raise ConfigError(f"--{name} must be positive, got {value}")
+
+
+def check_finite(section) -> None:
+    """Refuses NaN and infinity in every float option of `section`: no option has a meaning for
+    them, and they slip through checks written as comparisons (a NaN --eps_clip made every step's
+    loss NaN, so every step was skipped)."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            if isinstance(value, tuple):
+                raise ConfigError(f"--{f.name} must be finite numbers, got ({', '.join(map(str, value))})")
+            raise ConfigError(f"--{f.name} must be a finite number, got {value}")
+
+
+def check_input_template(template: Optional[str], flag: str = "--input_template") -> None:
+    """A prompt template takes the input through `template.format(text)`: it needs exactly one
+    bare `{}` and no other field (literal braces are written `{{` and `}}`)."""
+    if template is None:
+        return
+    fix = "write exactly one '{}' where the input goes, and other braces as '{{' and '}}'"
+    try:
+        fields = [(name, conversion, spec) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as err:
+        raise ConfigError(f"{flag} {template!r} is not a valid format string ({err}); {fix}") from None
+    for name, conversion, spec in fields:
+        if name:
+            raise ConfigError(f"{flag} {template!r} has a named field {{{name}}} that no value fills; {fix}")
+        if conversion or spec:
+            raise ConfigError(f"{flag} {template!r} has a placeholder with a conversion or format spec; {fix}")
+    if len(fields) != 1:
+        raise ConfigError(f"{flag} {template!r} has {len(fields)} placeholders; {fix}")
 
 
 # ==================================================================================== shared
@@ -121,6 +157,12 @@ class CheckpointConfig:
     preemption_grace: float = option(600.0, "seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit")
     max_nonfinite_steps: int = option(3, "consecutive optimizer steps skipped for a non-finite loss or gradient "
                                          "before the run saves and stops")
+
+    def __post_init__(self):
+        # An empty path would write into the working directory (checkpoints without the folder lock).
+        for name in ("save_path", "ckpt_path"):
+            if not (getattr(self, name) or "").strip():
+                raise ConfigError(f"--{name} is empty: pass a folder (default: {getattr(type(self), name)})")
 
 
 # ======================================================================================= PPO
@@ -401,6 +443,7 @@ class SFTDataConfig(DataConfig):
         if self.multiturn and not self.apply_chat_template:
             raise ConfigError("--multiturn needs --apply_chat_template (assistant turns are found through the "
                               "template)")
+        check_input_template(self.input_template)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ downloaded: a path that does not exist is an error naming the path and the flag 
 """
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Sequence
@@ -36,30 +37,50 @@ def load_rows(path: str | Path, flag: str = "--dataset", split: str | None = Non
         if suffix not in readers:
             raise ValueError(f"{flag} {path}: unsupported format {suffix or '(no extension)'!r}; supported: "
                              + ", ".join(SUPPORTED_FORMATS))
-        rows = readers[suffix](path)
+        try:
+            rows = readers[suffix](path)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{flag} {path}: {_decode_error_position(err)}: byte 0x{err.object[err.start]:02x} is "
+                             "not UTF-8 text; re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
     if not rows:
         raise ValueError(f"{flag} {path}: the dataset has no rows")
     return rows
 
 
 def resolve_rows(rows_or_path: str | Path | Sequence[dict], source_name: str | None = None,
-                 max_samples: int | None = None) -> tuple[Sequence[dict], str]:
-    """The rows of a dataset argument (a path for `load_rows`, or rows already in memory: a list of
-    dicts or a `datasets.Dataset`) and the source name used in error messages, cut to the first
-    `max_samples` rows when given."""
+                 max_samples: int | None = None, flag: str = "--dataset") -> tuple[Sequence[dict], str]:
+    """The rows of a dataset argument (a path for `load_rows`, read as the value of `flag`, or rows
+    already in memory: a list of dicts or a `datasets.Dataset`) and the source name used in error
+    messages, cut to the first `max_samples` rows when given."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"--max_samples must be positive, got {max_samples}")
     if isinstance(rows_or_path, (str, Path)):
-        rows, source = load_rows(rows_or_path), source_name or str(rows_or_path)
+        rows, source = load_rows(rows_or_path, flag), source_name or str(rows_or_path)
     else:
         # list() also turns a `datasets.Dataset` into its rows (slicing one would give columns).
         rows, source = list(rows_or_path), source_name or "<rows>"
     return (rows if max_samples is None else rows[:max_samples]), source
 
 
+def _decode_error_position(err: UnicodeDecodeError) -> str:
+    """'line L, column C' (1-based, C in characters) of the byte a UTF-8 decoding failed at, in the
+    bytes it decoded (`_read_text` decodes a whole file)."""
+    data = err.object
+    line = data.count(b"\n", 0, err.start) + 1
+    line_start = data.rfind(b"\n", 0, err.start) + 1
+    column = len(data[line_start:err.start].decode("utf-8", errors="replace")) + 1
+    return f"line {line}, column {column}"
+
+
+def _read_text(path: Path) -> str:
+    """The file decoded as UTF-8 in one piece, so a decoding error's offset is from its start."""
+    return path.read_bytes().decode("utf-8")
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open(encoding="utf-8") as f:
+    # Universal newlines as a text-mode file reads them, on text decoded in one piece.
+    with io.StringIO(_read_text(path), newline=None) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -73,7 +94,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _read_json(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -95,7 +116,7 @@ def _read_parquet(path: Path) -> list[dict]:
 
 
 def _read_csv(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8", newline="") as f:
+    with io.StringIO(_read_text(path), newline="") as f:
         return list(csv.DictReader(f))
 
 

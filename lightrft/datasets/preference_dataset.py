@@ -49,12 +49,13 @@ class PreferenceDataset(Dataset):
     `apply_chat_template`: the prompt as user message(s) and the answer as the assistant message(s));
     without one, chosen and rejected are whole texts (used as they are) or, with
     `apply_chat_template`, whole conversations. Each side ends with EOS;
-    a side longer than `max_len` tokens is a bad row."""
+    a side longer than `max_len` tokens is a bad row, and so is a margin that is not a finite number.
+    `flag` is the option a path came from, for error messages."""
 
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, prompt_key: str | None = None,
                  chosen_key: str = "chosen", rejected_key: str = "rejected", apply_chat_template: bool = False,
                  max_len: int = 2048, on_bad_row: str = "error", source_name: str | None = None,
-                 margin_key: str | None = None, max_samples: int | None = None):
+                 margin_key: str | None = None, max_samples: int | None = None, flag: str = "--dataset"):
         if max_len < 2:
             raise ValueError(f"--max_len must be at least 2, got {max_len}")
         if apply_chat_template:
@@ -66,7 +67,7 @@ class PreferenceDataset(Dataset):
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.margin_key = margin_key
-        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples, flag)
         self.source = source
         self.pairs, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 

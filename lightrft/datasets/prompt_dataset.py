@@ -5,6 +5,7 @@ from typing import Any, Sequence
 
 from torch.utils.data import Dataset
 
+from lightrft.config.sections import check_input_template
 from lightrft.datasets.chat import render_chat, require_chat_template, to_messages
 from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
@@ -31,16 +32,15 @@ class PromptDataset(Dataset):
     only the first rows.
 
     Items are `(prompt_text, label)` in row order; `collate_fn` turns a batch into
-    `(list[str], list[label])`."""
+    `(list[str], list[label])`. `flag` is the option a path came from, for error messages."""
 
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, input_key: str = "input",
                  label_key: str | None = None, apply_chat_template: bool = False, prompt_max_len: int = 1024,
                  on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
-                 truncate_long_prompts: bool = False, max_samples: int | None = None):
+                 truncate_long_prompts: bool = False, max_samples: int | None = None, flag: str = "--prompt_data"):
         if prompt_max_len <= 0:
             raise ValueError(f"--prompt_max_len must be positive, got {prompt_max_len}")
-        if input_template is not None and "{}" not in input_template:
-            raise ValueError(f"--input_template must contain '{{}}' where the input goes, got {input_template!r}")
+        check_input_template(input_template)
         if apply_chat_template:
             require_chat_template(tokenizer)
         self.tokenizer = tokenizer
@@ -50,7 +50,7 @@ class PromptDataset(Dataset):
         self.prompt_max_len = prompt_max_len
         self.input_template = input_template
         self.truncate_long_prompts = truncate_long_prompts
-        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples, flag)
         self.source = source
         self.items, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 

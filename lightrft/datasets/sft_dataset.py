@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from lightrft.config.sections import check_input_template
 from lightrft.datasets.chat import assistant_spans, require_chat_template, to_messages
 from lightrft.datasets.loaders import resolve_rows
 from lightrft.datasets.padding import right_pad
@@ -60,16 +61,15 @@ class SFTDataset(Dataset):
     holds a whole conversation and every assistant turn is trained on. Without a chat template the
     text is `prompt + response` (put separators in the data or in `input_template`). A sample longer
     than `max_len` keeps its first `max_len` tokens; one whose response then has no token left is a
-    bad row."""
+    bad row. `flag` is the option a path came from, for error messages."""
 
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, input_key: str = "input",
                  output_key: str | None = "output", apply_chat_template: bool = False, max_len: int = 2048,
                  on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
-                 max_samples: int | None = None):
+                 max_samples: int | None = None, flag: str = "--dataset"):
         if max_len < 2:
             raise ValueError(f"--max_len must be at least 2, got {max_len}")
-        if input_template is not None and "{}" not in input_template:
-            raise ValueError(f"--input_template must contain '{{}}' where the input goes, got {input_template!r}")
+        check_input_template(input_template)
         if output_key is None and not apply_chat_template:
             raise ValueError("training on whole conversations (no --output_key) needs --apply_chat_template")
         if apply_chat_template:
@@ -83,7 +83,7 @@ class SFTDataset(Dataset):
         self.apply_chat_template = apply_chat_template
         self.max_len = max_len
         self.input_template = input_template
-        rows, source = resolve_rows(rows_or_path, source_name, max_samples)
+        rows, source = resolve_rows(rows_or_path, source_name, max_samples, flag)
         self.source = source
         self.samples, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
 

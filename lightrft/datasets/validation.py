@@ -6,6 +6,7 @@ counted in a `SkipReport`, whose summary is logged (on rank 0) once per dataset.
 """
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, TypeVar
@@ -97,8 +98,8 @@ def check_field(row: Any, key: str, kind: str, source: str, index: int) -> Any:
     """Returns `row[key]` if it has the expected kind, else raises `DatasetRowError`.
 
     Kinds: "text" (a non-blank string), "messages" (a non-empty list of {"role", "content"} dicts
-    with string values), "text_or_messages", "number" (int/float, or a numeric string as CSV gives;
-    returned as float), "any" (present and not null)."""
+    with string values), "text_or_messages", "number" (a finite int/float, or a numeric string as CSV
+    gives; returned as float), "any" (present and not null)."""
     if kind not in FIELD_KINDS:
         raise ValueError(f"unknown field kind {kind!r}; choose one of {list(FIELD_KINDS)}")
     if not isinstance(row, Mapping):
@@ -122,10 +123,16 @@ def check_field(row: Any, key: str, kind: str, source: str, index: int) -> Any:
         check_messages(value, key, source, index)
     elif kind == "number":
         try:
-            value = float(value)
+            number = float(value) if not isinstance(value, bool) else None
         except (TypeError, ValueError):
+            number = None
+        if number is None:
             raise DatasetRowError(source, index, key, f"expected a number, got {_describe(value)}",
-                                  kind="wrong type") from None
+                                  kind="wrong type")
+        if not math.isfinite(number):
+            raise DatasetRowError(source, index, key, f"expected a finite number, got {_describe(value)}",
+                                  "give it a finite value or drop the row", kind="not finite")
+        value = number
     return value
 
 

@@ -72,3 +72,52 @@ def test_the_written_config_reads_back_to_the_same_options(tmp_path, capsys, mod
     # Compared as resolved values: a two-value flag is a list whether it came from a file or the command line.
     assert {k: v for k, v in resolved_config(again).items() if k != "config"} == \
         {k: v for k, v in resolved_config(args).items() if k != "config"}
+
+
+PPO_REQUIRED = {"pretrain": "m", "prompt_data": "p.jsonl", "remote_rm_url": "math",
+                "advantage_estimator": "group_norm", "n_samples_per_prompt": 4}
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    # Before: int() and str() turned these into 2, 1, 1 and "{'n': 4}" without a word.
+    ("rollout_batch_size", 2.9, "an integer"),
+    ("n_samples_per_prompt", True, "an integer"),
+    ("n_samples_per_prompt", "4.5", "an integer"),
+    ("pretrain", {"n": 4}, "a string"),
+    ("remote_rm_url", ["math", "format"], "a string"),
+    ("wandb_project", False, "a string"),
+    ("eps_clip", True, "a number"),
+    ("eps_clip", [0.2], "a number"),
+    ("use_kl_loss", "yes", "true or false"),
+    ("use_kl_loss", 1, "true or false"),
+    ("eps_clip_low_high", [0.2], "a list of 2 numbers"),
+    ("eps_clip_low_high", [0.2, "high"], "a list of 2 numbers"),
+    ("adam_betas", 0.9, "a list of 2 numbers"),
+    ("ckpt_path", None, "a string"),
+])
+def test_values_of_the_wrong_type_are_refused_naming_the_type(tmp_path, capsys, key, value, expected):
+    config = write(tmp_path, {**PPO_REQUIRED, key: value})
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", config])
+    err = capsys.readouterr().err
+    assert f"--config {config}: key {key!r} has the value {value!r}, but --{key} takes {expected}" in err, err
+
+
+def test_values_the_command_line_would_take_are_converted(tmp_path):
+    config = write(tmp_path, {**PPO_REQUIRED, "rollout_batch_size": 8.0, "train_batch_size": "32",
+                              "use_kl_loss": "True", "bf16": "false", "eps_clip": 1, "wandb_run_name": 2024,
+                              "target_modules": "q_proj", "kl_target": None})
+    args = train_ppo.parse_args(["--config", config])
+    assert (args.rollout_batch_size, args.train_batch_size) == (8, 32)
+    assert type(args.rollout_batch_size) is int and type(args.eps_clip) is float and args.eps_clip == 1.0
+    assert (args.use_kl_loss, args.bf16, args.wandb_run_name) == (True, False, "2024")
+    assert args.target_modules == ("q_proj",) and args.kl_target is None
+
+
+def test_non_finite_values_in_the_file_are_refused(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("pretrain: m\nprompt_data: p.jsonl\nremote_rm_url: math\nadvantage_estimator: reinforce\n"
+                      "eps_clip: .nan\n")
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", str(config)])
+    assert "--eps_clip must be a finite number, got nan" in capsys.readouterr().err

@@ -29,6 +29,14 @@ def error_of(argv, capsys) -> str:
     (["--advantage_estimator", "reinforce", "--vllm_tensor_parallel_size", "0"],
      ["--vllm_tensor_parallel_size must be positive"]),
     (["--advantage_estimator", "nope"], ["invalid choice", "group_norm"]),
+    # Before: NaN/inf parsed; --eps_clip nan made every step's loss NaN, all steps were skipped, exit 0.
+    (["--advantage_estimator", "reinforce", "--eps_clip", "nan"], ["--eps_clip must be a finite number, got nan"]),
+    (["--advantage_estimator", "reinforce", "--actor_learning_rate", "inf"],
+     ["--actor_learning_rate must be a finite number, got inf"]),
+    (["--advantage_estimator", "reinforce", "--adam_betas", "0.9", "nan"],
+     ["--adam_betas must be finite numbers, got (0.9, nan)"]),
+    # Before: --ckpt_path "" wrote checkpoints into the working directory without the run lock.
+    (["--advantage_estimator", "reinforce", "--ckpt_path", ""], ["--ckpt_path is empty"]),
 ])
 def test_incompatible_options_are_start_up_errors(argv, words, capsys):
     err = error_of(argv, capsys)

@@ -86,8 +86,22 @@ def test_export_stores_training_reward_statistics(run):
 def test_flag_errors(capsys):
     base = ["--pretrain", "m", "--dataset", "d.jsonl"]
     for extra, message in ((["--lora_rank", "8"], "--lora_rank is not supported by train_rm"),
-                           (["--packing_samples"], "--packing_samples is not supported by train_rm")):
+                           (["--packing_samples"], "--packing_samples is not supported by train_rm"),
+                           (["--max_norm", "inf"], "--max_norm must be a finite number, got inf"),
+                           (["--ckpt_path", ""], "--ckpt_path is empty")):
         with pytest.raises(SystemExit):
             parse_args([*base, *extra])
         assert message in capsys.readouterr().err
     assert parse_args(base).learning_rate == 9e-6
+
+
+def test_a_missing_eval_dataset_names_its_own_flag(tmp_path):
+    # Before: the error said "--dataset <eval path>", the flag of the training pairs.
+    from lightrft.cli.train_rm import build_datasets
+    from lightrft.utils.tiny import build_char_tokenizer
+
+    train = write_jsonl([{"chosen": "a", "rejected": "b"}], tmp_path / "train.jsonl")
+    missing = tmp_path / "nope.jsonl"
+    args = parse_args(["--pretrain", "m", "--dataset", str(train), "--eval_dataset", str(missing)])
+    with pytest.raises(FileNotFoundError, match=rf"^--eval_dataset {missing}: no such file"):
+        build_datasets(args, build_char_tokenizer())

@@ -97,9 +97,27 @@ def test_flag_errors(capsys):
     for extra, message in ((["--multiturn"], "--multiturn needs --apply_chat_template"),
                            (["--eval_split", "0.1", "--eval_dataset", "e.jsonl"],
                             "pass either --eval_dataset or --eval_split, not both"),
-                           (["--max_len", "0"], "--max_len must be positive, got 0")):
+                           (["--max_len", "0"], "--max_len must be positive, got 0"),
+                           # Before: parsed, then KeyError: 'x' on the first row.
+                           (["--input_template", "Q: {} {x}"], "--input_template 'Q: {} {x}' has a named field {x}"),
+                           (["--input_template", "Q: {} A: {}"], "--input_template 'Q: {} A: {}' has 2 placeholders"),
+                           (["--lr_warmup_ratio", "nan"], "--lr_warmup_ratio must be a finite number, got nan"),
+                           (["--learning_rate", "nan"], "--learning_rate must be positive, got nan")):
         with pytest.raises(SystemExit):
             parse_args([*base, *extra])
         assert message in capsys.readouterr().err
     args = parse_args([*base, "--multiturn", "--apply_chat_template", "--eval_split", "0.1"])
     assert (args.multiturn, args.eval_split, args.output_key) == (True, 0.1, "output")
+
+
+def test_a_missing_eval_dataset_names_its_own_flag(tmp_path):
+    # Before: the error said "--dataset <eval path>", the flag of the training rows.
+    from lightrft.cli.train_sft import build_datasets
+    from lightrft.utils.tiny import build_char_tokenizer
+
+    train = tmp_path / "train.jsonl"
+    write_jsonl([{"input": "1+1=", "output": "2"}], train)
+    missing = tmp_path / "nope.jsonl"
+    args = parse_args(["--pretrain", "m", "--dataset", str(train), "--eval_dataset", str(missing)])
+    with pytest.raises(FileNotFoundError, match=rf"^--eval_dataset {missing}: no such file"):
+        build_datasets(args, build_char_tokenizer())

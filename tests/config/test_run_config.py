@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from lightrft.cli import train_ppo, train_rm, train_sft
-from lightrft.config import (AlgorithmConfig, ConfigError, PPODataConfig, PPOModelConfig, PPORunConfig, RewardConfig,
-                             RMRunConfig, SFTRunConfig)
+from lightrft.config import (AlgorithmConfig, CheckpointConfig, ConfigError, PPODataConfig, PPOModelConfig,
+                             PPORunConfig, RewardConfig, RMRunConfig, SFTDataConfig, SFTRunConfig)
 from lightrft.config.options import flag_fields
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
 
@@ -84,3 +84,81 @@ def test_layers_share_the_configs_defaults():
     assert maker["gamma"].default == AlgorithmConfig.gamma
     assert train_rm.parse_args(["--pretrain", "m", "--dataset", "d"]).learning_rate == 9e-6
     assert train_sft.parse_args(["--pretrain", "m", "--dataset", "d"]).learning_rate == 5e-6
+
+
+def float_fields(config_cls):
+    """(section name, field name) of every float or tuple-of-floats flag of a run config."""
+    import typing
+
+    from lightrft.config.options import _base_type
+
+    found = []
+    for name, section in config_cls.sections().items():
+        hints = typing.get_type_hints(section)
+        for f in flag_fields(section):
+            base, _ = _base_type(hints[f.name])
+            if base is float or typing.get_args(base)[:1] == (float,):
+                found.append((name, f.name))
+    return found
+
+
+PPO_VALUES = dict(model=PPOModelConfig(pretrain="m"), data=PPODataConfig(prompt_data="p.jsonl"),
+                  rewards=RewardConfig(remote_rm_url="math"),
+                  algorithm=AlgorithmConfig(advantage_estimator="group_norm", n_samples_per_prompt=4))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_every_float_flag_refuses_nan_and_inf_naming_the_flag(bad):
+    # Before: --eps_clip nan parsed, every step's loss was NaN and skipped, and the run exited 0.
+    fields = float_fields(PPORunConfig)
+    assert ("algorithm", "eps_clip") in fields and ("optim", "adam_betas") in fields and len(fields) > 25
+    for section_name, name in fields:
+        section = PPO_VALUES.get(section_name) or PPORunConfig.sections()[section_name]()
+        value = (bad, 0.95) if name in ("adam_betas", "eps_clip_low_high") else bad
+        with pytest.raises(ConfigError) as info:
+            PPORunConfig(**{**PPO_VALUES, section_name: dataclasses.replace(section, **{name: value})})
+        assert f"--{name} " in str(info.value), (name, str(info.value))
+    for config_cls in (SFTRunConfig, RMRunConfig):
+        sections = config_cls.sections()
+        values = dict(model=sections["model"](pretrain="m"), data=sections["data"](dataset="d"))
+        for section_name, name in float_fields(config_cls):
+            section = values.get(section_name) or sections[section_name]()
+            value = (bad, 0.95) if name == "adam_betas" else bad
+            with pytest.raises(ConfigError, match=f"--{name} "):
+                config_cls(**{**values, section_name: dataclasses.replace(section, **{name: value})})
+
+
+def test_finite_floats_still_parse():
+    config = train_ppo.parse_args(BASE + ["--eps_clip", "0.3", "--adam_betas", "0.9", "0.99", "--l2", "0"])
+    assert (config.eps_clip, config.adam_betas, config.l2) == (0.3, (0.9, 0.99), 0.0)
+
+
+@pytest.mark.parametrize("name", ["ckpt_path", "save_path"])
+def test_an_empty_checkpoint_or_export_folder_is_refused(name):
+    # Before: --ckpt_path "" wrote checkpoints into the working directory, with no run lock.
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match=f"--{name} is empty"):
+            CheckpointConfig(**{name: empty})
+
+
+@pytest.mark.parametrize("template, words", [
+    ("Q: {} {x}", ["named field {x}", "exactly one '{}'"]),
+    ("Q: {} A: {}", ["2 placeholders", "exactly one '{}'"]),
+    ("Q: {0}", ["named field {0}"]),
+    ("Q: {!r}", ["exactly one '{}'"]),
+    ("Q: {", ["not a valid format string"]),
+    ("Question:", ["0 placeholders"]),
+])
+def test_input_templates_are_checked_when_the_config_is_built(template, words):
+    # Before: 'Q: {} {x}' passed parsing and raised KeyError('x') on the first row.
+    with pytest.raises(ConfigError) as info:
+        SFTDataConfig(dataset="d", input_template=template)
+    message = str(info.value)
+    assert message.startswith(f"--input_template {template!r}")
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_good_input_templates_pass():
+    for template in ("Q: {}\nA: ", "{} -> ", "JSON {{\"q\": \"{}\"}}"):
+        assert SFTDataConfig(dataset="d", input_template=template).input_template == template

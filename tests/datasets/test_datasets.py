@@ -173,8 +173,12 @@ def test_prompt_message_list_keeps_system_prompt(tok):
 
 
 def test_bad_input_template_is_rejected(tok):
-    with pytest.raises(ValueError, match="--input_template must contain '{}'"):
-        PromptDataset([{"input": "x"}], tok, input_template="Question:")
+    for dataset in (PromptDataset, SFTDataset):
+        with pytest.raises(ValueError, match="--input_template 'Question:' has 0 placeholders"):
+            dataset([{"input": "x", "output": "y"}], tok, input_template="Question:")
+        # Before: KeyError('x') from str.format on the first row.
+        with pytest.raises(ValueError, match="--input_template 'Q: {} {x}' has a named field {x}"):
+            dataset([{"input": "x", "output": "y"}], tok, input_template="Q: {} {x}")
 
 
 # ---------------------------------------------------------------- files, determinism, sampling, splits
@@ -222,3 +226,16 @@ def test_max_samples_keeps_the_first_rows(tok):
     assert [p for p, _ in PromptDataset(rows, tok, max_samples=2)] == ["0", "1"]
     with pytest.raises(ValueError, match="--max_samples must be positive, got 0"):
         SFTDataset([{"input": "a", "output": "b"}], tok, max_samples=0)
+
+
+def test_preference_margins_must_be_finite_numbers(tok):
+    # Before: NaN and inf margins (JSON NaN/Infinity, CSV "nan") passed and made the pairwise loss NaN.
+    for margin, message in ((float("inf"), "expected a finite number, got float inf"),
+                            ("nan", "expected a finite number, got str 'nan'"),
+                            ("-Infinity", "expected a finite number, got str '-Infinity'"),
+                            (True, "expected a number, got bool True")):
+        rows = [{"chosen": "a", "rejected": "b", "m": 1}, {"chosen": "a", "rejected": "b", "m": margin}]
+        with pytest.raises(ValueError, match=rf"row 1, field 'm': {message}"):
+            PreferenceDataset(rows, tok, margin_key="m")
+    rows = [{"chosen": "a", "rejected": "b", "m": "-2.5"}, {"chosen": "a", "rejected": "b", "m": 0}]
+    assert [pair.margin for pair in PreferenceDataset(rows, tok, margin_key="m")] == [-2.5, 0.0]

@@ -113,3 +113,44 @@ def test_in_memory_datasets_dataset_and_max_samples():
 
     rows, source = resolve_rows(hf_datasets.Dataset.from_list(ROWS), max_samples=2)
     assert (rows, source) == (ROWS[:2], "<rows>")
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.csv"])
+def test_non_utf8_bytes_name_the_file_line_and_column(tmp_path, name):
+    # Before: "'utf-8' codec can't decode byte 0xe9 in position 71", with no file or line.
+    path = write(tmp_path / name, ROWS)
+    text = path.read_bytes()
+    at = text.index(b"line two")       # "line two" is on line 3 of every format written above
+    line = text[:at].count(b"\n") + 1
+    column = at - (text.rfind(b"\n", 0, at) + 1) + 1
+    path.write_bytes(text[:at] + b"caf\xe9 " + text[at:])     # a Latin-1 e-acute
+    with pytest.raises(ValueError) as info:
+        load_rows(path, flag="--prompt_data")
+    assert str(info.value).startswith(f"--prompt_data {path}: line {line}, column {column + 3}: byte 0xe9 is not "
+                                      "UTF-8")
+    assert "re-save the file as UTF-8" in str(info.value)
+
+
+def test_missing_prompt_data_names_the_flag_train_ppo_takes(tmp_path):
+    # Before: `train_ppo --prompt_data nope.jsonl` failed with "--dataset nope.jsonl: no such file".
+    from lightrft.builders.datasets import build_prompt_dataset
+    from lightrft.config import PPODataConfig
+
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(FileNotFoundError, match=rf"^--prompt_data {missing}: no such file or folder"):
+        build_prompt_dataset(PPODataConfig(prompt_data=str(missing)), tokenizer=None)
+
+
+def test_each_dataset_names_its_own_flag(tmp_path):
+    from lightrft.datasets import PreferenceDataset, PromptDataset, SFTDataset
+    from lightrft.utils.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for dataset, flag in ((PromptDataset, "--prompt_data"), (SFTDataset, "--dataset"),
+                          (PreferenceDataset, "--dataset")):
+        with pytest.raises(ValueError, match=rf"^{flag} {empty}: the dataset has no rows"):
+            dataset(empty, tokenizer)
+        with pytest.raises(ValueError, match=rf"^--eval_data {empty}: the dataset has no rows"):
+            dataset(empty, tokenizer, flag="--eval_data")
