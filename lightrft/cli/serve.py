@@ -5,14 +5,16 @@ weights a training run exports.
         --watch ./ckpt/checkpoints --watch_interval 10
 
 Agent applications point an OpenAI client at http://127.0.0.1:8000/v1 (`/v1/completions`,
-`/v1/chat/completions`, `stream` supported, any API key). With --record DIR every response is
+`/v1/chat/completions`, `stream` supported; the API key is $LIGHTRFT_API_KEY or --api_key when the
+server has one, anything otherwise). With --record DIR every response is
 stored in DIR/experiences.jsonl (token ids, sampling log-probs, policy version); `POST
 /v1/feedback {"id": "<response id>", "reward": 1.0}` attaches a reward, and `train_ppo
 --recorded_data DIR` trains on the rewarded ones. With --watch DIR the server loads the newest
 Hugging Face export there (train_ppo --save_hf_ckpt writes <ckpt_path>/global_stepN_hf: policy
 version N; a plain model folder such as --save_path is reloaded whenever it is replaced). Every
 response names its policy version in `system_fingerprint` ("lightrft-policy-v<N>"). It binds to
-127.0.0.1 unless --host says otherwise.
+127.0.0.1 unless --host says otherwise; anyone who can reach the port can send rewards that training
+uses, so give it an API key before exposing it.
 """
 
 import argparse
@@ -21,6 +23,8 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+from lightrft.serving.http import add_http_flags, settings_from_flags, warn_if_exposed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn_implementation", default=None, help="attention kernel (default: transformers')")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped in the folder")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    add_http_flags(parser)
     return parser
 
 
@@ -62,31 +67,46 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--watch_interval must be positive, got {args.watch_interval}")
     if not (Path(args.pretrain) / "config.json").exists():
         parser.error(f"--pretrain {args.pretrain} is not a Hugging Face model folder (no config.json there)")
+    try:
+        settings = settings_from_flags(args)
+    except ValueError as err:
+        parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
 
     from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+    from lightrft.serving.http import longest_token_chars
     from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
     from lightrft.serving.policy import ServedPolicy, WeightWatcher
     from lightrft.serving.records import ExperienceRecorder
+    from lightrft.utils.run_lock import RunLockError
 
+    # The record folder first: a folder another server records into is refused before the model loads.
+    try:
+        recorder = ExperienceRecorder(args.record) if args.record else None
+    except RunLockError as e:
+        parser.error(str(e))
     tokenizer = build_tokenizer(args.pretrain, args.trust_remote_code)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
                           device=device, attn_implementation=args.attn_implementation,
                           trust_remote_code=args.trust_remote_code)
-    recorder = ExperienceRecorder(args.record) if args.record else None
-    api = OpenAIServer(policy, ServeLimits(args.generate_max_len, args.prompt_max_len),
+    limits = ServeLimits(args.generate_max_len, args.prompt_max_len, context_len=policy.context_len,
+                         token_chars=longest_token_chars(tokenizer))
+    api = OpenAIServer(policy, limits,
                        args.served_model_name or Path(args.pretrain).resolve().name, seed=args.seed,
                        recorder=recorder)
     watcher = WeightWatcher(policy, args.watch, args.watch_interval).start() if args.watch else None
-    server = build_server(api, args.host, args.port)
+    server = build_server(api, args.host, args.port, settings)
     host, port = server.server_address[:2]
+    warn_if_exposed(args.host, settings, "generate with the policy and send rewards that training on --record "
+                                         "data will use")
     # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     extras = "".join([f", recording to {args.record}" if args.record else "",
-                      f", watching {args.watch}" if args.watch else ""])
+                      f", watching {args.watch}" if args.watch else "",
+                      ", API key required" if settings.api_key else ""])
     print(f"serve: policy {args.pretrain} (version {policy.version}) on http://{host}:{port}/v1{extras}", flush=True)
     try:
         server.serve_forever()

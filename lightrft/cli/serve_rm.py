@@ -3,41 +3,37 @@
     python -m lightrft.cli.serve_rm --reward_pretrain ./ckpt/rm --port 5000
 
 POST (any path, e.g. /get_reward) a JSON object {"query": [full texts], "prompts": [...],
-"labels": [...]} and get {"rewards": [float, ...]}, one score per query, in order. This is what
-`train_ppo --remote_rm_url http://host:port/get_reward` sends; only "query" is read. GET /health
-answers {"status": "ok"}. A malformed request gets a 4xx JSON {"error": "..."} naming the field,
-and the server keeps serving. It binds to 127.0.0.1 unless --host says otherwise.
+"labels": [...]} with `Content-Type: application/json` and get {"rewards": [float, ...]}, one score
+per query, in order. This is what `train_ppo --remote_rm_url http://host:port/get_reward` sends;
+only "query" is read. GET /health answers {"status": "ok"}. A malformed request gets a 4xx JSON
+{"error": "..."} naming the header or field, and the server keeps serving. It binds to 127.0.0.1
+unless --host says otherwise. With an API key ($LIGHTRFT_API_KEY or --api_key) every request must
+carry it: `Authorization: Bearer <key>`, or basic authentication with the key as the password,
+which train_ppo sends for `--remote_rm_url http://rm:<key>@host:port/get_reward`.
 
 Each query is tokenized as in reward-model training (`encode_for_reward`: EOS appended), cut to
 its last --max_len tokens (the score is read at the end), and scored in batches of --batch_size.
+A query longer than --max_len times the tokenizer's longest token in characters is refused (413)
+before it is tokenized.
 """
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import threading
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
 
 from lightrft.datasets import encode_for_reward
 from lightrft.datasets.padding import right_pad
-from lightrft.utils.http import send_json
+from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
+                                   add_http_flags, longest_token_chars, prompt_char_limit, settings_from_flags,
+                                   shown, warn_if_exposed)
 
 logger = logging.getLogger("lightrft.serve_rm")
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-class RequestError(ValueError):
-    """A client mistake: answered with `status` and the message, never a server crash."""
-
-    def __init__(self, status: HTTPStatus, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 class RewardScorer:
@@ -55,6 +51,8 @@ class RewardScorer:
         self.batch_size = batch_size
         self.max_len = max_len
         self.device = torch.device(device)
+        # A text longer than this has more than max_len tokens whatever they are; refused before tokenizing.
+        self.max_chars = prompt_char_limit(max_len, longest_token_chars(tokenizer))
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> torch.Tensor:
@@ -77,84 +75,72 @@ class RewardScorer:
         return scores
 
 
-def parse_request(body: bytes) -> list[str]:
-    """The "query" list of a request body; a `RequestError` naming the field otherwise."""
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(HTTPStatus.BAD_REQUEST, f"the request body is not valid JSON: {e}") from None
+def parse_request(payload: Any, max_chars: int) -> list[str]:
+    """The "query" list of a parsed request body; a `RequestError` naming the field otherwise
+    (413 for a query over `max_chars` characters)."""
     if not isinstance(payload, dict):
-        raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object like "
-                           '{"query": ["full text", ...]}, got a ' + type(payload).__name__)
+        raise RequestError("the request body must be a JSON object like {\"query\": [\"full text\", ...]}, got a "
+                           + type(payload).__name__)
     if "query" not in payload:
-        raise RequestError(HTTPStatus.BAD_REQUEST, "missing field 'query': a list of full texts (prompt + response) "
-                           "to score")
+        raise RequestError("missing field 'query': a list of full texts (prompt + response) to score", "query")
     queries = payload["query"]
     if not isinstance(queries, list):
-        raise RequestError(HTTPStatus.BAD_REQUEST,
-                           f"field 'query' must be a list of strings, got {type(queries).__name__}")
+        raise RequestError(f"field 'query' must be a list of strings, got {type(queries).__name__}", "query")
     for i, query in enumerate(queries):
         if not isinstance(query, str):
-            raise RequestError(HTTPStatus.BAD_REQUEST,
-                               f"field 'query[{i}]' must be a string, got {type(query).__name__}")
+            raise RequestError(f"field 'query[{i}]' must be a string, got {type(query).__name__}", f"query[{i}]")
+        if len(query) > max_chars:
+            raise RequestError(f"field 'query[{i}]' is {len(query)} characters, over this server's limit of "
+                               f"{max_chars} (--max_len tokens of at most the tokenizer's longest token); only the "
+                               "last --max_len tokens are scored, so send the end of the text", f"query[{i}]",
+                               HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
     return queries
 
 
-def make_handler(scorer: RewardScorer) -> type[BaseHTTPRequestHandler]:
-    class RewardHandler(BaseHTTPRequestHandler):
+def make_handler(scorer: RewardScorer) -> type[JSONRequestHandler]:
+    class RewardHandler(JSONRequestHandler):
         server_version = "lightrft-serve-rm"
-        protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
+            try:
+                self.check_api_key()
+            except RequestError as e:
+                self.reply_error(e)
+                return
             if self.path.rstrip("/") == "/health":
-                self._reply(HTTPStatus.OK, {"status": "ok"})
+                self.reply_json(HTTPStatus.OK, {"status": "ok"})
             else:
-                self._reply(HTTPStatus.NOT_FOUND, {"error": f"no GET route {self.path}; POST texts to score, or "
-                                                            "GET /health"})
+                self.reply_error(RequestError(f"no GET route {shown(self.path)}; POST texts to score, or GET /health",
+                                              status=HTTPStatus.NOT_FOUND))
 
         def do_POST(self) -> None:
             try:
-                queries = parse_request(self._read_body())
+                self.check_api_key()
+                queries = parse_request(self.read_json(), scorer.max_chars)
             except RequestError as e:
-                self._reply(e.status, {"error": str(e)})
+                self.reply_error(e)
                 return
             try:
                 rewards = scorer.score(queries)
             except Exception as e:  # a failed forward answers this request and leaves the server up
                 logger.exception("scoring failed")
-                self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"scoring failed: {type(e).__name__}: {e}"})
+                self.reply_error(RequestError(f"scoring failed: {type(e).__name__}: {e}",
+                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
                 return
-            self._reply(HTTPStatus.OK, {"rewards": rewards})
+            self.reply_json(HTTPStatus.OK, {"rewards": rewards})
 
-        def _read_body(self) -> bytes:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise RequestError(HTTPStatus.LENGTH_REQUIRED, "the request needs a Content-Length header")
-            try:
-                length = int(length)
-            except ValueError:
-                raise RequestError(HTTPStatus.BAD_REQUEST, f"bad Content-Length header {length!r}") from None
-            if length > MAX_BODY_BYTES:
-                raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"the body is {length} bytes, over the {MAX_BODY_BYTES} byte limit; "
-                                   "send fewer queries per request")
-            return self.rfile.read(length)
-
-        def _reply(self, status: HTTPStatus, payload: dict) -> None:
-            send_json(self, status, payload)
-
-        def log_message(self, format: str, *args) -> None:
-            logger.info("%s %s", self.address_string(), format % args)
+        def error_body(self, error: RequestError) -> dict:
+            return {"error": str(error)}
 
     return RewardHandler
 
 
-def build_server(scorer: RewardScorer, host: str = "127.0.0.1", port: int = 5000) -> ThreadingHTTPServer:
-    """An HTTP server bound to (host, port) answering with `scorer`; port 0 picks a free port
-    (read it back from `server.server_address`). Call `serve_forever()` to run it."""
-    server = ThreadingHTTPServer((host, port), make_handler(scorer))
-    server.daemon_threads = True
-    return server
+def build_server(scorer: RewardScorer, host: str = "127.0.0.1", port: int = 5000,
+                 settings: HTTPSettings | None = None) -> BoundedHTTPServer:
+    """An HTTP server bound to (host, port) answering with `scorer` under `settings` (API key,
+    timeouts, connection bound); port 0 picks a free port (read it back from
+    `server.server_address`). Call `serve_forever()` to run it."""
+    return BoundedHTTPServer((host, port), make_handler(scorer), settings or HTTPSettings())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn_implementation", default=None, help="attention kernel (default as in training)")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped in the folder")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    add_http_flags(parser)
     return parser
 
 
@@ -183,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("batch_size", "max_len"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    try:
+        settings = settings_from_flags(args)
+    except ValueError as err:
+        parser.error(str(err))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from lightrft.builders.tokenizer import build_tokenizer
@@ -199,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardScorer(model, tokenizer, batch_size=args.batch_size, max_len=args.max_len, device=device)
-    server = build_server(scorer, args.host, args.port)
+    server = build_server(scorer, args.host, args.port, settings)
     host, port = server.server_address[:2]
+    warn_if_exposed(args.host, settings, "score texts with the reward model")
     # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    print(f"serve_rm: scoring with {args.reward_pretrain} on http://{host}:{port} (POST texts, GET /health)",
+    key = ", API key required" if settings.api_key else ""
+    print(f"serve_rm: scoring with {args.reward_pretrain} on http://{host}:{port} (POST texts, GET /health{key})",
           flush=True)
     try:
         server.serve_forever()

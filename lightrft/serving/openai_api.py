@@ -14,39 +14,46 @@ generated it.
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.seeds import mix_seed
+from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
+                                   prompt_char_limit, shown)
 from lightrft.serving.policy import Sample, ServedPolicy
-from lightrft.serving.records import ExperienceRecord, ExperienceRecorder
-from lightrft.utils.http import send_json
+from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, RecordWriteError
 
 logger = logging.getLogger("lightrft.serve")
-MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_CHOICES = 16
+MAX_ID_CHARS = 256
 
-
-class RequestError(ValueError):
-    """A client mistake: answered with `status` and an OpenAI-style error naming `param`."""
-
-    def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST):
-        super().__init__(message)
-        self.param = param
-        self.status = status
+__all__ = ["GenerationRequest", "OpenAIServer", "RequestError", "ServeLimits", "build_server", "finish_choice",
+           "parse_chat_request", "parse_completion_request"]
 
 
 @dataclass(frozen=True)
 class ServeLimits:
-    max_new_tokens: int      # --generate_max_len: the most (and default) max_tokens
-    prompt_max_len: int      # --prompt_max_len: the most prompt tokens
+    max_new_tokens: int              # --generate_max_len: the most (and default) max_tokens
+    prompt_max_len: int              # --prompt_max_len: the most prompt tokens
+    context_len: int | None = None   # the model's context (max_position_embeddings): prompt + answer tokens
+    token_chars: int = 64            # the most characters one token stands for (`longest_token_chars`)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The most prompt tokens: --prompt_max_len, and fewer than the model's context."""
+        return min(self.prompt_max_len, self.context_len or self.prompt_max_len)
+
+    @property
+    def prompt_chars(self) -> int:
+        """The most characters a prompt may have, checked before tokenising it."""
+        return prompt_char_limit(self.prompt_tokens, self.token_chars)
 
 
 @dataclass(frozen=True)
@@ -67,24 +74,38 @@ def _number(payload: dict, key: str, default, kind=float, low=None, high=None):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", key)
+        raise RequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {shown(value)}", key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"'{key}' must be a finite number, got {value}", key)
     if (low is not None and value < low) or (high is not None and value > high):
         raise RequestError(f"'{key}' must be in [{low}, {high}], got {value}", key)
     return kind(value)
 
 
-def _sampling(payload: dict, limits: ServeLimits) -> tuple[SamplingParams, int | None, list[str], bool]:
-    max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = limits.max_new_tokens
+def _max_tokens(payload: dict, limits: ServeLimits, prompt_len: int) -> int:
+    """The request's new-token budget: its `max_completion_tokens` / `max_tokens`, at most
+    --generate_max_len and what the model's context leaves after the prompt; by default the
+    smaller of the two."""
     key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
-    max_tokens = _number({key: max_tokens}, key, None, int, 1)
+    room = limits.max_new_tokens if limits.context_len is None else limits.context_len - prompt_len
+    max_tokens = _number(payload, key, None, int, 1)
+    if max_tokens is None:
+        return min(limits.max_new_tokens, room)
     if max_tokens > limits.max_new_tokens:
         raise RequestError(f"'{key}' {max_tokens} is over this server's limit of {limits.max_new_tokens} new tokens; "
                            "ask for fewer, or restart the server with a larger --generate_max_len", key)
+    if max_tokens > room:
+        raise RequestError(f"'{key}' {max_tokens} and the prompt's {prompt_len} tokens are over the model's context of "
+                           f"{limits.context_len} tokens; ask for at most {room}, or send a shorter prompt", key)
+    return max_tokens
+
+
+def _sampling(payload: dict, limits: ServeLimits,
+              prompt_len: int) -> tuple[SamplingParams, int | None, list[str], bool]:
     params = SamplingParams(temperature=_number(payload, "temperature", 1.0, float, 0.0, 2.0),
                             top_p=_number(payload, "top_p", 1.0, float, 1e-9, 1.0),
-                            top_k=max(0, _number(payload, "top_k", 0, int, -1)), max_new_tokens=max_tokens,
+                            top_k=max(0, _number(payload, "top_k", 0, int, -1)),
+                            max_new_tokens=_max_tokens(payload, limits, prompt_len),
                             n=_number(payload, "n", 1, int, 1, MAX_CHOICES))
     seed = payload.get("seed")
     if seed is not None:
@@ -96,8 +117,17 @@ def _sampling(payload: dict, limits: ServeLimits) -> tuple[SamplingParams, int |
         raise RequestError("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     stream = payload.get("stream", False)
     if not isinstance(stream, bool):
-        raise RequestError(f"'stream' must be true or false, got {stream!r}", "stream")
+        raise RequestError(f"'stream' must be true or false, got {shown(stream)}", "stream")
     return params, seed, stop, stream
+
+
+def _check_prompt_chars(chars: int, limits: ServeLimits, param: str) -> None:
+    """Refuses a prompt text too long to fit before it is tokenised (tokenising a 50 MB text
+    takes minutes and gigabytes)."""
+    if chars > limits.prompt_chars:
+        raise RequestError(f"the prompt is {chars} characters, more than {limits.prompt_chars} characters can hold "
+                           f"(this server takes at most {limits.prompt_tokens} prompt tokens: --prompt_max_len "
+                           f"{limits.prompt_max_len}, model context {limits.context_len}); shorten it", param)
 
 
 def _check_prompt_length(ids: list[int], limits: ServeLimits, param: str) -> list[int]:
@@ -106,6 +136,9 @@ def _check_prompt_length(ids: list[int], limits: ServeLimits, param: str) -> lis
     if len(ids) > limits.prompt_max_len:
         raise RequestError(f"the prompt is {len(ids)} tokens, over this server's --prompt_max_len "
                            f"{limits.prompt_max_len}; shorten it or restart with a larger --prompt_max_len", param)
+    if limits.context_len is not None and len(ids) >= limits.context_len:
+        raise RequestError(f"the prompt is {len(ids)} tokens, which leaves no room for an answer in the model's "
+                           f"context of {limits.context_len} tokens; shorten it", param)
     return ids
 
 
@@ -117,20 +150,21 @@ def parse_completion_request(payload: Any, tokenizer: Any, limits: ServeLimits) 
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = encode_prompts(tokenizer, [prompt], templated=False)[0]
+        _check_prompt_chars(len(prompt), limits, "prompt")
+        ids = _check_prompt_length(encode_prompts(tokenizer, [prompt], templated=False)[0], limits, "prompt")
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        _check_prompt_length(prompt, limits, "prompt")
         if any(not 0 <= t < len(tokenizer) for t in prompt):
             raise RequestError(f"'prompt' holds token ids outside the vocabulary [0, {len(tokenizer)})", "prompt")
         ids, prompt = list(prompt), tokenizer.decode(prompt)
     else:
         raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request; send "
                            "several requests for several prompts)", "prompt")
-    params, seed, stop, stream = _sampling(payload, limits)
+    params, seed, stop, stream = _sampling(payload, limits, len(ids))
     logprobs = payload.get("logprobs")
     if logprobs is not None:
         logprobs = _number(payload, "logprobs", None, int, 0, 5)
-    return GenerationRequest("completion", prompt, _check_prompt_length(ids, limits, "prompt"), None, params, seed,
-                             stop, stream, logprobs)
+    return GenerationRequest("completion", prompt, ids, None, params, seed, stop, stream, logprobs)
 
 
 def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> GenerationRequest:
@@ -149,19 +183,20 @@ def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> Gen
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions, or serve a folder "
                            "whose tokenizer_config.json has one", "messages")
+    _check_prompt_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), limits, "messages")
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # templates raise TemplateError, KeyError, TypeError on unexpected roles
         raise RequestError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
                            "messages") from None
-    ids = encode_prompts(tokenizer, [text], templated=True)[0]
-    params, seed, stop, stream = _sampling(payload, limits)
+    _check_prompt_chars(len(text), limits, "messages")
+    ids = _check_prompt_length(encode_prompts(tokenizer, [text], templated=True)[0], limits, "messages")
+    params, seed, stop, stream = _sampling(payload, limits, len(ids))
     logprobs = payload.get("logprobs", False)
     if not isinstance(logprobs, bool):
-        raise RequestError(f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
-    return GenerationRequest("chat", text, _check_prompt_length(ids, limits, "messages"), plain, params, seed, stop,
-                             stream, 1 if logprobs else None)
+        raise RequestError(f"'logprobs' must be true or false, got {shown(logprobs)}", "logprobs")
+    return GenerationRequest("chat", text, ids, plain, params, seed, stop, stream, 1 if logprobs else None)
 
 
 @dataclass
@@ -292,85 +327,92 @@ class OpenAIServer:
         if not isinstance(payload, dict) or not isinstance(payload.get("id"), str):
             raise RequestError("send {\"id\": \"<response id>\", \"reward\": <number>} (optional \"index\": the "
                                "choice, default 0)", "id")
+        if len(payload["id"]) > MAX_ID_CHARS:
+            raise RequestError(f"'id' is {len(payload['id'])} characters; response ids are the 'id' of a response "
+                               "this server sent", "id")
+        if payload.get("reward") is None:
+            raise RequestError("'reward' is missing: send a finite number", "reward")
+        reward = _number(payload, "reward", None, float)
         index = _number(payload, "index", 0, int, 0)
         try:
-            self.recorder.add_feedback(payload["id"], payload.get("reward"), index)
+            self.recorder.add_feedback(payload["id"], reward, index)
         except KeyError as e:
             raise RequestError(str(e.args[0]), "id", HTTPStatus.NOT_FOUND) from None
         except ValueError as e:
             raise RequestError(str(e), "reward") from None
+        except OSError as e:  # the record folder could not be written (a full disk): the reward was not kept
+            logger.error("feedback for %s not recorded: %s", payload["id"], e)
+            status = (HTTPStatus.INSUFFICIENT_STORAGE if isinstance(e, RecordWriteError)
+                      else HTTPStatus.INTERNAL_SERVER_ERROR)
+            raise RequestError(f"the reward was not recorded: {e}", "reward", status) from None
         return {"id": payload["id"], "index": index, "status": "recorded"}
 
 
-def make_handler(api: OpenAIServer) -> type[BaseHTTPRequestHandler]:
+def make_handler(api: OpenAIServer) -> type[JSONRequestHandler]:
     routes = {"/v1/completions": parse_completion_request, "/v1/chat/completions": parse_chat_request}
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JSONRequestHandler):
         server_version = "lightrft-serve"
-        protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:
             path = self.path.split("?")[0].rstrip("/")
+            try:
+                self.check_api_key()
+            except RequestError as e:
+                self.reply_error(e)
+                return
             if path == "/health":
-                self._reply(HTTPStatus.OK, {"status": "ok", "policy_version": api.policy.version,
-                                            "weights": str(api.policy.path)})
+                self.reply_json(HTTPStatus.OK, {"status": "ok", "policy_version": api.policy.version,
+                                                "weights": str(api.policy.path)})
             elif path == "/v1/models":
-                self._reply(HTTPStatus.OK, {"object": "list", "data": [
+                self.reply_json(HTTPStatus.OK, {"object": "list", "data": [
                     {"id": api.model_name, "object": "model", "created": 0, "owned_by": "lightrft"}]})
             else:
-                self._error(RequestError(f"no GET route {self.path}; GET /health or /v1/models",
-                                         status=HTTPStatus.NOT_FOUND))
+                self.reply_error(RequestError(f"no GET route {shown(self.path)}; GET /health or /v1/models",
+                                              status=HTTPStatus.NOT_FOUND))
 
         def do_POST(self) -> None:
             path = self.path.split("?")[0].rstrip("/")
             try:
-                payload = self._read_json()
+                self.check_api_key()
+                if path != "/v1/feedback" and path not in routes:
+                    raise RequestError(f"no POST route {shown(self.path)}; use /v1/completions, /v1/chat/completions "
+                                       "or /v1/feedback", status=HTTPStatus.NOT_FOUND)
+                payload = self.read_json()
                 if path == "/v1/feedback":
-                    self._reply(HTTPStatus.OK, api.feedback(payload))
+                    self.reply_json(HTTPStatus.OK, api.feedback(payload))
                     return
-                if path not in routes:
-                    raise RequestError(f"no POST route {self.path}; use /v1/completions, /v1/chat/completions or "
-                                       "/v1/feedback", status=HTTPStatus.NOT_FOUND)
                 request = routes[path](payload, api.tokenizer, api.limits)
                 api.check_prompt_ids(request)
             except RequestError as e:
-                self._error(e)
+                self.reply_error(e)
+                return
+            except Exception as e:  # a check that broke on an input nobody foresaw: answer, keep serving
+                logger.exception("reading the request failed")
+                self.reply_error(RequestError(f"the server could not read this request: {type(e).__name__}",
+                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
                 return
             try:
                 response_id, version, choices = api.run(request)
+            except RecordWriteError as e:  # the record folder is full: the answer was not recorded, so not sent
+                logger.error("response not recorded: %s", e)
+                self.reply_error(RequestError(f"the response could not be recorded: {e}",
+                                              status=HTTPStatus.INSUFFICIENT_STORAGE))
+                return
             except Exception as e:  # a failed generation answers this request and leaves the server up
                 logger.exception("generation failed")
-                self._error(RequestError(f"generation failed: {type(e).__name__}: {e}",
-                                         status=HTTPStatus.INTERNAL_SERVER_ERROR))
+                self.reply_error(RequestError(f"generation failed: {type(e).__name__}: {e}",
+                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
                 return
             if request.stream:
                 self._stream(api.stream_chunks(request, response_id, version, choices))
             else:
-                self._reply(HTTPStatus.OK, api.response_body(request, response_id, version, choices))
+                self.reply_json(HTTPStatus.OK, api.response_body(request, response_id, version, choices))
 
-        def _read_json(self) -> Any:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                raise RequestError("the request needs a Content-Length header", status=HTTPStatus.LENGTH_REQUIRED)
-            try:
-                length = int(length)
-            except ValueError:
-                raise RequestError(f"bad Content-Length header {length!r}") from None
-            if length > MAX_BODY_BYTES:
-                raise RequestError(f"the body is {length} bytes, over the {MAX_BODY_BYTES} byte limit",
-                                   status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-            try:
-                return json.loads(self.rfile.read(length))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise RequestError(f"the request body is not valid JSON: {e}") from None
-
-        def _error(self, error: RequestError) -> None:
+        def error_body(self, error: RequestError) -> dict:
             kind = "invalid_request_error" if error.status < 500 else "server_error"
-            self._reply(error.status, {"error": {"message": str(error), "type": kind, "param": error.param,
-                                                 "code": None}})
-
-        def _reply(self, status: HTTPStatus, payload: dict) -> None:
-            send_json(self, status, payload)
+            code = "invalid_api_key" if error.status == HTTPStatus.UNAUTHORIZED else None
+            return {"error": {"message": str(error), "type": kind, "param": error.param, "code": code}}
 
         def _stream(self, chunks) -> None:
             # Server-sent events without a length: the connection closes after "data: [DONE]".
@@ -385,15 +427,12 @@ def make_handler(api: OpenAIServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
-        def log_message(self, format: str, *args) -> None:
-            logger.info("%s %s", self.address_string(), format % args)
-
     return Handler
 
 
-def build_server(api: OpenAIServer, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """An HTTP server bound to (host, port) answering with `api`; port 0 picks a free port (read it
-    back from `server.server_address`). Call `serve_forever()` to run it."""
-    server = ThreadingHTTPServer((host, port), make_handler(api))
-    server.daemon_threads = True
-    return server
+def build_server(api: OpenAIServer, host: str = "127.0.0.1", port: int = 8000,
+                 settings: HTTPSettings | None = None) -> BoundedHTTPServer:
+    """An HTTP server bound to (host, port) answering with `api` under `settings` (API key,
+    timeouts, connection bound); port 0 picks a free port (read it back from
+    `server.server_address`). Call `serve_forever()` to run it."""
+    return BoundedHTTPServer((host, port), make_handler(api), settings or HTTPSettings())

@@ -30,6 +30,14 @@ class Sample:
     policy_version: int
 
 
+def context_length(config: Any) -> int | None:
+    """The most positions (prompt + answer tokens) a model's config says it takes:
+    `max_position_embeddings` (GPT-2's `n_positions` answers to that name too); None when the
+    config names none."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def export_step(path: str | Path) -> int | None:
     """N for a `global_stepN_hf` folder written by train_ppo --save_hf_ckpt, else None."""
     match = _STEP_EXPORT.match(Path(path).name)
@@ -82,6 +90,7 @@ class ServedPolicy:
         with self._lock:
             self.model, self.engine, self.path, self.version = model, engine, path, version
             self.vocab_rows = rows
+            self.context_len = context_length(model.config)
         logger.info("serving %s as policy version %d", path, version)
 
     @torch.no_grad()

@@ -13,6 +13,8 @@ second still holds the old one.
 Only rank 0 of a job takes the lock. Ranks of the same job need no lock of their own: they cannot
 write a checkpoint without rank 0 (every save is a collective), and when rank 0 is refused it exits
 before joining the process group, so the launcher stops the job's other ranks.
+
+`serve --record` holds the same lock on its record folder (`lightrft.serving.records`).
 """
 
 import contextlib
@@ -30,8 +32,8 @@ LOCK_NAME = ".lock"
 
 
 class RunLockError(RuntimeError):
-    """The checkpoint folder is held by another run (or cannot be locked); the message names the
-    folder, the holder and the fix."""
+    """The folder is held by another run (or cannot be locked); the message names the folder, the
+    holder and the fix."""
 
 
 def holder_record() -> dict:
@@ -48,16 +50,21 @@ def describe(record: dict | None) -> str:
 
 
 class RunLock:
-    """An exclusive lock on `folder/.lock` (the folder is created if missing).
+    """An exclusive lock on `folder/.lock` (the folder is created if missing). Messages name the
+    folder as `what` ("checkpoint folder"), given by `flag`, and say the rule as "Only one run may
+    `action` a folder" (other folders with one writer: `serve --record`'s record folder).
 
     `acquire()` raises `RunLockError` when another process holds it; `release()` (or leaving the
     `with` block) clears the record and unlocks. `taken_over` holds the stale record of a dead
     holder when `acquire` replaced one (printed on stderr with `report_takeover`)."""
 
-    def __init__(self, folder: str | os.PathLike, flag: str = "--ckpt_path", report_takeover: bool = False):
+    def __init__(self, folder: str | os.PathLike, flag: str = "--ckpt_path", report_takeover: bool = False,
+                 what: str = "checkpoint folder", action: str = "write checkpoints into"):
         self.folder = Path(folder).expanduser()
         self.path = self.folder / LOCK_NAME
         self.flag = flag
+        self.what = what
+        self.action = action
         self.report_takeover = report_takeover
         self.taken_over: dict | None = None
         self._fd: int | None = None
@@ -78,7 +85,7 @@ class RunLock:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise RunLockError(f"cannot create the checkpoint folder {self.folder} ({self.flag}): "
+            raise RunLockError(f"cannot create the {self.what} {self.folder} ({self.flag}): "
                                f"{err.strerror or err}; choose a writable folder") from None
         while True:
             fd = self._open()
@@ -88,11 +95,11 @@ class RunLock:
                 os.close(fd)
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise RunLockError(
-                        f"the checkpoint folder {self.folder} ({self.flag}) is in use by another run: "
-                        f"{describe(read_record(self.path))}. Only one run may write checkpoints into a folder: "
+                        f"the {self.what} {self.folder} ({self.flag}) is in use by another run: "
+                        f"{describe(read_record(self.path))}. Only one run may {self.action} a folder: "
                         f"wait for that run to finish or stop it, or pass a different {self.flag}") from None
                 raise RunLockError(f"cannot lock {self.path} ({self.flag}): {err.strerror or err}; the file "
-                                   "system may not support flock (put the checkpoints on a local disk or an NFS "
+                                   f"system may not support flock (put the {self.what} on a local disk or an NFS "
                                    "mount with locking)") from None
             # The file we locked must still be the one at the path (see the module docstring).
             try:

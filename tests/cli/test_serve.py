@@ -27,6 +27,7 @@ from tests.trainer.ppo_harness import LAUNCH_ENV
 from tests.trainer.test_preview import parse_markdown_table, tensorboard_texts
 
 MAX_NEW = 8
+API_KEY = "test-key"
 
 
 def token_log_probs(model, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
@@ -43,14 +44,16 @@ def records_by_id(folder: Path) -> dict[str, ExperienceRecord]:
 
 @pytest.fixture
 def server(tmp_path):
-    """`python -m lightrft.cli.serve --port 0` on a tiny model, recording, watching a checkpoint folder."""
+    """`python -m lightrft.cli.serve --port 0` on a tiny model, recording, watching a checkpoint folder,
+    with an API key from $LIGHTRFT_API_KEY."""
     model = save_tiny_model(tmp_path / "model", seed=0)
     record, ckpt = tmp_path / "record", tmp_path / "ckpt"
     stderr = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "lightrft.cli.serve", "--pretrain", str(model), "--port", "0",
                              "--record", str(record), "--watch", str(ckpt), "--watch_interval", "0.2",
                              "--generate_max_len", str(MAX_NEW), "--seed", "5"],
-                            cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
+                            cwd=REPO_ROOT, env=subprocess_env(LIGHTRFT_API_KEY=API_KEY), stdout=subprocess.PIPE,
+                            stderr=stderr, text=True)
     try:
         line = proc.stdout.readline()
         if "http://" not in line:
@@ -64,7 +67,10 @@ def server(tmp_path):
 
 
 def test_agent_session_record_feedback_train_and_reload(server):
-    client = OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    client = OpenAI(base_url=server["url"] + "/v1", api_key=API_KEY, max_retries=0)
+    # The key from $LIGHTRFT_API_KEY guards every route; other HTTP clients send it as a bearer token.
+    assert httpx.get(server["url"] + "/health").status_code == 401
+    http = httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"})
     old_model = AutoModelForCausalLM.from_pretrained(server["model"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(server["model"])
 
@@ -101,12 +107,12 @@ def test_agent_session_record_feedback_train_and_reload(server):
     # 3. Rewards through the feedback endpoint; a second reward for the same response replaces the first.
     rewards = {chat_ids[0]: 1.0, chat_ids[1]: 0.0, chat_ids[2]: 1.0, first.id: 0.0}
     feedback = server["url"] + "/v1/feedback"
-    assert httpx.post(feedback, json={"id": chat_ids[1], "reward": 5.0}).status_code == 200
+    assert http.post(feedback, json={"id": chat_ids[1], "reward": 5.0}).status_code == 200
     for response_id, reward in rewards.items():
-        assert httpx.post(feedback, json={"id": response_id, "reward": reward}).json()["status"] == "recorded"
-    missing = httpx.post(feedback, json={"id": "cmpl-nope", "reward": 1.0})
+        assert http.post(feedback, json={"id": response_id, "reward": reward}).json()["status"] == "recorded"
+    missing = http.post(feedback, json={"id": "cmpl-nope", "reward": 1.0})
     assert missing.status_code == 404 and "cmpl-nope" in missing.json()["error"]["message"]
-    assert httpx.post(feedback, json={"id": first.id, "reward": "good"}).json()["error"]["param"] == "reward"
+    assert http.post(feedback, json={"id": first.id, "reward": "good"}).json()["error"]["param"] == "reward"
     joined = {r.id: reward for r, reward in read_records(server["record"])[0]}
     assert {k: joined[k] for k in rewards} == rewards
     assert joined[again.id] is None                      # no feedback: not trained on
@@ -136,7 +142,7 @@ def test_agent_session_record_feedback_train_and_reload(server):
 
     # 5. The server picks the export up as policy version 1 and answers with its weights.
     deadline = time.time() + 60
-    while httpx.get(server["url"] + "/health").json()["policy_version"] != 1:
+    while http.get(server["url"] + "/health").json()["policy_version"] != 1:
         assert time.time() < deadline, "the server did not load global_step1_hf"
         time.sleep(0.2)
     new_model = AutoModelForCausalLM.from_pretrained(server["ckpt"] / "global_step1_hf").eval()
@@ -169,11 +175,28 @@ LIMITS = ServeLimits(max_new_tokens=16, prompt_max_len=32)
     ({"prompt": "x" * 40}, "prompt", "--prompt_max_len"),
     ({"prompt": [5, 1000]}, "prompt", "outside the vocabulary"),
     ({"prompt": "hi", "stop": 3}, "stop", "stop"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature", "finite"),
+    ({"prompt": "hi", "stream": "x" * 10_000}, "stream", "(10002 characters)"),
 ])
 def test_bad_completion_requests_name_the_field(payload, param, words):
     with pytest.raises(RequestError) as info:
         parse_completion_request(payload, build_char_tokenizer(), LIMITS)
     assert info.value.param == param and words in str(info.value)
+
+
+def test_prompt_and_answer_must_fit_the_model_context():
+    limits = ServeLimits(max_new_tokens=16, prompt_max_len=32, context_len=20, token_chars=1)
+    tokenizer = build_char_tokenizer()
+    # No max_tokens: the room the context leaves (20 - 12 = 8), not --generate_max_len 16.
+    assert parse_completion_request({"prompt": "x" * 12}, tokenizer, limits).params.max_new_tokens == 8
+    assert parse_completion_request({"prompt": "x" * 12, "max_tokens": 8}, tokenizer, limits).params.max_new_tokens == 8
+    for payload, param, words in [({"prompt": "x" * 12, "max_tokens": 9}, "max_tokens", "ask for at most 8"),
+                                  ({"prompt": "x" * 20}, "prompt", "no room for an answer"),
+                                  ({"prompt": "x" * 21}, "prompt", "21 characters, more than 20"),
+                                  ({"prompt": list(range(5, 45))}, "prompt", "40 tokens")]:
+        with pytest.raises(RequestError) as info:
+            parse_completion_request(payload, tokenizer, limits)
+        assert info.value.param == param and words in str(info.value), str(info.value)
 
 
 def test_chat_request_uses_the_template_and_checks_messages():
@@ -222,6 +245,7 @@ def test_recorder_survives_a_torn_line_and_the_last_feedback_counts(tmp_path):
     with open(tmp_path / "experiences.jsonl", "a") as f:      # a crash in the middle of a write
         f.write('{"id": "torn", "ind')
     assert [(r.id, reward) for r, reward in read_records(tmp_path)[0]] == [("a", -2.0)]
+    recorder.close()                                          # the server stops; it held the folder
     reopened = ExperienceRecorder(tmp_path)                   # cuts the torn tail, appends after it
     reopened.record(make_record(tokenizer, "c", version=3))
     assert [(r.id, r.policy_version, reward) for r, reward in read_records(tmp_path)[0]] == \
@@ -260,3 +284,17 @@ def test_recorded_training_refuses_group_estimators():
     with pytest.raises(ValueError, match="--n_samples_per_prompt"):
         check_recorded_algorithm("reinforce", 2)
     check_recorded_algorithm("reinforce", 1)
+
+
+def test_a_second_server_on_a_record_folder_is_refused_before_loading_the_model(tmp_path):
+    model = save_tiny_model(tmp_path / "model", seed=0)
+    holder = ExperienceRecorder(tmp_path / "record")      # another server, recording into the folder
+    try:
+        done = subprocess.run([sys.executable, "-m", "lightrft.cli.serve", "--pretrain", str(model), "--port", "0",
+                               "--record", str(tmp_path / "record")], cwd=REPO_ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        holder.close()
+    assert done.returncode == 2, done.stderr
+    assert "serve: error:" in done.stderr and str(tmp_path / "record") in done.stderr
+    assert f"pid {os.getpid()}" in done.stderr and "Traceback" not in done.stderr

@@ -1,8 +1,10 @@
 """serve_rm: a real HTTP server on 127.0.0.1 scoring with a real (tiny) RewardModel."""
 
+import base64
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,8 @@ from transformers import AutoTokenizer
 
 from lightrft.cli.serve_rm import RewardScorer, build_server, main
 from lightrft.models import RewardModel
+from lightrft.rewards.remote import RemoteRewardClient
+from lightrft.serving.http import HTTPSettings
 from lightrft.utils.tiny import save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env
 
@@ -46,18 +50,28 @@ def direct_scores(rm_dir):
 
 
 @pytest.fixture(scope="module")
-def server(rm_dir):
-    scorer = RewardScorer(RewardModel(rm_dir), AutoTokenizer.from_pretrained(rm_dir), batch_size=2, max_len=64)
-    srv = build_server(scorer, "127.0.0.1", 0)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
+def scorer(rm_dir):
+    return RewardScorer(RewardModel(rm_dir), AutoTokenizer.from_pretrained(rm_dir), batch_size=2, max_len=64)
+
+
+def start(scorer, settings=None):
+    """`build_server` on a free port, serving in a thread: (url, server)."""
+    srv = build_server(scorer, "127.0.0.1", 0, settings)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv
+
+
+@pytest.fixture(scope="module")
+def server(scorer):
+    url, srv = start(scorer)
+    yield url
     srv.shutdown()
     srv.server_close()
 
 
-def post(url, body: bytes, path="/get_reward"):
-    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json"})
+def post(url, body: bytes, path="/get_reward", headers=None):
+    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json",
+                                                                     **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
@@ -65,8 +79,8 @@ def post(url, body: bytes, path="/get_reward"):
         return e.code, json.loads(e.read())
 
 
-def post_json(url, payload, path="/get_reward"):
-    return post(url, json.dumps(payload).encode(), path)
+def post_json(url, payload, path="/get_reward", headers=None):
+    return post(url, json.dumps(payload).encode(), path, headers)
 
 
 def test_batch_scores_equal_direct_reward_model_scores(server, direct_scores):
@@ -104,10 +118,67 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, direct_
     assert post_json(server, {"query": TEXTS[1:2]})[1]["rewards"] == pytest.approx(direct_scores[1:2], abs=1e-5)
 
 
+@pytest.mark.parametrize("body, status, words", [
+    (b'{"query": ["ok", "a\\ud800"]}', 400, "'query[1]' holds a lone UTF-16 surrogate"),
+    (b'{"query": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "'query' nests JSON"),
+    (json.dumps({"query": ["ok", "z" * 321]}).encode(), 413, "'query[1]' is 321 characters, over this server's limit "
+     "of 320"),                                          # --max_len 64 x the longest token ("<pad>", 5 characters)
+], ids=["surrogate", "deep-nesting", "over-character-cap"])
+def test_hostile_queries_get_4xx_naming_the_field(server, direct_scores, body, status, words):
+    got, reply = post(server, body)
+    assert (got, words in reply["error"]) == (status, True), reply
+    assert post_json(server, {"query": TEXTS[1:2]})[1]["rewards"] == pytest.approx(direct_scores[1:2], abs=1e-5)
+
+
+def raw_reply(url: str, data: bytes) -> tuple[int, dict]:
+    """Sends `data` as is; (status, JSON body) of the reply, read until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(data)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_bad_content_length_and_type_are_refused_unread(server):
+    start_line = b"POST /get_reward HTTP/1.1\r\nHost: t\r\n"
+    status, reply = raw_reply(server, start_line + b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}")
+    assert status == 400 and "bad Content-Length header '-1'" in reply["error"]
+    status, reply = raw_reply(server, start_line + b"Content-Type: text/plain\r\nContent-Length: 13\r\n\r\n"
+                                                   b'{"query": []}')
+    assert status == 415 and "application/json" in reply["error"]
+
+
+def test_api_key_via_bearer_or_the_password_of_the_url(scorer, direct_scores):
+    url, srv = start(scorer, HTTPSettings(api_key="rm-key"))
+    try:
+        status, reply = post_json(url, {"query": TEXTS[:1]})
+        assert status == 401 and "no API key" in reply["error"]
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(url + "/health", timeout=30)
+        assert info.value.code == 401
+        status, reply = post_json(url, {"query": TEXTS[:1]}, headers={"Authorization": "Bearer rm-key"})
+        assert (status, reply["rewards"]) == (200, pytest.approx(direct_scores[:1], abs=1e-5))
+        # train_ppo --remote_rm_url http://user:<key>@host/... sends the key as the basic-auth password.
+        keyed = RemoteRewardClient(url.replace("http://", "http://trainer:rm-key@") + "/get_reward", max_retries=0)
+        assert keyed(TEXTS, ["p"] * 5, [None] * 5).tolist() == pytest.approx(direct_scores, abs=1e-5)
+        wrong = RemoteRewardClient(url.replace("http://", "http://trainer:guess@") + "/get_reward", max_retries=0)
+        with pytest.raises(Exception, match="HTTP 401"):
+            wrong(TEXTS, ["p"] * 5, [None] * 5)
+        basic = base64.b64encode(b"trainer:guess").decode()
+        assert post_json(url, {"query": []}, headers={"Authorization": f"Basic {basic}"})[0] == 401
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_missing_content_length_and_routes(server):
     host, port = server.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.putrequest("POST", "/get_reward")
+    conn.putheader("Content-Type", "application/json")
     conn.endheaders()
     response = conn.getresponse()
     assert response.status == 411 and "Content-Length" in json.loads(response.read())["error"]
@@ -140,13 +211,15 @@ def test_empty_query_list_and_concurrent_clients(server, direct_scores):
 def test_command_line_server_with_normalisation(rm_dir, direct_scores):
     cmd = [sys.executable, "-m", "lightrft.cli.serve_rm", "--reward_pretrain", str(rm_dir), "--port", "0",
            "--batch_size", "3", "--normalize_reward", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=subprocess_env(LIGHTRFT_API_KEY="cli-key"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "http://127.0.0.1:" in line, proc.stderr.read() if proc.poll() is not None else line
+        assert "API key required" in line
         url = line.split("http://")[1].split()[0]
-        status, reply = post_json("http://" + url, {"query": TEXTS})
+        assert post_json("http://" + url, {"query": TEXTS})[0] == 401      # the key from $LIGHTRFT_API_KEY
+        status, reply = post_json("http://" + url, {"query": TEXTS}, headers={"Authorization": "Bearer cli-key"})
         # Saved statistics mean=0.25, std=2: served scores are (r - 0.25) / 2.
         assert status == 200
         assert reply["rewards"] == pytest.approx([(r - 0.25) / 2 for r in direct_scores], abs=1e-5)

@@ -1,0 +1,337 @@
+"""The HTTP front of `serve` against hostile or careless clients, on a real server on 127.0.0.1
+with a tiny policy: the API key, content types, body and prompt caps, strict JSON, per-request
+deadlines, the bound on connection threads, and 50 parallel clients beside slowloris connections.
+(serve_rm shares lightrft/serving/http.py; tests/cli/test_serve_rm.py drives it.)"""
+
+import base64
+import http.client
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+from openai import AuthenticationError, OpenAI
+from transformers import GPT2Config
+
+from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+from lightrft.serving.http import (HTTPSettings, RequestError, exposure_warning, longest_token_chars, parse_json,
+                                   settings_from_flags)
+from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
+from lightrft.serving.policy import ServedPolicy, context_length
+from lightrft.serving.records import ExperienceRecorder
+from lightrft.utils.tiny import save_tiny_model
+
+CONTEXT = 48          # the tiny model's max_position_embeddings
+MAX_NEW = 8           # --generate_max_len
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    """The OpenAI front of a tiny Qwen2 policy with a 48-token context, recording."""
+    root = tmp_path_factory.mktemp("http")
+    model = save_tiny_model(root / "model", max_position_embeddings=CONTEXT)
+    tokenizer = build_tokenizer(str(model), False)
+    policy = ServedPolicy(model, tokenizer, stop_token_ids(tokenizer, str(model)))
+    limits = ServeLimits(MAX_NEW, 4096, context_len=policy.context_len, token_chars=longest_token_chars(tokenizer))
+    recorder = ExperienceRecorder(root / "record")
+    yield OpenAIServer(policy, limits, "tiny", seed=1, recorder=recorder)
+    recorder.close()
+
+
+@contextmanager
+def running(api, **settings):
+    """`build_server` on a free port, serving in a thread; yields the port."""
+    server = build_server(api, "127.0.0.1", 0, HTTPSettings(**settings))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def port(api):
+    with running(api) as p:
+        yield p
+
+
+def call(port, method, path, payload=None, headers=None, body=None, timeout=30):
+    """(status, JSON reply, reply headers) of one request on a fresh connection."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        if body is None and payload is not None:
+            body = json.dumps(payload).encode()
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read()), dict(response.getheaders())
+    finally:
+        conn.close()
+
+
+def raw(port, data: bytes, timeout=10) -> tuple[int, dict]:
+    """Sends `data` as is and reads the reply until the server closes: (status, JSON body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def feedback_lines(api) -> int:
+    path = api.recorder.folder / "feedback.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def completion(port, prompt="1+1=", **extra):
+    return call(port, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, "seed": 3, **extra})
+
+
+# ------------------------------------------------------------------------------- strict JSON
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', "temperature", "NaN"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": NaN}', "top_p", "NaN"),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": -Infinity}', "top_p", "-Infinity"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', "temperature", "finite"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", "seed", "5000 digits"),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"7" * 30 + b"}", "max_tokens", "30 digits"),
+    ("/v1/completions", b'{"prompt": ' + DEEP + b', "max_tokens": 2}', "prompt", "too deeply"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt", "surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content",
+     "surrogate"),
+    ("/v1/feedback", b'{"id": "x", "reward": ' + b"9" * 401 + b"}", "reward", "401 digits"),
+    ("/v1/feedback", b'{"id": "x", "reward": NaN}', "reward", "NaN"),
+    # A prompt and answer longer than the model's 48 positions.
+    ("/v1/completions", b'{"prompt": "' + b"x" * 45 + b'", "max_tokens": 8}', "max_tokens", "context of 48"),
+    ("/v1/completions", b'{"prompt": "' + b"x" * 50 + b'"}', "prompt", "context of 48"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"x" * 50 + b'"}]}', "messages",
+     "context of 48"),
+], ids=["nan-temperature", "nan-top_p", "infinity", "1e999", "5000-digit-int", "30-digit-int", "deep-nesting",
+        "surrogate", "chat-surrogate", "401-digit-reward", "nan-reward", "prompt+answer-over-context",
+        "prompt-over-context", "chat-over-context"])
+def test_hostile_values_get_a_400_naming_the_field(api, port, path, body, param, words):
+    status, reply, _ = call(port, "POST", path, body=body)
+    assert status == 400, reply
+    assert reply["error"]["param"] == param and words in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert completion(port)[0] == 200                    # and the server keeps serving
+
+
+def test_a_prompt_within_the_context_gets_the_room_left_as_its_default_budget(port):
+    # 44 prompt tokens in a 48-token context: max_tokens defaults to the 4 left, not --generate_max_len 8.
+    status, reply, _ = call(port, "POST", "/v1/completions", {"prompt": "x" * 44, "temperature": 0})
+    assert status == 200 and reply["usage"]["prompt_tokens"] == 44
+    assert reply["usage"]["completion_tokens"] <= 4
+
+
+def test_a_huge_prompt_is_refused_before_tokenising(api, port):
+    # 2 MB of text: the character cap (context 48 tokens x the longest token, 5 characters) refuses it
+    # by its length; tokenising it first took seconds and hundreds of MB.
+    cap = api.limits.prompt_chars
+    assert cap == CONTEXT * 5
+    for path, payload, param, chars in [
+            ("/v1/completions", {"prompt": "y" * 2_000_000}, "prompt", 2_000_000),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 2_000_000}]}, "messages",
+             2_000_004)]:                              # the role's characters count too
+        status, reply, _ = call(port, "POST", path, payload)
+        assert status == 400 and reply["error"]["param"] == param
+        assert f"is {chars} characters, more than {cap} characters" in reply["error"]["message"]
+    status, reply, _ = call(port, "POST", "/v1/completions", {"prompt": list(range(5, 105))})
+    assert status == 400 and "100 tokens" in reply["error"]["message"]
+
+
+def test_parse_json_refuses_what_python_would_crash_on_or_pass_through():
+    assert parse_json(b'{"a": [1, 2.5, "\\u00e9"], "b": -9223372036854775808}') == \
+        {"a": [1, 2.5, "\u00e9"], "b": -2**63}
+    for body, param, words in [(b'{"a": {"b": [0, NaN]}}', "a.b[1]", "NaN"),
+                               (b'{"a": 9223372036854775808}', "a", "19 digits"),
+                               (b'{"k\\ud801": 1}', None, "surrogate"),
+                               (b'{"a": 1, "b": ' + b"[" * 50_000, "b", "too deeply"),
+                               (b"\xff", None, "not UTF-8"),
+                               (b'{"a": }', None, "not valid JSON")]:
+        with pytest.raises(RequestError) as info:
+            parse_json(body)
+        assert info.value.param == param and words in str(info.value), (body[:40], str(info.value))
+
+
+# ---------------------------------------------------------------------------- headers and body
+@pytest.mark.parametrize("headers, status, words", [
+    (b"Content-Type: application/json\r\nContent-Length: -1\r\n", 400, "bad Content-Length header '-1'"),
+    (b"Content-Type: application/json\r\nContent-Length: +2\r\n", 400, "bad Content-Length"),
+    (b"Content-Type: application/json\r\nContent-Length: 2\r\nContent-Length: 2\r\n", 400, "bad Content-Length"),
+    (b"Content-Type: application/json\r\n", 411, "needs a Content-Length"),
+    (b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n", 411, "not Transfer-Encoding"),
+    (b"Content-Type: application/json\r\nContent-Length: 99999999999\r\n", 413, "over this server's limit"),
+    (b"Content-Type: text/plain\r\nContent-Length: 2\r\n", 415, "got 'text/plain'"),
+    (b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 2\r\n", 415, "application/json"),
+    (b"Content-Length: 2\r\n", 415, "no Content-Type"),
+    (b"Content-Type: application/json; charset=latin-1\r\nContent-Length: 2\r\n", 415, "UTF-8"),
+], ids=["negative-length", "signed-length", "two-lengths", "no-length", "chunked", "over-cap", "text/plain", "form",
+        "no-content-type", "latin-1"])
+def test_bad_headers_are_refused_before_the_body_is_read(api, port, headers, status, words):
+    before = feedback_lines(api)
+    got, reply = raw(port, b"POST /v1/feedback HTTP/1.1\r\nHost: t\r\n" + headers + b"\r\n{}")
+    assert got == status and words in reply["error"]["message"], reply
+    assert reply["error"]["param"] in ("Content-Length", "Content-Type")
+    assert feedback_lines(api) == before
+
+
+def test_api_key_guards_every_route_and_a_web_page_cannot_post_rewards(api):
+    with running(api, api_key=KEY) as p:
+        url = f"http://127.0.0.1:{p}"
+        for method, path in [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/feedback")]:
+            status, reply, headers = call(p, method, path, {"prompt": "hi"} if method == "POST" else None)
+            assert (status, reply["error"]["code"]) == (401, "invalid_api_key"), (path, reply)
+            assert headers["WWW-Authenticate"].startswith("Bearer") and "no API key" in reply["error"]["message"]
+        status, reply, _ = call(p, "GET", "/health", headers={"Authorization": "Bearer wrong"})
+        assert status == 401 and "wrong" in reply["error"]["message"]
+        assert call(p, "GET", "/health", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+        basic = base64.b64encode(f"anyone:{KEY}".encode()).decode()
+        assert call(p, "GET", "/health", headers={"Authorization": f"Basic {basic}"})[0] == 200
+
+        # The OpenAI client sends the key as a bearer token.
+        reply = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).completions.create(
+            model="tiny", prompt="1+1=", max_tokens=2)
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="guess", max_retries=0).completions.create(
+                model="tiny", prompt="1+1=", max_tokens=2)
+        # What a cross-site form or fetch can send: the right body, but as text/plain (or no key).
+        before = feedback_lines(api)
+        body = json.dumps({"id": reply.id, "reward": 1.0}).encode()
+        for headers in [{"Authorization": f"Bearer {KEY}", "Content-Type": "text/plain"}, {}]:
+            status, _, _ = call(p, "POST", "/v1/feedback", body=body, headers=headers)
+            assert status in (401, 415)
+        assert feedback_lines(api) == before
+        assert call(p, "POST", "/v1/feedback", body=body, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+        assert feedback_lines(api) == before + 1
+
+
+def test_settings_key_from_env_and_the_exposure_warning(monkeypatch):
+    class Flags:
+        api_key, request_timeout, max_connections = None, 5.0, 8
+
+    monkeypatch.setenv("LIGHTRFT_API_KEY", "from-env")
+    assert settings_from_flags(Flags).api_key == "from-env"
+    monkeypatch.setenv("LIGHTRFT_API_KEY", "")
+    assert settings_from_flags(Flags).api_key is None
+    with pytest.raises(ValueError, match="--request_timeout must be positive"):
+        HTTPSettings(request_timeout=0)
+    open_settings = HTTPSettings()
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert exposure_warning(host, open_settings, "x") is None
+    for host in ("0.0.0.0", "", "10.1.2.3", "myhost"):
+        assert "no API key" in exposure_warning(host, open_settings, "send rewards")
+    assert exposure_warning("0.0.0.0", HTTPSettings(api_key=KEY), "x") is None
+
+
+def test_context_length_reads_each_config_family():
+    assert context_length(GPT2Config(n_positions=40)) == 40
+    assert context_length(object()) is None
+
+
+# ---------------------------------------------------------------------- slow clients, thread bound
+def slowloris(port) -> socket.socket:
+    """A connection that sends the start of a request and then nothing more."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float, trickle: float = 0.2) -> float:
+    """Sends a byte every `trickle` seconds until the server closes the connection; the seconds it
+    took (fails past `seconds`)."""
+    start = time.monotonic()
+    sock.settimeout(trickle)
+    try:
+        while time.monotonic() - start < seconds:
+            try:
+                if sock.recv(65536) == b"":
+                    return time.monotonic() - start
+            except TimeoutError:
+                sock.sendall(b"a")
+    except (ConnectionResetError, BrokenPipeError):
+        return time.monotonic() - start
+    finally:
+        sock.close()
+    pytest.fail(f"the server kept a slow connection open for {seconds} s")
+
+
+def test_slow_clients_are_cut_off_at_the_request_timeout(api):
+    with running(api, request_timeout=1.0) as p:
+        # Headers trickled a byte at a time: cut at the deadline although bytes keep coming.
+        assert closed_within(slowloris(p), 8) < 4
+        # A body that stops halfway: 408 naming the timeout.
+        status, reply = raw(p, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        assert status == 408 and "--request_timeout 1 s" in reply["error"]["message"]
+        # An idle keep-alive connection is closed too.
+        conn = http.client.HTTPConnection("127.0.0.1", p, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read()
+        assert closed_within(conn.sock, 8, trickle=5) < 4
+
+
+def handler_threads() -> int:
+    return sum(t.name.endswith("(process_request_thread)") for t in threading.enumerate())
+
+
+def test_connection_bound_queues_clients_instead_of_spawning_threads(api):
+    with running(api, request_timeout=1.0, max_connections=2) as p:
+        before = handler_threads()
+        slow = [slowloris(p) for _ in range(4)]
+        time.sleep(0.3)
+        assert handler_threads() - before == 2      # the other two wait in the backlog
+        # A well-formed request waits its turn and is answered once the slow ones are cut off.
+        assert completion(p)[0] == 200
+        for sock in slow:
+            closed_within(sock, 10)
+        deadline = time.monotonic() + 10
+        while handler_threads() > before and time.monotonic() < deadline:   # the last ones are ending
+            time.sleep(0.05)
+        assert handler_threads() == before
+
+
+def test_fifty_parallel_clients_lose_nothing_beside_slowloris_connections(api):
+    results, errors = [], []
+
+    def client(i):
+        conn = http.client.HTTPConnection("127.0.0.1", p, timeout=60)
+        try:
+            for j, (path, payload) in enumerate([
+                    ("/v1/completions", {"prompt": f"{i}+{i}=", "max_tokens": 2}),
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": f"{i}?"}], "max_tokens": 2}),
+                    ("/health", None)]):
+                if payload is None:
+                    conn.request("GET", path)
+                else:
+                    conn.request("POST", path, body=json.dumps(payload), headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                results.append((i, j, response.status, json.loads(response.read())))
+        except Exception as e:  # noqa: BLE001 - every lost request is reported below
+            errors.append(f"client {i}: {type(e).__name__}: {e}")
+        finally:
+            conn.close()
+
+    with running(api, request_timeout=2.0) as p:
+        slow = [slowloris(p) for _ in range(10)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(50)]
+        for t in threads:
+            t.start()
+        cut = [closed_within(sock, 20) for sock in slow]
+        for t in threads:
+            t.join(60)
+    assert errors == [] and len(results) == 150
+    assert all(status == 200 for _, _, status, _ in results), [r for r in results if r[2] != 200][:3]
+    answers = [body for _, j, _, body in results if j < 2]
+    assert len({a["id"] for a in answers}) == 100 and all(a["usage"]["completion_tokens"] <= 2 for a in answers)
+    assert max(cut) < 10                            # every slowloris connection was cut near the 2 s deadline
