@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
@@ -25,19 +26,16 @@ from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
 TOLERANCE = ENGINE_GAP_TOLERANCE
 
 
-def tolerance(args) -> tuple[float, float]:
-    return engine_gap_tolerance(args.bf16)
-
-
-def sampling_params(args, seed: int) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, max_new_tokens=args.generate_max_len,
-                          n=args.n_samples_per_prompt, seed=seed)
+def sampling_params(config: PPORunConfig, seed: int) -> SamplingParams:
+    """The run's temperature, response length and samples per prompt; top-k/top-p off."""
+    return SamplingParams(temperature=config.rollout.temperature, max_new_tokens=config.rollout.generate_max_len,
+                          n=config.algorithm.n_samples_per_prompt, seed=seed)
 
 
 @torch.no_grad()
 def actor_log_probs(run, rollout: RolloutOutput) -> torch.Tensor:
     """The actor's log-probs of the rollout's response tokens, 0 on padding. Shape: (B, A)."""
-    actor, device, micro = run.trainer.actor, run.strategy.device, run.args.micro_rollout_batch_size
+    actor, device, micro = run.trainer.actor, run.strategy.device, run.args.rollout.micro_rollout_batch_size
     actor.eval()
     out = []
     for i in range(0, rollout.sequences.size(0), micro):
@@ -100,9 +98,10 @@ def gathered(strategy, params: list):
 
 def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> CheckResult:
     """`rollout` was sampled from `prompt_ids` through the run's rollout manager with `sampling_params`."""
-    args, strategy, manager = run.args, run.strategy, run.trainer.rollout
-    result = CheckResult("engine", f"{args.rollout_engine} engine log-probs vs the trainer's, weight-sync round trip")
-    tol_mean, tol_max = tolerance(args)
+    config, strategy, manager = run.args, run.strategy, run.trainer.rollout
+    engine, seed = config.rollout.rollout_engine, config.distributed.seed
+    result = CheckResult("engine", f"{engine} engine log-probs vs the trainer's, weight-sync round trip")
+    tol_mean, tol_max = engine_gap_tolerance(config.distributed.bf16)
     mask = rollout.action_mask
     before = actor_log_probs(run, rollout)
     gap_now = gap(rollout.rollout_log_probs, before, mask)
@@ -110,14 +109,14 @@ def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> Ch
     # Move the weights enough to be seen: the actor's own log-probs must change by 20x the tolerance.
     scale, effect = 0.02, (0.0, 0.0)
     for _ in range(6):
-        with moved_weights(run, scale, args.seed):
+        with moved_weights(run, scale, seed):
             effect = gap(actor_log_probs(run, rollout), before, mask)
         effect = tuple(strategy.all_reduce(torch.tensor(effect), op="min").tolist())
         if effect[0] >= 20 * tol_mean:
             break
         scale *= 4
-    params = sampling_params(args, args.seed + strategy.rank + 1)
-    with moved_weights(run, scale, args.seed):
+    params = sampling_params(config, seed + strategy.rank + 1)
+    with moved_weights(run, scale, seed):
         manager.mark_stale()
         moved_rollout = manager.generate(prompt_ids, params)
         gap_moved = gap(moved_rollout.rollout_log_probs, actor_log_probs(run, moved_rollout), moved_rollout.action_mask)
@@ -133,11 +132,12 @@ def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> Ch
                     ("as built", f"{gaps[0]:.2e}", f"{gaps[1]:.2e}", f"{tol_mean:.0e} / {tol_max:.0e}"),
                     ("after moving the weights and a sync", f"{gaps[2]:.2e}", f"{gaps[3]:.2e}",
                      f"(the move alone shifts them by {effect[0]:.2e})")]
-    judge_engine(result, gaps, effect, (tol_mean, tol_max), args)
+    judge_engine(result, gaps, effect, (tol_mean, tol_max), engine)
     return result
 
 
-def judge_engine(result: CheckResult, gaps: list[float], effect: tuple, tol: tuple[float, float], args) -> None:
+def judge_engine(result: CheckResult, gaps: list[float], effect: tuple, tol: tuple[float, float],
+                 rollout_engine: str) -> None:
     tol_mean, tol_max = tol
     if gaps[0] > tol_mean:
         result.add("FAIL", f"the engine's log-probs differ from the trainer's by {gaps[0]:.2e} per token on average "
@@ -152,7 +152,7 @@ def judge_engine(result: CheckResult, gaps: list[float], effect: tuple, tol: tup
     elif gaps[2] > tol_mean:
         result.add("FAIL", f"after the trainer's weights moved and the engine was synced, their log-probs differ by "
                            f"{gaps[2]:.2e} per token (the move itself: {effect[0]:.2e}): the weight sync does not "
-                           f"reach the {args.rollout_engine} engine, so every rollout after the first step would come "
+                           f"reach the {rollout_engine} engine, so every rollout after the first step would come "
                            "from stale weights")
     if not result.findings:
         result.add("PASS", f"the engine scores its samples as the trainer does (mean gap {gaps[0]:.1e}) and follows "

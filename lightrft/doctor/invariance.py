@@ -87,12 +87,13 @@ def max_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def check_invariance(run, rollout) -> CheckResult:
-    args, strategy, pad = run.args, run.strategy, run.tokenizer.pad_token_id
-    size = max(2, min(args.micro_train_batch_size, rollout.sequences.size(0)))
+    config, strategy, pad = run.args, run.strategy, run.tokenizer.pad_token_id
+    keep_dropout = config.model.keep_dropout
+    size = max(2, min(config.optim.micro_train_batch_size, rollout.sequences.size(0)))
     result = CheckResult("invariance", f"loss and gradient of {size} samples: 1 vs 2 micro-batches, padded vs "
                                        "packed, train vs eval forward")
-    tol = TOLERANCE["bfloat16" if args.bf16 else "float32"]
-    samples = batch_samples(rollout, size, args.seed)
+    tol = TOLERANCE["bfloat16" if config.distributed.bf16 else "float32"]
+    samples = batch_samples(rollout, size, config.distributed.seed)
     whole = collate_samples(samples, pad, packing=False)
     with torch.no_grad():
         old = forward(run, whole, train=False).float().cpu()           # (B, A) as experience making scores them
@@ -126,12 +127,12 @@ def check_invariance(run, rollout) -> CheckResult:
             result.add("FAIL", f"{name} gives another loss or gradient than 1 padded micro-batch (loss gap "
                                f"{loss_gap:.1e}, grad norm gap {norm_gap:.1e}, log-prob gap {lp_gap:.1e}; tolerance "
                                f"{tol['loss']:.0e} / {tol['grad_norm']:.0e} / {tol['log_prob']:.0e}): "
-                               + invariance_hint(args, name))
+                               + invariance_hint(keep_dropout, name))
     result.rows.append(("train vs eval forward", "", "", "", "", f"{gaps[0]:.1e}"))
     if gaps[0] > tol["log_prob"]:
         result.add("FAIL", f"the training forward's log-probs differ from the eval forward's by up to {gaps[0]:.1e} "
                            "on the same tokens, so the first PPO update sees ratios != 1: "
-                           + ("dropout is on (--keep_dropout); drop the flag" if args.keep_dropout else
+                           + ("dropout is on (--keep_dropout); drop the flag" if keep_dropout else
                               "some layer behaves differently in training mode (dropout or batch statistics)"))
     if cannot_pack is not None:
         result.add("PASS", f"padded vs packed not compared: this model cannot pack exactly ({cannot_pack})")
@@ -140,8 +141,8 @@ def check_invariance(run, rollout) -> CheckResult:
     return result
 
 
-def invariance_hint(args, layout: str) -> str:
-    if args.keep_dropout:
+def invariance_hint(keep_dropout: bool, layout: str) -> str:
+    if keep_dropout:
         return "dropout is on (--keep_dropout) and draws new masks per forward; drop the flag"
     if "packed" in layout:
         return ("packed rows attend across their borders or lose positions; try another --attn_implementation, or "

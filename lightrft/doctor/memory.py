@@ -13,6 +13,7 @@ import resource
 
 import torch
 
+from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import SamplingParams
 from lightrft.trainer.scorer import RewardBatch
@@ -90,13 +91,15 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
     """One full PPO step of this rank's share of a rollout batch at --prompt_max_len prompt tokens
     and --generate_max_len response tokens (end-of-sequence banned until then). The optimizer step
     is real: the doctor's run is thrown away. Returns the per-phase peaks (GiB) and the lengths."""
-    args, trainer, strategy = run.args, run.trainer, run.strategy
+    config, trainer, strategy = run.args, run.trainer, run.strategy
+    sampling, seed, micro = config.rollout, config.distributed.seed, config.rollout.micro_rollout_batch_size
     maker = trainer.experience_maker
-    prompts = synthetic_prompts(run.tokenizer, args.rollout_batch_size // strategy.world_size, args.prompt_max_len,
-                                args.seed + strategy.rank)
-    length = args.generate_max_len
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=length,
-                            min_new_tokens=length, n=args.n_samples_per_prompt, seed=args.seed + strategy.rank)
+    prompts = synthetic_prompts(run.tokenizer, sampling.rollout_batch_size // strategy.world_size,
+                                config.data.prompt_max_len, seed + strategy.rank)
+    length = sampling.generate_max_len
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            max_new_tokens=length, min_new_tokens=length, n=config.algorithm.n_samples_per_prompt,
+                            seed=seed + strategy.rank)
     peaks = {}
     probe.reset()
     for model in (trainer.actor, trainer.critic, trainer.initial_model, *maker.reward_models):
@@ -108,11 +111,11 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
     probe.reset()
     with torch.no_grad():
         for model in maker.reward_models:        # scored for their memory; the scores are not used
-            for i in range(0, rollout.sequences.size(0), args.micro_rollout_batch_size):
-                rows = slice(i, i + args.micro_rollout_batch_size)
+            for i in range(0, rollout.sequences.size(0), micro):
+                rows = slice(i, i + micro)
                 model(rollout.sequences[rows].to(strategy.device),
                       attention_mask=rollout.attention_mask[rows].to(strategy.device))
-    scores = torch.randn(rollout.sequences.size(0), generator=torch.Generator().manual_seed(args.seed))
+    scores = torch.randn(rollout.sequences.size(0), generator=torch.Generator().manual_seed(seed))
     rewards = RewardBatch(scores=scores, valid=torch.ones_like(scores, dtype=torch.bool))
     experiences = maker.experience_from_rollout(rollout, rewards, params.n)
     trainer.rollout.sleep()
@@ -134,40 +137,43 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
             "response_tokens_max": int(rollout.response_lengths.max()), "samples": rollout.sequences.size(0)}
 
 
-def recommendations(phase: str, args) -> list[str]:
+def recommendations(phase: str, config: PPORunConfig) -> list[str]:
     """Flags that lower the peak of `phase`, given the current settings."""
+    rollout, distributed = config.rollout, config.distributed
     flags = []
     if phase == "generate":
-        if args.rollout_engine == "vllm":
-            flags.append(f"--vllm_kv_cache_gb (now {args.vllm_kv_cache_gb}) or --vllm_gpu_memory_utilization "
-                         f"(now {args.vllm_gpu_memory_utilization})")
+        if rollout.rollout_engine == "vllm":
+            flags.append(f"--vllm_kv_cache_gb (now {rollout.vllm_kv_cache_gb}) or --vllm_gpu_memory_utilization "
+                         f"(now {rollout.vllm_gpu_memory_utilization})")
         else:
-            flags.append(f"--micro_rollout_batch_size (now {args.micro_rollout_batch_size}: samples decoded at once)")
-        flags.append(f"--generate_max_len (now {args.generate_max_len})")
+            flags.append(f"--micro_rollout_batch_size (now {rollout.micro_rollout_batch_size}: samples decoded at "
+                         "once)")
+        flags.append(f"--generate_max_len (now {rollout.generate_max_len})")
     elif phase == "forwards":
-        flags.append(f"--micro_rollout_batch_size (now {args.micro_rollout_batch_size})")
-        if not args.ref_reward_offload and (args.init_kl_coef > 0 or args.reward_pretrain):
+        flags.append(f"--micro_rollout_batch_size (now {rollout.micro_rollout_batch_size})")
+        if not distributed.ref_reward_offload and (config.algorithm.init_kl_coef > 0 or config.model.reward_pretrain):
             flags.append("--ref_reward_offload")
     elif phase == "train":
-        flags.append(f"--micro_train_batch_size (now {args.micro_train_batch_size})")
-        if not args.gradient_checkpointing:
+        flags.append(f"--micro_train_batch_size (now {config.optim.micro_train_batch_size})")
+        if not distributed.gradient_checkpointing:
             flags.append("--gradient_checkpointing")
-        if not args.packing_samples:
+        if not config.model.packing_samples:
             flags.append("--packing_samples")
-        if not args.adam_offload:
+        if not distributed.adam_offload:
             flags.append("--adam_offload")
     elif phase == "weight sync":
-        flags.append(f"--vllm_sync_bucket_mb (now {args.vllm_sync_bucket_mb})")
-    if phase in ("forwards", "train") and args.zero_stage < 3:
-        flags.append(f"--zero_stage 3 (now {args.zero_stage})")
-    if phase in ("forwards", "train") and args.zero_stage == 3 and not args.zero3_param_offload:
+        flags.append(f"--vllm_sync_bucket_mb (now {rollout.vllm_sync_bucket_mb})")
+    if phase in ("forwards", "train") and distributed.zero_stage < 3:
+        flags.append(f"--zero_stage 3 (now {distributed.zero_stage})")
+    if phase in ("forwards", "train") and distributed.zero_stage == 3 and not distributed.zero3_param_offload:
         flags.append("--zero3_param_offload")
     return flags
 
 
 def check_memory(run, budget_gb: float | None = None, probe: MemoryProbe | None = None) -> CheckResult:
-    args, strategy = run.args, run.strategy
-    result = CheckResult("memory", f"one step at {args.prompt_max_len} prompt + {args.generate_max_len} response "
+    config, strategy = run.args, run.strategy
+    prompt_max_len, generate_max_len = config.data.prompt_max_len, config.rollout.generate_max_len
+    result = CheckResult("memory", f"one step at {prompt_max_len} prompt + {generate_max_len} response "
                                    "tokens, peak memory per phase")
     probe = probe or MemoryProbe()
     budget, budget_source = memory_budget_gib(strategy, budget_gb)
@@ -184,15 +190,15 @@ def check_memory(run, budget_gb: float | None = None, probe: MemoryProbe | None 
     result.rows.append(("budget", f"{budget:.2f}", budget_source))
     if not probe.resettable:
         result.add("WARN", "this platform cannot reset the memory high-water mark: each phase shows the peak so far")
-    if (step["response_tokens_min"], step["prompt_tokens"]) != (args.generate_max_len, args.prompt_max_len):
+    if (step["response_tokens_min"], step["prompt_tokens"]) != (generate_max_len, prompt_max_len):
         result.add("FAIL", f"the engine did not produce full-length samples: responses of {step['response_tokens_min']}"
-                           f"-{step['response_tokens_max']} tokens for --generate_max_len {args.generate_max_len}")
+                           f"-{step['response_tokens_max']} tokens for --generate_max_len {generate_max_len}")
     for phase, peak in zip(PHASES, peaks):
         if peak > HEADROOM * budget:
             level = "FAIL" if peak > budget else "WARN"
             verb = "does not fit" if peak > budget else f"is over {HEADROOM:.0%} of"
             result.add(level, f"{phase}: peak {peak:.2f} GiB {verb} the {budget:.2f} GiB {budget_source}; lower it "
-                              f"with: {', '.join(recommendations(phase, args))}")
+                              f"with: {', '.join(recommendations(phase, config))}")
     if not result.findings:
         result.add("PASS", f"the largest peak ({max(peaks):.2f} GiB, {PHASES[peaks.index(max(peaks))]}) fits the "
                            f"{budget:.2f} GiB {budget_source}")

@@ -34,8 +34,9 @@ def captured_warnings(logger_name: str = "lightrft.rewards"):
         logger.removeHandler(handler)
 
 
-def source_names(args, sources: list) -> list[str]:
-    specs = [s.strip() for s in (args.remote_rm_url or "").split(",") if s.strip()]
+def source_names(remote_rm_url: str | None, sources: list) -> list[str]:
+    """A name per reward source: its --remote_rm_url entry (URLs without credentials), else its repr."""
+    specs = [s.strip() for s in (remote_rm_url or "").split(",") if s.strip()]
     if len(specs) != len(sources):
         return [repr(s) for s in sources]
     return [redact_url(s) if s.startswith(("http://", "https://")) else s for s in specs]
@@ -81,17 +82,19 @@ def score_source(source, batch: int, call, calls: int) -> dict:
 
 
 def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) -> CheckResult:
-    args, strategy, maker = run.args, run.strategy, run.trainer.experience_maker
+    config, maker = run.args, run.trainer.experience_maker
     result = CheckResult("rewards", f"each reward source on {rollout.sequences.size(0)} generated samples, "
                                     f"{calls} calls")
-    n = args.n_samples_per_prompt
+    n = config.algorithm.n_samples_per_prompt
     batch = rollout.sequences.size(0)
     queries, sample_prompts = maker.decode(rollout, prompts, n)
     sample_labels = [label for label in labels for _ in range(n)]
     entries = [(name, source, lambda s=source: s(queries, sample_prompts, sample_labels))
-               for name, source in zip(source_names(args, maker.reward_sources), maker.reward_sources)]
+               for name, source in zip(source_names(config.rewards.remote_rm_url, maker.reward_sources),
+                                       maker.reward_sources)]
+    reward_pretrain = config.model.reward_pretrain
     for i, model in enumerate(maker.reward_models):
-        path = (args.reward_pretrain or "").split(",")[i].strip() if args.reward_pretrain else f"model {i}"
+        path = reward_pretrain.split(",")[i].strip() if reward_pretrain else f"model {i}"
         entries.append((f"reward model {path}", model, lambda m=model: reward_model_scores(run, m, rollout)))
     result.rows.append(("source", "returns", "count", "finite", "min / mean / max", "p50 / p90 / max s"))
     for name, source, call in entries:
@@ -104,7 +107,7 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
         result.rows.append((name, figures["type"], f"{count}/{batch}", finite,
                             f"{figures['min']:.3g} / {figures['mean']:.3g} / {figures['max']:.3g}",
                             f"{figures['p50']:.3f} / {figures['p90']:.3f} / {figures['latency_max']:.3f}"))
-        judge_source(result, name, figures, batch, args)
+        judge_source(result, name, figures, batch, config.rewards.reward_timeout)
     if not result.findings:
         result.add("PASS", f"{len(entries)} reward source(s) return {batch} finite scores per call")
     return result
@@ -112,13 +115,13 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
 
 @torch.no_grad()
 def reward_model_scores(run, model, rollout) -> torch.Tensor:
-    micro, device = run.args.micro_rollout_batch_size, run.strategy.device
+    micro, device = run.args.rollout.micro_rollout_batch_size, run.strategy.device
     return torch.cat([model(rollout.sequences[i:i + micro].to(device),
                             attention_mask=rollout.attention_mask[i:i + micro].to(device)).float().cpu()
                       for i in range(0, rollout.sequences.size(0), micro)])
 
 
-def judge_source(result: CheckResult, name: str, f: dict, batch: int, args) -> None:
+def judge_source(result: CheckResult, name: str, f: dict, batch: int, timeout: float) -> None:
     if f["error"]:
         result.add("FAIL", f"{name}: {f['error']}")
         return
@@ -131,7 +134,6 @@ def judge_source(result: CheckResult, name: str, f: dict, batch: int, args) -> N
     if f["dropped"]:
         reasons = "; ".join(f.get("drop_reasons") or []) or "see the warnings above"
         result.add("FAIL", f"{name}: dropped {f['dropped']} samples under --reward_on_failure drop ({reasons})")
-    timeout = args.reward_timeout
     if not name.startswith("reward model") and f["latency_max"] > SLOW_SHARE * timeout:
         result.add("WARN", f"{name}: a call took {f['latency_max']:.2f} s, over {SLOW_SHARE:.0%} of --reward_timeout "
                            f"{timeout:g}; raise --reward_timeout or speed the source up")

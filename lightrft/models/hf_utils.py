@@ -416,18 +416,18 @@ def load_value_model(
     """
     path = resolve_pretrained(pretrain, flag)
     with explain_load_errors(path, flag):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    saved_prefix = getattr(config, "value_head_prefix", None)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    saved_prefix = getattr(hf_config, "value_head_prefix", None)
     if saved_prefix is not None and saved_prefix != value_head_prefix:
         raise ValueError(
             f"{flag} {path!r} was saved with value_head_prefix={saved_prefix!r} but {value_head_prefix!r} was asked "
             f"for; pass --value_head_prefix {saved_prefix}"
         )
-    cls = value_model_class(backbone_class(config, path, trust_remote_code), value_head_prefix)
+    cls = value_model_class(backbone_class(hf_config, path, trust_remote_code), value_head_prefix)
     with explain_load_errors(path, flag):
         model, info = cls.from_pretrained(
             path,
-            config=config,
+            config=hf_config,
             dtype=model_dtype(bf16),
             attn_implementation=attn_implementation or default_attn_implementation(),
             trust_remote_code=trust_remote_code,

@@ -70,10 +70,10 @@ class RewardModel(nn.Module):
                 f"'{value_head_prefix}.weight': it is not a trained reward model, or its head has another name "
                 "(pass --value_head_prefix NAME). To train a reward model from this folder, use init_value_head=True."
             )
-        config = self.model.config
-        config.normalize_reward = bool(normalize_reward)
-        config.mean = float(getattr(config, "mean", 0.0))
-        config.std = float(getattr(config, "std", 1.0))
+        hf_config = self.model.config
+        hf_config.normalize_reward = bool(normalize_reward)
+        hf_config.mean = float(getattr(hf_config, "mean", 0.0))
+        hf_config.std = float(getattr(hf_config, "std", 1.0))
 
     def check_packing(self) -> None:
         """Raises if this architecture cannot be packed exactly with its attention; runs once."""
@@ -119,9 +119,9 @@ class RewardModel(nn.Module):
         else:
             scores = values[:, -1]  # (B,)
         scores = scores.float()
-        config = self.model.config
-        if config.normalize_reward:
-            scores = (scores - config.mean) / config.std
+        hf_config = self.model.config
+        if hf_config.normalize_reward:
+            scores = (scores - hf_config.mean) / hf_config.std
         return scores
 
     def gradient_checkpointing_enable(self) -> None:

@@ -1,9 +1,16 @@
-"""The strategy's typed configuration, parsed once from command-line arguments."""
+"""The strategy's typed configuration: built from a run config's distributed and optimisation
+sections, or field by field in research code."""
+
+from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from lightrft.strategy.ds_config import GRAD_ACCUM_DTYPES, check_zero_stage
+
+if TYPE_CHECKING:
+    from lightrft.config.sections import DistributedConfig, OptimConfig
 
 BACKENDS = ("nccl", "gloo")
 # Flag names that differ from the field they set (the flag keeps its OpenRLHF name).
@@ -49,13 +56,25 @@ class StrategyConfig:
             raise ValueError(f"--dist_timeout_minutes must be > 0, got {self.dist_timeout_minutes}")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "StrategyConfig":
-        """Reads each field from the same-named attribute of `args` (or its flag alias, e.g.
-        `--dist_timeout` for `dist_timeout_minutes`); missing ones keep their defaults."""
+    def from_sections(cls, distributed: DistributedConfig, optim: OptimConfig) -> StrategyConfig:
+        """The strategy of a run: processes, precision and ZeRO from its `distributed` section,
+        batch sizes and clipping from its `optim` section."""
+        return cls(seed=distributed.seed, max_norm=optim.max_norm, micro_train_batch_size=optim.micro_train_batch_size,
+                   train_batch_size=optim.train_batch_size, zero_stage=distributed.zero_stage, bf16=distributed.bf16,
+                   adam_offload=distributed.adam_offload, zero3_param_offload=distributed.zero3_param_offload,
+                   grad_accum_dtype=distributed.grad_accum_dtype, dist_timeout_minutes=distributed.dist_timeout,
+                   ref_reward_offload=distributed.ref_reward_offload)
+
+    @classmethod
+    def from_args(cls, namespace: argparse.Namespace) -> StrategyConfig:
+        """For research code with an argparse namespace of the command-line flags: reads each
+        field from the same-named attribute (or its flag alias, e.g. `--dist_timeout` for
+        `dist_timeout_minutes`); missing ones keep their defaults. A run config goes through
+        `from_sections`."""
         values = {}
         for f in fields(cls):
             for name in (f.name, FLAG_ALIASES.get(f.name)):
-                if name is not None and hasattr(args, name):
-                    values[f.name] = getattr(args, name)
+                if name is not None and hasattr(namespace, name):
+                    values[f.name] = getattr(namespace, name)
                     break
         return cls(**values)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightrft.config.run import RunConfig
 from lightrft.strategy import checkpoint_io
 from lightrft.strategy.config import StrategyConfig
 from lightrft.strategy.ds_config import get_eval_ds_config, get_train_ds_config, gradient_accumulation_steps
@@ -101,7 +102,7 @@ class DeepspeedStrategy:
 
     Typical use::
 
-        strategy = get_strategy(args)          # or DeepspeedStrategy(StrategyConfig(...))
+        strategy = get_strategy(run_config)    # or DeepspeedStrategy(StrategyConfig(...))
         strategy.setup_distributed()
         optim = strategy.create_optimizer(actor, lr=1e-6)
         (actor, optim, sched), ref = strategy.prepare((actor, optim, sched), ref)
@@ -646,7 +647,10 @@ class DeepspeedStrategy:
         return stats
 
 
-def get_strategy(args) -> DeepspeedStrategy:
-    """A DeepspeedStrategy configured from parsed command-line `args` (call `setup_distributed`
-    on it before building models)."""
-    return DeepspeedStrategy(StrategyConfig.from_args(args))
+def get_strategy(config) -> DeepspeedStrategy:
+    """A DeepspeedStrategy configured from a run config's `distributed` and `optim` sections, or
+    from an argparse namespace of the same flags (research code; see `StrategyConfig.from_args`).
+    Call `setup_distributed` on it before building models."""
+    if isinstance(config, RunConfig):
+        return DeepspeedStrategy(StrategyConfig.from_sections(config.distributed, config.optim))
+    return DeepspeedStrategy(StrategyConfig.from_args(config))

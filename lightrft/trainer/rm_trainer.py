@@ -89,8 +89,8 @@ class RewardModelTrainer(SupervisedTrainer):
         sequence of `dataset`, over all ranks: mu = S1 / n, sigma = sqrt(S2 / n - mu^2)."""
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.strategy.device)  # n, sum r, sum r^2
-        batches = eval_shard_batches(dataset, collate_fn, self.args.micro_train_batch_size, self.strategy.rank,
-                                     self.strategy.world_size)
+        batches = eval_shard_batches(dataset, collate_fn, self.strategy.config.micro_train_batch_size,
+                                     self.strategy.rank, self.strategy.world_size)
         for batch, keep in batches:
             keep = keep.to(self.strategy.device).double().repeat(2)  # (2B,) chosen then rejected
             scores = torch.cat(self.pair_scores(batch)).double()  # (2B,)

@@ -14,15 +14,18 @@ how the step is split over ranks and micro-batches, or on packing versus padding
 import itertools
 import math
 import time
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
 from lightrft.algorithms.aggregation import aggregate_loss, dp_loss_scale
+from lightrft.config.options import section_from_namespace
+from lightrft.config.run import RMRunConfig, RunConfig, SFTRunConfig
+from lightrft.config.sections import CheckpointConfig, EvalConfig, LoggingConfig, SupervisedOptimConfig
 from lightrft.datasets.sft_dataset import SFTBatch
 from lightrft.datasets.sharding import eval_shard_batches
-from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.guards import nonfinite_grad_norms
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 
@@ -39,13 +42,47 @@ def supervised_total_steps(samples: int, train_batch_size: int, max_epochs: int,
     return min(steps, max_steps) if max_steps > 0 else steps
 
 
+@dataclass(frozen=True)
+class SupervisedConfig:
+    """What the supervised loop reads of a run's options: four of its sections, and the values of
+    the options a resume must not change (flag name -> value, tuples as lists). Taken once, by
+    `of`, from the run config `fit` and `load_checkpoint` are given."""
+
+    optim: SupervisedOptimConfig
+    eval: EvalConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    pinned: dict[str, Any]
+
+    @classmethod
+    def of(cls, config, pinned_names: Sequence[str]) -> "SupervisedConfig":
+        """From an `SFTRunConfig` / `RMRunConfig`, or from an argparse namespace of the same flag
+        names (research code): then each section is built from the namespace's flags, with the
+        defaults for flags it lacks, and only the pinned options it has are pinned."""
+        if isinstance(config, RunConfig):
+            if not isinstance(config, (SFTRunConfig, RMRunConfig)):
+                raise TypeError(f"the supervised trainers take an SFTRunConfig or RMRunConfig (or an argparse "
+                                f"namespace of their flags), got a {type(config).__name__}")
+            sections = (config.optim, config.eval, config.logging, config.checkpoint)
+            options = config.to_dict()
+        else:
+            sections = tuple(section_from_namespace(section, config)
+                             for section in (SupervisedOptimConfig, EvalConfig, LoggingConfig, CheckpointConfig))
+            options = vars(config)
+        pinned = {name: list(options[name]) if isinstance(options[name], tuple) else options[name]
+                  for name in pinned_names if name in options}
+        return cls(*sections, pinned)
+
+
 class SupervisedTrainer:
     """The loop shared by the SFT and reward-model trainers: optimizer steps over groups of GAS
     micro-batches, epochs resumable mid-way, evaluation, logs, checkpoints and preemption.
 
     Subclasses implement `training_step(micro_batches) -> metrics` and `evaluate() -> metrics`.
     `train_dataloader` comes from `strategy.setup_dataloader`; `eval_dataset` (optional) is
-    evaluated every `eval_steps` steps and at the end. `tracker` is a `MetricsTracker` or None."""
+    evaluated every `--eval_steps` steps and at the end, in micro-batches of the strategy's
+    `micro_train_batch_size`. `tracker` is a `MetricsTracker` or None. The run's options arrive
+    with `fit` / `load_checkpoint` and are kept as a `SupervisedConfig` in `self.config`."""
 
     progress_desc = "steps"
 
@@ -66,6 +103,7 @@ class SupervisedTrainer:
         self.save_hf_ckpt = save_hf_ckpt
         self.disable_ds_ckpt = disable_ds_ckpt
         self.pinned_options = pinned_options
+        self.config: Optional[SupervisedConfig] = None
         self.global_step = 0
         self.consumed_samples = 0  # samples trained on, over all ranks
         self.last_logs: dict[str, float] = {}
@@ -77,14 +115,16 @@ class SupervisedTrainer:
     def fit(self, args, train_dataloader) -> None:
         """Runs `max_epochs` passes over the data, or `--max_steps` optimizer steps when that is
         fewer, resuming after `self.consumed_samples`. A run cut short by `--max_steps` ends as a
-        finished one does (evaluation, checkpoint) with `stop_reason` "max_steps"."""
-        self.args = args
-        steps_per_epoch = len(train_dataloader.dataset) // args.train_batch_size
+        finished one does (evaluation, checkpoint) with `stop_reason` "max_steps". `args` is the
+        run config (or an argparse namespace of its flags, see `SupervisedConfig.of`)."""
+        self.config = SupervisedConfig.of(args, self.pinned_options)
+        batch_size = self.config.optim.train_batch_size
+        steps_per_epoch = len(train_dataloader.dataset) // batch_size
         if steps_per_epoch == 0:
             raise ValueError(f"the training set has {len(train_dataloader.dataset)} samples, fewer than "
-                             f"--train_batch_size {args.train_batch_size}; lower --train_batch_size")
-        total_steps = supervised_total_steps(len(train_dataloader.dataset), args.train_batch_size, self.max_epochs,
-                                             getattr(args, "max_steps", -1))
+                             f"--train_batch_size {batch_size}; lower --train_batch_size")
+        total_steps = supervised_total_steps(len(train_dataloader.dataset), batch_size, self.max_epochs,
+                                             self.config.optim.max_steps)
         self.services.start(self)
         bar = tqdm(total=total_steps, initial=min(self.global_step, total_steps), desc=self.progress_desc,
                    disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
@@ -95,19 +135,19 @@ class SupervisedTrainer:
                 started = time.time()
                 logs = self.training_step(step_batches)
                 self.global_step += 1
-                self.consumed_samples += args.train_batch_size
+                self.consumed_samples += batch_size
                 logs["perf/step_time"] = time.time() - started
-                logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * args.train_batch_size)
+                logs["train/epoch"] = self.consumed_samples / (steps_per_epoch * batch_size)
                 loss_ok = math.isfinite(logs["train/loss"])
                 self.services.record_step(([] if loss_ok else ["loss"]) + nonfinite_grad_norms(self.strategy, model=self.model))
                 logs["train/skipped_steps"] = float(self.services.guard.skipped)
                 bar.update(1)
                 bar.set_postfix(loss=f"{logs['train/loss']:.4f}")
                 # 2. Logs, evaluation, checkpoints; stop early on preemption.
-                self.save_logs_and_checkpoints(args, logs, is_last=self.global_step == total_steps)
-                self.stop_reason = self.services.stop_reason(args.ckpt_path)
+                self.save_logs_and_checkpoints(logs, is_last=self.global_step == total_steps)
+                self.stop_reason = self.services.stop_reason(self.config.checkpoint.ckpt_path)
                 if self.stop_reason is not None:
-                    self.save_checkpoint(args)
+                    self.save_checkpoint()
                     break
             if self.stop_reason is None and total_steps < steps_per_epoch * self.max_epochs:
                 self.stop_reason = "max_steps"
@@ -117,14 +157,15 @@ class SupervisedTrainer:
 
     def _step_groups(self, dataloader, steps_per_epoch: int) -> Iterator[list]:
         """Lists of GAS micro-batches, one per optimizer step, from where `consumed_samples` left off."""
-        per_epoch = steps_per_epoch * self.args.train_batch_size
+        batch_size = self.config.optim.train_batch_size
+        per_epoch = steps_per_epoch * batch_size
         start_epoch, consumed_in_epoch = divmod(self.consumed_samples, per_epoch)
         grad_accum = self.strategy.accumulated_gradient
         for epoch in range(start_epoch, self.max_epochs):
             skipped = consumed_in_epoch if epoch == start_epoch else 0
             dataloader.sampler.set_epoch(epoch, consumed_samples=skipped)
             micro_batches = iter(dataloader)
-            for _ in range(steps_per_epoch - skipped // self.args.train_batch_size):
+            for _ in range(steps_per_epoch - skipped // batch_size):
                 yield list(itertools.islice(micro_batches, grad_accum))
 
     def training_step(self, micro_batches: list) -> dict[str, float]:
@@ -134,42 +175,43 @@ class SupervisedTrainer:
         raise NotImplementedError
 
     def eval_batches(self):
-        """(batch, keep) pairs of the evaluation set for this rank (see `eval_shard_batches`)."""
-        return eval_shard_batches(self.eval_dataset, self.eval_collate_fn, self.args.micro_train_batch_size,
+        """(batch, keep) pairs of the evaluation set for this rank, in micro-batches of the
+        strategy's `micro_train_batch_size` (see `eval_shard_batches`)."""
+        return eval_shard_batches(self.eval_dataset, self.eval_collate_fn, self.strategy.config.micro_train_batch_size,
                                   self.strategy.rank, self.strategy.world_size)
 
     # ======================================================================= logs and checkpoints
-    def save_logs_and_checkpoints(self, args, logs: dict, is_last: bool = False) -> None:
-        eval_steps = getattr(args, "eval_steps", -1)
+    def save_logs_and_checkpoints(self, logs: dict, is_last: bool = False) -> None:
+        """Evaluates every `--eval_steps`, logs every `--logging_steps` and saves every
+        `--save_steps` steps, and all three at the last step."""
+        eval_steps = self.config.eval.eval_steps
         if self.eval_dataset is not None and ((eval_steps > 0 and self.global_step % eval_steps == 0) or is_last):
             logs.update(self.evaluate())
-        if self.tracker is not None and (self.global_step % max(args.logging_steps, 1) == 0 or is_last):
+        if self.tracker is not None and (self.global_step % max(self.config.logging.logging_steps, 1) == 0 or is_last):
             self.tracker.log(logs, step=self.global_step)
         self.last_logs = logs
-        if (args.save_steps > 0 and self.global_step % args.save_steps == 0) or is_last:
-            self.save_checkpoint(args)
+        save_steps = self.config.checkpoint.save_steps
+        if (save_steps > 0 and self.global_step % save_steps == 0) or is_last:
+            self.save_checkpoint()
 
     def client_state(self) -> dict:
         return RunServices.client_state({"global_step": self.global_step, "consumed_samples": self.consumed_samples},
-                                        self._options(self.args))
-
-    def _options(self, args) -> dict:
-        return pinned_options(args, self.pinned_options)
+                                        self.config.pinned)
 
     @property
     def failed_saves(self) -> int:
         return self.services.failed_saves
 
-    def save_checkpoint(self, args) -> None:
+    def save_checkpoint(self) -> None:
         """A resumable checkpoint (weights, optimizer, scheduler, counters, RNG of every rank) under
         `--ckpt_path`, and a Hugging Face export next to it with `--save_hf_ckpt`."""
         tag = f"global_step{self.global_step}"
+        ckpt_path = self.config.checkpoint.ckpt_path
         if not self.disable_ds_ckpt:
-            if not self.services.save([CheckpointPart(args.ckpt_path, self.model, self.client_state())], tag,
-                                      args.ckpt_path):
+            if not self.services.save([CheckpointPart(ckpt_path, self.model, self.client_state())], tag, ckpt_path):
                 return
         if self.save_hf_ckpt:
-            self.export_hf(f"{args.ckpt_path}/{tag}_hf")
+            self.export_hf(f"{ckpt_path}/{tag}_hf")
 
     def export_hf(self, output_dir: str) -> None:
         """Writes the model as a Hugging Face folder with the tokenizer (a causal LM with LoRA merged,
@@ -178,10 +220,10 @@ class SupervisedTrainer:
 
     def load_checkpoint(self, args, required: bool = True) -> int:
         """Restores the newest complete checkpoint under `--ckpt_path`; returns the consumed samples
-        (0 when there is none and `required` is False)."""
-        self.args = args
-        state = self.services.load(CheckpointPart(args.ckpt_path, self.model), required=required,
-                                   options=self._options(args))
+        (0 when there is none and `required` is False). `args` as for `fit`."""
+        self.config = SupervisedConfig.of(args, self.pinned_options)
+        state = self.services.load(CheckpointPart(self.config.checkpoint.ckpt_path, self.model), required=required,
+                                   options=self.config.pinned)
         if state is None:
             return 0
         self.global_step = state["global_step"]

@@ -113,6 +113,25 @@ def test_strategy_config_from_args_and_validation():
         StrategyConfig(dist_timeout_minutes=0)
 
 
+def test_strategy_config_from_a_run_configs_sections():
+    """`get_strategy` reads a run config's distributed and optim sections: the same strategy the
+    flat flags of the same command line gave, --dist_timeout included."""
+    from lightrft.cli.train_sft import parse_args
+    from lightrft.strategy import get_strategy
+
+    config = parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--seed", "3", "--zero_stage", "3", "--bf16",
+                         "--adam_offload", "--zero3_param_offload", "--ref_reward_offload", "--grad_accum_dtype",
+                         "fp32", "--dist_timeout", "5", "--train_batch_size", "16", "--micro_train_batch_size", "2",
+                         "--max_norm", "0.5"])
+    expected = StrategyConfig(seed=3, max_norm=0.5, micro_train_batch_size=2, train_batch_size=16, zero_stage=3,
+                              bf16=True, adam_offload=True, zero3_param_offload=True, grad_accum_dtype="fp32",
+                              dist_timeout_minutes=5, ref_reward_offload=True)
+    assert StrategyConfig.from_sections(config.distributed, config.optim) == expected
+    assert StrategyConfig.from_args(argparse.Namespace(**config.to_dict())) == expected
+    assert get_strategy(config).config == expected
+    assert get_strategy(argparse.Namespace(seed=3)).config == StrategyConfig(seed=3)
+
+
 def test_weight_decay_skips_biases_and_norms():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2, bias=False))
     model[2].weight.requires_grad_(False)  # frozen parameters are left out
