@@ -17,6 +17,23 @@ is invisible until renamed, and the rename happens only after the marker, which 
 after every rank's files are durable. Loading reads `latest` and falls back to the newest complete
 checkpoint when the pointer is missing or names an incomplete folder.
 
+Checksums: the marker also records a CRC-32 of every file (format 2). Loading verifies the files
+of the checkpoint it picks and, when one no longer matches (bytes changed after the save: a bad
+disk, a stray write), falls back to the previous intact checkpoint, naming the file; a checkpoint
+whose marker predates checksums loads on its sizes alone, with a note in the log. CRC-32 because
+it only has to catch accidents (whoever can write the folder can rewrite the marker too): it hashes
+at 2-4 GB/s a core here against sha256's 0.8-1.6 and blake2b's 0.4-0.8, and files are hashed in
+parallel threads. Only the writer (rank 0) hashes, at save and when a resume picks a checkpoint;
+a verified file is remembered (path, size, mtime, inode) for the process, so picking a checkpoint
+and then loading it hashes each file once.
+
+Failed saves: when a save fails, the writer removes its temporary folder once every rank has
+stopped writing to it, so a full disk is not kept full by the failure. A folder left by a killed
+writer is removed at the next save (and when a run resumes) if it is stale: its writer record
+(`WRITER_NAME`: host and pid) names this process or a process of this host that is gone, or this
+process holds the run lock of a folder above `save_dir` (`lightrft.utils.run_lock`), so no other
+run can be writing there. A folder of a live writer elsewhere is never removed.
+
 Assumptions: `save_dir` is one file system that every rank sees (a shared disk on several nodes),
 with POSIX rename semantics; one run writes to a given `save_dir` at a time.
 
@@ -25,23 +42,37 @@ a named stage (see `FAULT_STAGES`): `exit` (the default) ends the process at onc
 `os._exit(137)`, as a kill would; `raise` raises an OSError there. At `mid-shard` the largest file
 written so far is first truncated to half its size, as a torn write would leave it.
 
-Client state is saved per rank with `torch.save` and loaded with `torch.load(weights_only=True)`,
-so it must be plain data: ints, floats, strings, lists, tuples, dicts and tensors.
+Client state is saved per rank with `torch.save` and loaded with `torch.load(weights_only=True)`
+(`load_plain`), so it must be plain data: ints, floats, strings, lists, tuples, dicts and tensors.
+A file holding anything else is refused before any of it is built: unpickling arbitrary objects
+can run code.
 """
 
 import errno
+import fcntl
 import json
+import logging
 import os
+import pickle
+import re
 import shutil
+import socket
 import sys
 import time
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
+from lightrft.utils.run_lock import LOCK_NAME, read_record
+
+logger = logging.getLogger(__name__)
+
 MARKER_NAME = "lightrft_checkpoint_complete.json"
+WRITER_NAME = ".lightrft_writer.json"    # in a temporary folder: who is writing it (host, pid)
 POINTER_NAME = "latest"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
@@ -49,11 +80,45 @@ TRASH_PREFIX = ".trash-"
 CLIENT_STATE_DIR = "client_state"
 FAULT_ENV = "LIGHTRFT_CKPT_FAULT"
 FAULT_STAGES = ("mid-shard", "before-marker", "before-rename", "before-pointer", "during-cleanup")
-MARKER_FORMAT = 1
+MARKER_FORMAT = 2                  # 1: sizes only; 2: sizes and CRC-32 checksums
+CHECKSUM = "crc32"
+HASH_CHUNK = 1 << 20               # bytes read at a time while hashing
 
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the previous checkpoints are untouched."""
+
+
+class CheckpointCorruptError(FileNotFoundError):
+    """No intact copy of a checkpoint: a file does not match the checksum recorded when it was
+    saved. A FileNotFoundError, as a missing checkpoint is, so every caller that handles one (the
+    ranks' agreement on what to load, the command-line error report) handles this too."""
+
+
+class UnsafePickleError(pickle.UnpicklingError, ValueError):
+    """A file or message that holds objects other than tensors and plain data, refused unread:
+    unpickling it could run code. The message names the file and the object."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-data loading
+
+
+def load_plain(source, what: str, *, allow: Iterable[type] = (), **kwargs):
+    """`torch.load(source, weights_only=True)` on the CPU: tensors and plain data (numbers,
+    strings, lists, tuples, dicts, dtypes) only, plus the classes in `allow`. Anything else
+    raises UnsafePickleError naming `what` (the file or message) and the object, before any of it
+    is built. `kwargs` go to torch.load (e.g. `mmap=True`)."""
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        # torch's message advises weights_only=False, exactly what must not be done with such a file.
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\.?\n|$)", str(err))
+        reason = found.group(1) if found else str(err).splitlines()[0]
+        raise UnsafePickleError(f"{what}: refused to load: it holds more than tensors and plain data ({reason}), "
+                                "and unpickling it could run code; only what lightrft (or DeepSpeed) writes is "
+                                "accepted") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,9 +221,67 @@ def list_files(root: Path) -> dict[str, int]:
     root = Path(root)
     sizes = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file() and path.name != MARKER_NAME:
+        if path.is_file() and path.name not in (MARKER_NAME, WRITER_NAME):
             sizes[path.relative_to(root).as_posix()] = path.stat().st_size
     return sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# Checksums
+
+
+def file_checksum(path: Path) -> str:
+    """CRC-32 of a file's bytes (read in 1 MiB chunks), as 8 hex digits."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def checksum_files(root: Path, names: Iterable[str]) -> dict[str, str]:
+    """Relative path -> checksum of each named file under `root`, hashed in parallel threads
+    (zlib releases the GIL while it hashes)."""
+    names = list(names)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda rel: file_checksum(Path(root) / rel), names)))
+
+
+# path -> (size, mtime_ns, inode, checksum) of the files this process verified (module docstring)
+_verified: dict[str, tuple] = {}
+_noted_without_checksums: set[str] = set()     # checkpoints whose missing checksums were logged
+
+
+def verify_checksums(ckpt_dir: Path, only: Callable[[str], bool] | None = None) -> bool:
+    """Checks the files of checkpoint `ckpt_dir` (those for which `only(relative path)` holds,
+    default all) against the checksums its marker recorded. Returns False when the marker has none
+    (saved before lightrft recorded them: only the sizes were checked); raises
+    CheckpointCorruptError naming the first file that differs."""
+    ckpt_dir = Path(ckpt_dir)
+    marker = read_marker(ckpt_dir)
+    recorded = (marker or {}).get("checksums")
+    if not isinstance(recorded, dict) or recorded.get("algorithm") != CHECKSUM:
+        return False
+    todo = {}
+    for rel, expected in recorded.get("files", {}).items():
+        if only is not None and not only(rel):
+            continue
+        path = ckpt_dir / rel
+        try:
+            st = path.stat()
+        except OSError as err:
+            raise CheckpointCorruptError(f"checkpoint {ckpt_dir}: {path} cannot be read ({err.strerror})") from None
+        key = (st.st_size, st.st_mtime_ns, st.st_ino, expected)
+        if _verified.get(str(path)) != key:
+            todo[rel] = key
+    actual = checksum_files(ckpt_dir, todo)
+    for rel, key in todo.items():
+        if actual[rel] != key[3]:
+            raise CheckpointCorruptError(
+                f"checkpoint {ckpt_dir} is corrupted: {ckpt_dir / rel} has {CHECKSUM} {actual[rel]}, not the "
+                f"{key[3]} recorded when it was saved (its bytes changed after the save, with its size kept)")
+        _verified[str(ckpt_dir / rel)] = key
+    return True
 
 
 def read_marker(ckpt_dir: Path) -> dict | None:
@@ -224,34 +347,58 @@ def read_pointer(save_dir: Path) -> str | None:
     return tag or None
 
 
-def resolve_checkpoint(save_dir: Path, tag: str | None = None) -> Path | None:
+def resolve_checkpoint(save_dir: Path, tag: str | None = None, *, verify: bool = True) -> Path | None:
     """The folder to load from `save_dir`.
 
     With a `tag`: that checkpoint, which must be complete (else FileNotFoundError naming the path
     and the complete ones). Without: the one `latest` points to when complete, else the newest
-    complete one, else None (nothing to resume from)."""
+    complete one, else None (nothing to resume from).
+
+    With `verify` (the default), a candidate counts only when its files match their checksums:
+    a corrupted one is skipped for the next older intact one, with a warning naming the file, and
+    CheckpointCorruptError is raised when no complete checkpoint is intact (or `tag`'s is not)."""
     save_dir = Path(save_dir)
     complete = [path for _, path in list_complete(save_dir)]
+    intact: dict[Path, bool] = {}
+    problems: list[str] = []
+
+    def is_intact(path: Path) -> bool:
+        if path not in intact:
+            try:
+                if verify and not verify_checksums(path) and str(path) not in _noted_without_checksums:
+                    _noted_without_checksums.add(str(path))
+                    logger.warning(f"checkpoint {path} was saved without checksums (before lightrft recorded "
+                                   "them): only its file sizes are checked")
+                intact[path] = True
+            except CheckpointCorruptError as err:
+                problems.append(str(err))
+                intact[path] = False
+        return intact[path]
 
     def complete_copy_of(name: str) -> Path | None:
         for candidate in (save_dir / name, save_dir / (OLD_PREFIX + name)):
-            if candidate in complete:
+            if candidate in complete and is_intact(candidate):
                 return candidate
         return None
 
     if tag is not None:
         found = complete_copy_of(tag)
+        if found is None and problems:
+            raise CheckpointCorruptError("; ".join(problems))
         if found is None:
             raise FileNotFoundError(
                 f"checkpoint {save_dir / tag} is missing or incomplete (no valid {MARKER_NAME}); "
                 f"complete checkpoints in {save_dir}: {[p.name for p in complete] or 'none'}")
-        return found
-    pointed = read_pointer(save_dir)
-    if pointed is not None and not pointed.startswith("."):
-        found = complete_copy_of(pointed)
-        if found is not None:
-            return found
-    return complete[-1] if complete else None
+    else:
+        pointed = read_pointer(save_dir)
+        found = complete_copy_of(pointed) if pointed and not pointed.startswith(".") else None
+        found = found or next((path for path in reversed(complete) if is_intact(path)), None)
+    if found is None and problems:
+        raise CheckpointCorruptError(f"no intact checkpoint in {save_dir}: " + "; ".join(problems) +
+                                     f". Move the corrupted folders out of {save_dir} to start afresh")
+    for problem in problems:
+        logger.warning(f"{problem}; loading {found} instead")
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,13 +419,13 @@ def save_client_state(ckpt_dir: Path, rank: int, state: dict) -> None:
 def load_client_state(ckpt_dir: Path, rank: int) -> dict:
     """This rank's client state, or rank 0's when the checkpoint was saved by fewer ranks.
 
-    Loaded with `weights_only=True`: only plain data and tensors are accepted."""
+    Only plain data and tensors are accepted (`load_plain`: UnsafePickleError otherwise)."""
     path = client_state_path(ckpt_dir, rank)
     if not path.exists():
         path = client_state_path(ckpt_dir, 0)
     if not path.exists():
         return {}
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_plain(path, f"client state {path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,9 +445,11 @@ def _agreed(all_ok: Callable[[bool], bool], error: BaseException | None, what: s
 
 def _prepare_tmp(save_dir: Path, tmp: Path) -> None:
     save_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(save_dir)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    (tmp / WRITER_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     fsync_dir(save_dir)
 
 
@@ -309,8 +458,10 @@ def _commit(save_dir: Path, tmp: Path, tag: str) -> Path:
     final = save_dir / tag
     fault_point("before-marker", tmp)
     previous = list_complete(save_dir)
+    sizes = list_files(tmp)
     marker = {"format": MARKER_FORMAT, "tag": tag, "seq": (previous[-1][0] + 1) if previous else 1,
-              "created": time.time(), "files": list_files(tmp)}
+              "created": time.time(), "files": sizes,
+              "checksums": {"algorithm": CHECKSUM, "files": checksum_files(tmp, sizes)}}
     atomic_write_text(tmp / MARKER_NAME, json.dumps(marker, indent=1))
     fault_point("before-rename", tmp)
     if final.exists():
@@ -345,11 +496,74 @@ def prune_checkpoints(save_dir: Path, max_num: int) -> list[str]:
         removed.append(path.name)
     kept = {p.name for _, p in list_complete(save_dir)}
     for path in save_dir.iterdir():
-        leftover = path.name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
-            path.name.startswith(OLD_PREFIX) and path.name not in kept)
+        leftover = path.name.startswith(TRASH_PREFIX) or (path.name.startswith(OLD_PREFIX) and path.name not in kept)
         if path.is_dir() and leftover:
             shutil.rmtree(path)
+    remove_stale_temporaries(save_dir)
     fsync_dir(save_dir)
+    return removed
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:       # alive, another user's
+        return False
+    return False
+
+
+def holds_run_lock(save_dir: Path) -> bool:
+    """True when this process holds the run lock (`lightrft.utils.run_lock`) of `save_dir` or of a
+    folder above it: then no other run may write there. The lock's holder record must name this
+    process and the lock must be held (a fresh open of the file cannot take it)."""
+    for folder in (Path(save_dir).resolve(), *Path(save_dir).resolve().parents):
+        path = folder / LOCK_NAME
+        if not path.is_file():
+            continue
+        record = read_record(path) or {}
+        if record.get("pid") != os.getpid() or record.get("host") != socket.gethostname():
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True           # held, and the record says by this process
+        finally:
+            os.close(fd)          # closing releases the lock if this test took it
+        return False
+    return False
+
+
+def is_stale_temporary(path: Path) -> bool:
+    """Whether the temporary folder `path` (`.tmp-<tag>`) is a leftover no live writer will finish
+    (module docstring): its writer record names this process or a process of this host that is
+    gone, or this process holds the run lock above it."""
+    try:
+        record = json.loads((Path(path) / WRITER_NAME).read_text())
+        host, pid = record["host"], int(record["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        host = pid = None
+    if host == socket.gethostname() and (pid == os.getpid() or _process_gone(pid)):
+        return True
+    return holds_run_lock(Path(path).parent)
+
+
+def remove_stale_temporaries(save_dir: Path) -> list[str]:
+    """Removes the stale temporary folders of failed or killed saves in `save_dir` (never one a
+    live writer may still be filling); returns their names."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(save_dir.iterdir()):
+        if path.name.startswith(TMP_PREFIX) and path.is_dir() and is_stale_temporary(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     return removed
 
 
@@ -368,8 +582,8 @@ def save_checkpoint_dir(
     collective that returns True only when `ok` is True on every rank (it also synchronises them);
     a single process passes the default. `is_writer` is True on exactly one rank (rank 0).
     Raises CheckpointSaveError naming the path when any rank fails to write; the previous
-    checkpoints are then untouched. A failed clean-up after the commit only warns: the new
-    checkpoint is already complete.
+    checkpoints are then untouched and the temporary folder is removed. A failed clean-up after
+    the commit only warns: the new checkpoint is already complete.
     """
     save_dir = Path(save_dir)
     validate_tag(tag)
@@ -377,8 +591,29 @@ def save_checkpoint_dir(
     if max_num < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_num}")
     tmp = save_dir / (TMP_PREFIX + tag)
+    try:
+        _save_steps(save_dir, tag, tmp, write_shard, is_writer, all_ok)
+    except CheckpointSaveError:
+        # Every rank has stopped writing (the failure was agreed on), so the partial folder can go:
+        # left behind, it would keep a full disk full and fail every later save.
+        if is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = save_dir / tag
+    if is_writer:
+        try:
+            prune_checkpoints(save_dir, max_num)
+        except Exception as err:  # the new checkpoint is committed; a failed clean-up only warns
+            warnings.warn(f"checkpoint {final} is complete, but removing old checkpoints in {save_dir} "
+                          f"failed: {err}", RuntimeWarning)
+    all_ok(True)
+    return final
 
+
+def _save_steps(save_dir: Path, tag: str, tmp: Path, write_shard: Callable[[Path], None], is_writer: bool,
+                all_ok: Callable[[bool], bool]) -> None:
+    """Steps 1-3 of the protocol; CheckpointSaveError on every rank when one fails on any."""
+    final = save_dir / tag
     error = None
     if is_writer:
         try:
@@ -403,12 +638,3 @@ def save_checkpoint_dir(
         except Exception as err:  # reported on every rank by _agreed
             error = err
     _agreed(all_ok, error, "committing", final)
-
-    if is_writer:
-        try:
-            prune_checkpoints(save_dir, max_num)
-        except Exception as err:  # the new checkpoint is committed; a failed clean-up only warns
-            warnings.warn(f"checkpoint {final} is complete, but removing old checkpoints in {save_dir} "
-                          f"failed: {err}", RuntimeWarning)
-    all_ok(True)
-    return final

@@ -27,9 +27,13 @@ from typing import Optional
 import torch
 
 from lightrft.rollout.base import RolloutOutput
-from lightrft.trainer.roles import flatten_tensors, unflatten_tensors
+from lightrft.strategy.checkpoint_io import load_plain
+from lightrft.trainer.roles import flatten_tensors, unflatten_tensors, wire_type
+
+wire_type(RolloutOutput)    # sent inside RolloutBatch, as plain data (lightrft.trainer.roles)
 
 
+@wire_type
 @dataclass
 class RolloutBatch:
     """One trainer's share of rollout batch `batch` (0-based; trained at step batch + 1)."""
@@ -194,8 +198,10 @@ def latest_published(sync_dir: str | os.PathLike) -> Optional[tuple[int, list[tu
 
 
 def read_published(path: str | os.PathLike) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-    """(version, named weights) of one file `WeightPublisher` wrote."""
-    state = torch.load(path, weights_only=False)
+    """(version, named weights) of one file `WeightPublisher` wrote: a dict of an int, the spec
+    (names, shapes, dtypes) and one uint8 tensor, so it is read as plain data (`load_plain`): a file
+    holding any other object is refused unread."""
+    state = load_plain(path, f"published weights {path} (--sync_method checkpoint)")
     return state["version"], unflatten_tensors(state["data"], state["spec"])
 
 

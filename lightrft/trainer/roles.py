@@ -15,8 +15,14 @@ built on the job's rendezvous store:
 Both carry host tensors, so they work the same on CPU and on GPUs (weights are copied to the host
 once per sync; see docs/async.md for what that costs). `LocalChannel` stands in for both when the
 explorer is a thread of the trainer's own process (the colocated one-step-ahead mode).
+
+What arrives on a channel is decoded as tensors and plain data only (`torch.load(weights_only=True)`):
+a message holding any other object is refused, so a peer (or anything that reaches the job's
+rendezvous port) cannot make a rank run code. Dataclasses registered with `wire_type` (the rollout
+batches) travel as plain dicts tagged with their class name and are rebuilt on arrival.
 """
 
+import dataclasses
 import io
 import os
 import queue
@@ -25,6 +31,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from lightrft.strategy.checkpoint_io import load_plain
 
 JOB_RANK_ENV, JOB_WORLD_ENV = "LIGHTRFT_JOB_RANK", "LIGHTRFT_JOB_WORLD_SIZE"
 HEADER_TAG, PAYLOAD_TAG = 1, 2
@@ -165,15 +173,57 @@ def join_roles(explorers: int, timeout_minutes: float, backend: str | None = Non
     return JobLink(layout, ExperienceChannel(experience), control)
 
 
+WIRE_TYPES: dict[str, type] = {}       # class name -> dataclass that may cross the channels
+WIRE_TAG = "__lightrft_wire_type__"
+
+
+def wire_type(cls: type) -> type:
+    """Registers a dataclass (of tensors and plain data) as one that may cross the channels (a
+    class decorator)."""
+    WIRE_TYPES[cls.__name__] = cls
+    return cls
+
+
+def to_wire(obj):
+    """`obj` with every registered dataclass in it turned into a tagged dict (module docstring)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        name = type(obj).__name__
+        if WIRE_TYPES.get(name) is not type(obj):
+            raise TypeError(f"{type(obj).__qualname__} cannot be sent between explorers and trainers: register it "
+                            "with lightrft.trainer.roles.wire_type (its fields must be tensors and plain data)")
+        return {WIRE_TAG: name, **{f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if type(obj) is dict:
+        return {k: to_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_wire(v) for v in obj)
+    return obj
+
+
+def from_wire(obj):
+    """Inverse of `to_wire`: tagged dicts back into their registered dataclasses."""
+    if type(obj) is dict:
+        if WIRE_TAG in obj:
+            cls = WIRE_TYPES.get(obj[WIRE_TAG])
+            if cls is None:
+                raise ValueError(f"a message names the type {obj[WIRE_TAG]!r}, which no module registered with "
+                                 "wire_type (explorer and trainer run different lightrft versions?)")
+            return cls(**{k: from_wire(v) for k, v in obj.items() if k != WIRE_TAG})
+        return {k: from_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(from_wire(v) for v in obj)
+    return obj
+
+
 def encode(obj) -> torch.Tensor:
-    """A picklable object (tensors included) as a uint8 tensor."""
+    """An object of tensors, plain data and registered dataclasses as a uint8 tensor."""
     buffer = io.BytesIO()
-    torch.save(obj, buffer)
+    torch.save(to_wire(obj), buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def decode(data: torch.Tensor):
-    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+def decode(data: torch.Tensor, source: str = "a peer"):
+    """Inverse of `encode`; UnsafePickleError for a message holding any other object."""
+    return from_wire(load_plain(io.BytesIO(data.numpy().tobytes()), f"a message from {source}"))
 
 
 def send_object(group, obj, dst: int) -> None:
@@ -194,7 +244,7 @@ def recv_object(group, src: int | None = None):
         group.recv([size], src, HEADER_TAG).wait()
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     group.recv([data], src, PAYLOAD_TAG).wait()
-    return decode(data), src
+    return decode(data, f"rank {src} of the experience channel"), src
 
 
 def broadcast_tensor(group, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -211,7 +261,7 @@ def broadcast_object(group, obj=None, root: int = 0):
     size = broadcast_tensor(group, torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64), root)
     if data is None:
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-    return decode(broadcast_tensor(group, data, root))
+    return decode(broadcast_tensor(group, data, root), f"member {root} of the control channel")
 
 
 def tensor_nbytes(shape: tuple, dtype: torch.dtype) -> int:

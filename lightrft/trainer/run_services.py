@@ -4,8 +4,11 @@
   tag (the last one's `latest` pointer makes the step resumable); a failed save is counted and
   reported, and never removes the previous checkpoint (`lightrft.strategy.checkpoint_io` writes
   crash-consistently);
-- resume: the newest complete checkpoint, with the options that define the experiment checked
-  against the current ones, and every rank's RNG states restored;
+- resume: the newest intact checkpoint (complete, and its files matching their checksums), with
+  the options that define the experiment checked against the current ones before DeepSpeed reads
+  any state (so a changed --pretrain is named, not reported as a size mismatch), and every rank's
+  RNG states restored; `check_resume_before_start` runs the same option check before the run
+  writes anything (its run_config.yaml) or builds a model;
 - preemption: SIGTERM / SIGUSR1 finish the step, save and exit within a grace period;
 - non-finite guard: optimizer steps skipped for a NaN/Inf loss or gradient are counted, and a
   streak of them saves and stops the run;
@@ -16,14 +19,20 @@ The lock on `--ckpt_path` and the launcher lifeline are process-wide and start w
 """
 
 import gc
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from lightrft.strategy.checkpoint_io import CheckpointSaveError
-from lightrft.trainer.checkpoint import PreemptionFlag, capture_rng_state, check_resume_options, restore_rng_state
+from lightrft.strategy import checkpoint_io
+from lightrft.strategy.checkpoint_io import CheckpointCorruptError, CheckpointSaveError
+from lightrft.trainer.checkpoint import (PreemptionFlag, capture_rng_state, check_resume_options, pinned_options,
+                                         restore_rng_state)
 from lightrft.trainer.guards import NonFiniteGuard
+from lightrft.utils.distributed import is_dist_initialized
 from lightrft.utils.faults import install_faults
 
 
@@ -106,26 +115,95 @@ class RunServices:
 
     def load(self, primary: CheckpointPart, others: Sequence[CheckpointPart] = (), *, required: bool,
              options: Mapping[str, Any], unit: str = "samples") -> Optional[dict]:
-        """Loads the newest complete checkpoint of `primary` and the same tag of `others`; checks
+        """Loads the newest intact checkpoint of `primary` and the same tag of `others`; checks
         the pinned `options` and restores this rank's RNG. Returns the primary client state, or
         None when there is no checkpoint and `required` is False. `unit` names what
-        `consumed_samples` counts, for the message."""
-        path, state = self.strategy.load_ckpt(primary.model, primary.folder)
-        if path is None:
+        `consumed_samples` counts, for the message.
+
+        The options are compared before DeepSpeed reads any state: a run resumed with another
+        --pretrain is told which flag changed, not DeepSpeed's size mismatch."""
+        picked = self._pick_checkpoint(primary, others)
+        if picked is None:
             if required:
                 raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {primary.folder}; pass "
                                         "--load_checkpoint if_present to start fresh when none exists")
             return None
+        path, tag = picked
+        state = checkpoint_io.load_client_state(Path(path), self.strategy.rank)
         check_resume_options(state.get("options", {}), options, path)
-        tag = f"global_step{state['global_step']}"
-        for part in others:
-            try:
-                self.strategy.load_ckpt(part.model, part.folder, tag=tag, load_optimizer_states=part.load_optimizer_states,
-                                        load_lr_scheduler_states=part.load_optimizer_states)
-            except FileNotFoundError as err:
-                raise FileNotFoundError(f"the checkpoint {path} has no matching complete checkpoint {tag} under "
-                                        f"{part.folder}: {err}") from err
+        for part in (primary, *others):
+            self._load_engine(part, tag, path, options)
         restore_rng_state(state["rng"])       # each rank saved and loads its own
         self.strategy.print(f"resumed from {path}: step {state['global_step']}, "
                             f"{state['consumed_samples']} {unit} consumed")
         return state
+
+    def _pick_checkpoint(self, primary: CheckpointPart, others: Sequence[CheckpointPart]) -> Optional[tuple[str, str]]:
+        """(folder, tag) of the checkpoint to resume, or None when there is none. Rank 0 picks it
+        (clearing stale temporary folders of killed saves, verifying checksums, finding the same tag
+        of every other part) and tells the other ranks, so all load the same one; an error is
+        raised on every rank."""
+        choice = [None]
+        if self.strategy.is_rank_0():
+            try:
+                for part in (primary, *others):
+                    checkpoint_io.remove_stale_temporaries(Path(part.folder))
+                choice = [("ok", self._find_on_rank_0(primary, others))]
+            except CheckpointCorruptError as err:
+                choice = [("corrupt", str(err))]
+            except FileNotFoundError as err:
+                choice = [("missing", str(err))]
+        if is_dist_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        status, value = choice[0]
+        if status == "corrupt":
+            raise CheckpointCorruptError(value)
+        if status == "missing":
+            raise FileNotFoundError(value)
+        return value
+
+    @staticmethod
+    def _find_on_rank_0(primary: CheckpointPart, others: Sequence[CheckpointPart]) -> Optional[tuple[str, str]]:
+        path = checkpoint_io.resolve_checkpoint(Path(primary.folder))
+        if path is None:
+            return None
+        tag = checkpoint_io.read_marker(path)["tag"]
+        for part in others:
+            try:
+                checkpoint_io.resolve_checkpoint(Path(part.folder), tag)
+            except FileNotFoundError as err:
+                raise type(err)(f"the checkpoint {path} has no matching intact checkpoint {tag} under "
+                                f"{part.folder}: {err}") from err
+        return str(path), tag
+
+    def _load_engine(self, part: CheckpointPart, tag: str, path: str, options: Mapping[str, Any]) -> None:
+        try:
+            self.strategy.load_ckpt(part.model, part.folder, tag=tag, load_optimizer_states=part.load_optimizer_states,
+                                    load_lr_scheduler_states=part.load_optimizer_states)
+        except RuntimeError as err:
+            # DeepSpeed's words for a model of other shapes: ZeRO-0/1/2 load the module's state dict,
+            # ZeRO-3 copies the flat partitions of the optimizer.
+            mismatch = next((line.strip() for line in str(err).splitlines()
+                             if "size mismatch" in line or "must match the size of tensor" in line), None)
+            if mismatch is None:
+                raise
+            raise ValueError(f"cannot resume from {path}: the model this run built does not have the shapes of the "
+                             f"checkpoint in {part.folder} ({mismatch}). Was the model in --pretrain "
+                             f"{options.get('pretrain', '')} replaced? Resume with the model the run started from, "
+                             "or start a new run with a fresh --ckpt_path") from err
+
+
+def check_resume_before_start(ckpt_path: Optional[str], args: Any) -> None:
+    """When `args.load_checkpoint` asks to resume: refuses (ValueError naming every changed flag)
+    a resume whose pinned options differ from the checkpoint's, before the run writes its
+    run_config.yaml or builds anything. The checkpoint is the one a resume picks in `ckpt_path` or
+    in one of its folders (e.g. `_actor`), read as `RunServices.load` reads it but without hashing
+    its files (`RunServices.load` does that, and checks the options again). Rank 0 only."""
+    if not getattr(args, "load_checkpoint", None) or not ckpt_path or not os.path.isdir(ckpt_path):
+        return
+    root = Path(ckpt_path)
+    for folder in (root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))):
+        path = checkpoint_io.resolve_checkpoint(folder, verify=False)
+        saved = checkpoint_io.load_client_state(path, 0).get("options") if path is not None else None
+        if saved:
+            check_resume_options(saved, pinned_options(args, tuple(saved)), str(path))

@@ -1,16 +1,21 @@
 """The crash-consistent checkpoint protocol on real files, without DeepSpeed: kills (os._exit) and
 injected errors at every stage leave the previous checkpoint loadable and the partial one ignored."""
 
+import json
+import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightrft.strategy import checkpoint_io as cio
+from lightrft.utils.run_lock import RunLock
 from tests.conftest import REPO_ROOT, subprocess_env
 
 CHILD = """
@@ -133,6 +138,8 @@ def test_injected_error_raises_naming_the_path_and_keeps_previous(tmp_path, monk
     assert cio.resolve_checkpoint(tmp_path) == tmp_path / "a"
     assert (tmp_path / "latest").read_text().strip() == "a"
     assert saved_tag(tmp_path / "a") == "a"
+    # the failed save's temporary folder is gone (a full disk is not kept full by it)
+    assert not (tmp_path / ".tmp-b").exists()
 
 
 def test_failed_cleanup_only_warns(tmp_path, monkeypatch):
@@ -154,6 +161,7 @@ def test_failing_writer_leaves_previous_intact(tmp_path):
         cio.save_checkpoint_dir(tmp_path, "b", disk_full)
     assert str(tmp_path / "b") in str(err.value) and "No space left on device" in str(err.value)
     assert complete_tags(tmp_path) == ["a"] and cio.resolve_checkpoint(tmp_path) == tmp_path / "a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "latest"]     # no .tmp-b left
 
 
 def test_failure_on_another_rank_raises_here_too(tmp_path):
@@ -226,6 +234,16 @@ class Opaque:
     pass
 
 
+class CreatesFile:
+    """A pickle that creates `path` when it is loaded: stands for any code a file could run."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
 def test_client_state_load_refuses_arbitrary_objects(tmp_path):
     cio.save_client_state(tmp_path, 0, {"obj": Opaque()})
     with pytest.raises(pickle.UnpicklingError):
@@ -236,3 +254,94 @@ def test_client_state_falls_back_to_rank_0(tmp_path):
     cio.save_client_state(tmp_path, 0, {"consumed": 12})
     assert cio.load_client_state(tmp_path, 3) == {"consumed": 12}
     assert cio.load_client_state(tmp_path / "none", 0) == {}
+
+
+def test_client_state_holding_code_is_refused_unread(tmp_path):
+    marker = tmp_path / "ran"
+    cio.save_client_state(tmp_path, 0, {"step": 3, "obj": CreatesFile(marker)})
+    with pytest.raises(cio.UnsafePickleError, match="client state .*rank_0.pt: refused to load"):
+        cio.load_client_state(tmp_path, 0)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------ checksums
+def overwrite_middle(path: Path, nbytes: int = 4096) -> None:
+    """Overwrites `nbytes` in the middle of `path` with float32 3.4e38, keeping its size."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek((size - nbytes) // 2)
+        f.write(bytes.fromhex("ffff7f7f") * (nbytes // 4))
+    assert path.stat().st_size == size
+
+
+def test_the_marker_records_a_crc32_of_every_file(tmp_path):
+    marker = cio.read_marker(save(tmp_path, "a"))
+    assert marker["format"] == 2 and marker["checksums"]["algorithm"] == "crc32"
+    assert marker["checksums"]["files"]["optim.bin"] == f"{zlib.crc32(b'a' * 100):08x}"
+    assert marker["checksums"]["files"]["model/shard_0.bin"] == f"{zlib.crc32(b'a' * 4000):08x}"
+    assert set(marker["checksums"]["files"]) == set(marker["files"])
+
+
+def test_a_corrupted_checkpoint_falls_back_to_the_previous_intact_one(tmp_path, caplog):
+    save(tmp_path, "one", max_num=5)
+    save(tmp_path, "two", max_num=5)
+    shard = tmp_path / "two" / "model" / "shard_0.bin"           # 12000 bytes
+    overwrite_middle(shard)
+    assert cio.is_complete(tmp_path / "two")                    # sizes alone do not see it
+    with caplog.at_level(logging.WARNING, logger="lightrft"):
+        assert cio.resolve_checkpoint(tmp_path) == tmp_path / "one"
+    assert f"checkpoint {tmp_path / 'two'} is corrupted: {shard} has crc32" in caplog.text
+    assert f"loading {tmp_path / 'one'} instead" in caplog.text
+    with pytest.raises(cio.CheckpointCorruptError, match=f"{shard} has crc32 .*, not the "):
+        cio.resolve_checkpoint(tmp_path, "two")
+    # nothing intact at all: an error naming every corrupted file, not a silent fresh start
+    overwrite_middle(tmp_path / "one" / "optim.bin", 40)
+    with pytest.raises(cio.CheckpointCorruptError, match="no intact checkpoint") as err:
+        cio.resolve_checkpoint(tmp_path)
+    assert str(shard) in str(err.value) and str(tmp_path / "one" / "optim.bin") in str(err.value)
+    assert isinstance(err.value, FileNotFoundError)            # handled wherever a missing one is
+
+
+def test_a_checkpoint_saved_before_checksums_still_loads_with_a_note(tmp_path, caplog):
+    final = save(tmp_path, "one")
+    marker = cio.read_marker(final)
+    del marker["checksums"]
+    (final / cio.MARKER_NAME).write_text(json.dumps({**marker, "format": 1}))
+    overwrite_middle(final / "model" / "shard_0.bin")          # undetectable without checksums
+    with caplog.at_level(logging.WARNING, logger="lightrft"):
+        assert cio.resolve_checkpoint(tmp_path) == final
+    assert f"checkpoint {final} was saved without checksums" in caplog.text
+
+
+# ------------------------------------------------------------------------ stale temporary folders
+def temporary(save_dir: Path, name: str, host: str | None = None, pid: int | None = None) -> Path:
+    """A leftover `.tmp-<name>` with a shard, and a writer record when `host` is given."""
+    path = save_dir / (cio.TMP_PREFIX + name)
+    path.mkdir(parents=True)
+    (path / "shard.bin").write_bytes(b"x" * 100)
+    if host is not None:
+        (path / cio.WRITER_NAME).write_text(json.dumps({"host": host, "pid": pid}))
+    return path
+
+
+def test_stale_temporaries_are_removed_and_a_live_writers_kept(tmp_path):
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        temporary(tmp_path, "killed", host, int(gone.stdout))     # its writer is gone
+        temporary(tmp_path, "mine", host, os.getpid())            # an earlier save of this process
+        temporary(tmp_path, "live", host, live.pid)               # another run, writing right now
+        temporary(tmp_path, "elsewhere", "another-host", 1)       # cannot tell: kept
+        temporary(tmp_path, "unknown")                            # no record: kept
+        save(tmp_path, "a")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-elsewhere", ".tmp-live", ".tmp-unknown", "a",
+                                                              "latest"]
+        # Holding the run lock of the folder, this process knows no other run writes there.
+        with RunLock(tmp_path):
+            save(tmp_path, "b")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "a", "b", "latest"]
+    finally:
+        live.kill()
+        live.wait()

@@ -13,11 +13,12 @@ import torch.distributed as dist
 from lightrft.config import ConfigError, PPORunConfig, RolesConfig
 from lightrft.rollout.base import RolloutOutput
 from lightrft.trainer.decoupled import load_named_weights
-from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, WeightPublisher,
-                                               WeightSubscriber, latest_published)
+from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, RolloutBatch,
+                                               WeightPublisher, WeightSubscriber, latest_published)
 from lightrft.trainer.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
                                     join_roles, unflatten_tensors)
 from tests.conftest import to_flags
+from tests.strategy.test_checkpoint_io import CreatesFile
 
 
 # --------------------------------------------------------------------------------- arithmetic
@@ -136,6 +137,17 @@ def wait_until(predicate, what: str) -> None:
         time.sleep(0.01)
 
 
+def rollout_batch(b: int) -> RolloutBatch:
+    """A small scored rollout batch whose numbers identify `b`."""
+    g = torch.Generator().manual_seed(b)
+    rollout = RolloutOutput(torch.randint(0, 9, (4, 5), generator=g), torch.ones(4, 5, dtype=torch.long),
+                            torch.rand(4, 3, generator=g) > 0.5, torch.randn(4, 3, generator=g), 2,
+                            torch.tensor([True, False] * 2))
+    return RolloutBatch(b, episode=0, version=b, prompt_ids=[2 * b, 2 * b + 1], rollout=rollout,
+                        scores=torch.randn(4, generator=g), valid=torch.ones(4, dtype=torch.bool),
+                        seconds={"generate": 0.5 * b})
+
+
 def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
     trainer_group, explorer_group = gloo_pair()
     receiver = ExperienceReceiver(ExperienceChannel(trainer_group), explorers=1, capacity=2)
@@ -144,7 +156,7 @@ def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
 
     def explore():
         for b in range(6):
-            channel.send(SimpleNamespace(batch=b), 0)
+            channel.send(rollout_batch(b), 0)
             sent.append(b)
         channel.send(DONE, 0)
 
@@ -153,7 +165,13 @@ def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
     wait_until(lambda: len(sent) == 2, "the first two batches were never received")
     time.sleep(0.3)
     assert sent == [0, 1] and receiver.received == 2        # back-pressure: the third send waits
-    assert receiver.take(0).batch == 0
+    first, expected = receiver.take(0), rollout_batch(0)
+    # The batch crossed the channel as plain data and came back as the same dataclasses, bit for bit.
+    assert type(first) is RolloutBatch and type(first.rollout) is RolloutOutput
+    assert (first.batch, first.prompt_ids, first.seconds, first.rollout.prompt_len) == (0, [0, 1], {"generate": 0.0}, 2)
+    for field in ("sequences", "attention_mask", "action_mask", "rollout_log_probs", "truncated"):
+        assert torch.equal(getattr(first.rollout, field), getattr(expected.rollout, field)), field
+    assert torch.equal(first.scores, expected.scores) and torch.equal(first.valid, expected.valid)
     wait_until(lambda: len(sent) >= 3, "taking a batch did not make room")
     time.sleep(0.3)
     assert sent == [0, 1, 2]                                 # room for exactly one more
@@ -164,6 +182,30 @@ def test_a_full_buffer_stops_the_explorer_until_the_trainer_takes_a_batch():
     assert receiver.take(6) is None                      # the explorer said it is done
     receiver.join(30)
     assert not receiver.thread.is_alive()
+
+
+def test_a_message_that_would_run_code_is_refused_and_never_run(tmp_path):
+    marker = tmp_path / "ran"
+    trainer_group, explorer_group = gloo_pair()
+    receiver = ExperienceReceiver(ExperienceChannel(trainer_group), explorers=1, capacity=2)
+    receiver.start()
+    ExperienceChannel(explorer_group).send(CreatesFile(marker), 0)     # what a hostile peer could send
+    with pytest.raises(RuntimeError, match=r"channel from the explorers failed.*a message from rank 1 of the "
+                                           r"experience channel: refused to load.*Unsupported global"):
+        receiver.take(0)
+    receiver.join(30)
+    assert not marker.exists()
+
+
+def test_a_published_weights_file_that_would_run_code_is_refused_unread(tmp_path):
+    marker, path = tmp_path / "ran", tmp_path / "weights" / "policy_v00000003.pt"
+    path.parent.mkdir()
+    torch.save(CreatesFile(marker), path)
+    with pytest.raises(ValueError, match=f"published weights {path} .*refused to load.*Unsupported global"):
+        latest_published(path.parent)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)      # the old loader: the file does run its code
+    assert marker.exists()
 
 
 def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
