@@ -2,11 +2,12 @@
 
     tokenizer        build_tokenizer, stop_token_ids
     models           policy_model_kwargs (actor, reference, EMA and explorer copies alike)
-    engines          build_vllm_engine
+    engines          build_vllm_engine, build_hf_engine
     rewards          build_reward_sources (HTTP servers, reward files, builtin rules)
     datasets         build_prompt_dataset
     training         build_scheduler, build_tracker (PPO, SFT and RM runs)
-    ppo_run          build_strategy, PPORun, build_ppo_run (the whole PPO run: models, data, trainer)
+    ppo_run          build_strategy, PPORun, build_ppo_run (the whole PPO run: models, data, trainer),
+                     build_explorer_source (the experience source of explorer ranks or thread)
 
 The command line (`lightrft.cli`) parses flags into a run config and calls these; nothing under
 `lightrft/` outside `cli/` imports the command line. Names resolve on first use, so importing
@@ -20,6 +21,7 @@ _HOMES = {
     "stop_token_ids": "lightrft.builders.tokenizer",
     "policy_model_kwargs": "lightrft.builders.models",
     "build_vllm_engine": "lightrft.builders.engines",
+    "build_hf_engine": "lightrft.builders.engines",
     "build_reward_sources": "lightrft.builders.rewards",
     "build_prompt_dataset": "lightrft.builders.datasets",
     "build_scheduler": "lightrft.builders.training",
@@ -27,6 +29,7 @@ _HOMES = {
     "build_strategy": "lightrft.builders.ppo_run",
     "PPORun": "lightrft.builders.ppo_run",
     "build_ppo_run": "lightrft.builders.ppo_run",
+    "build_explorer_source": "lightrft.builders.ppo_run",
     "check_run_vocabulary": "lightrft.builders.ppo_run",
 }
 __all__ = sorted(_HOMES)

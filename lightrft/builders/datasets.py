@@ -10,4 +10,5 @@ def build_prompt_dataset(data: PPODataConfig, tokenizer, path: str | None = None
     return PromptDataset(path or data.prompt_data, tokenizer, input_key=data.input_key, label_key=data.label_key,
                          apply_chat_template=data.apply_chat_template, prompt_max_len=data.prompt_max_len,
                          on_bad_row=data.on_bad_row, max_samples=None if path else data.max_samples,
-                         truncate_long_prompts=data.truncate_long_prompts)
+                         truncate_long_prompts=data.truncate_long_prompts,
+                         flag="--eval_data" if path else "--prompt_data")

@@ -26,3 +26,15 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                max_model_len=config.data.prompt_max_len + rollout.generate_max_len,
                                pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=stop_token_ids(tokenizer, model.pretrain))
+
+
+def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int = 8, synced_gpus: bool = False):
+    """A Hugging Face decoding engine over `module` (the policy's transformers model, shared
+    live: it never needs a weight sync), padding with the tokenizer's pad id and stopping at
+    `eos_token_ids` (default: the tokenizer's end of sequence). `synced_gpus` keeps ranks
+    decoding in step under ZeRO-3, where every forward gathers parameters."""
+    from lightrft.rollout.hf_engine import HFEngine
+
+    return HFEngine(module, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), micro_batch_size=micro_batch_size,
+                    synced_gpus=synced_gpus)

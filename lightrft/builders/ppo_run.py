@@ -34,22 +34,38 @@ def build_strategy(config: PPORunConfig):
 
     strategy = get_strategy(config)
     strategy.setup_distributed()
-    check_world_size(config, strategy.world_size)
+    check_world_size(config.rollout.rollout_batch_size, strategy.world_size)
     return strategy
 
 
-def check_world_size(config: PPORunConfig, world_size: int) -> None:
+def check_world_size(rollout_batch_size: int, world_size: int) -> None:
     """Every rank gets the same number of prompts per rollout."""
-    batch = config.rollout_batch_size   # flat: the docs' recipe checks pass a namespace
-    if batch % world_size != 0:
-        raise ValueError(f"--rollout_batch_size {batch} must be divisible by the number of "
+    if rollout_batch_size % world_size != 0:
+        raise ValueError(f"--rollout_batch_size {rollout_batch_size} must be divisible by the number of "
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
-def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=()) -> PPORun:
+def build_explorer_source(config: PPORunConfig, strategy, link=None):
+    """The experience source of a run whose rollouts explorers make: the trainer's end of
+    explorer ranks (`link`, this rank's `lightrft.trainer.roles.JobLink` from `join_roles`), or of
+    an explorer thread one step ahead on this rank (--sync_offset > 0 without explorer ranks).
+    None for a colocated run."""
+    from lightrft.trainer.decoupled import start_ahead_explorer, trainer_link
+
+    if link is not None:
+        return trainer_link(config, link)
+    if config.roles.sync_offset > 0:
+        return start_ahead_explorer(config, strategy)
+    return None
+
+
+def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=(),
+                  experience_source=None) -> PPORun:
     """Everything a PPO run needs, on every rank: the models prepared by the strategy, the data
     loaders, the rollout engine, the reward sources and the trainer (nothing trained yet).
-    `strategy` is the one `build_strategy` made (built here when None)."""
+    `strategy` is the one `build_strategy` made (built here when None); `experience_source` is
+    where the trainer's experience comes from (`build_explorer_source`; by default the colocated
+    source over the prompts, or the recorded traffic of --recorded_data)."""
     from lightrft.models import ActorLanguage, Critic, RewardModel
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
@@ -75,12 +91,18 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
         ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
 
     tokenizer = build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")
+    reward_sources = build_reward_sources(config.rewards)
     if data.recorded_data:
         # Served traffic as training data: see lightrft/trainer/recorded.py.
-        from lightrft.trainer.recorded import RecordedExperienceDataset, RecordedPPOTrainer
+        from lightrft.trainer.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
+                                               check_recorded_algorithm)
 
+        check_recorded_algorithm(config.algorithm.advantage_estimator, config.algorithm.n_samples_per_prompt)
         prompts = RecordedExperienceDataset(data.recorded_data, tokenizer, max_samples=data.max_samples)
-        trainer_cls = trainer_cls or RecordedPPOTrainer
+        experience_source = RecordedSource()
+        # The recorded rewards score training; a reward model or source, if given, scores evaluation.
+        if not (reward_models or reward_sources):
+            reward_sources = [RecordedRewardsOnly()]
     else:
         prompts = build_prompt_dataset(data, tokenizer)
     check_run_vocabulary(config, tokenizer, prompts, actor, critic, reward_models)
@@ -116,8 +138,8 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
         callbacks = [*callbacks, RolloutPreview(every=config.logging.preview_steps)]
     trainer = (trainer_cls or PPOTrainer).from_config(
         config, strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
-        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=build_reward_sources(config.rewards),
-        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
+        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=reward_sources,
+        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks, experience_source=experience_source,
         eos_token_ids=stop_token_ids(tokenizer, model.pretrain))
 
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
@@ -152,7 +174,7 @@ def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts):
     if data.pretrain_data:
         ptx = SFTDataset(data.pretrain_data, tokenizer, input_key=data.input_key, output_key=data.pretrain_output_key,
                          apply_chat_template=data.apply_chat_template,
-                         max_len=data.prompt_max_len + config.rollout.generate_max_len)
+                         max_len=data.prompt_max_len + config.rollout.generate_max_len, flag="--pretrain_data")
         pretrain_dataloader = strategy.setup_dataloader(ptx, config.optim.micro_train_batch_size, shuffle=True,
                                                         collate_fn=ptx.collate_fn)
     return dataloader, eval_dataloader, pretrain_dataloader

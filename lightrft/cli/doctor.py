@@ -165,8 +165,9 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
 
 
 def begin_training(run) -> None:
-    """What `PPOTrainer.fit` sets before its loop, so a step can run outside `fit`."""
-    run.trainer.begin(run.args, run.pretrain_dataloader)
+    """What a step needs from `PPOTrainer.fit`'s start, so it can run outside `fit`: the
+    pretraining data stream of the PPO-ptx loss."""
+    run.trainer.set_pretrain_data(run.pretrain_dataloader)
 
 
 def sample_batch(run):

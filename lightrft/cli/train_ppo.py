@@ -10,7 +10,8 @@ calls the builders of `lightrft.builders`; `--help` lists every flag by group.
 import argparse
 import sys
 
-from lightrft.builders.ppo_run import PPORun, build_ppo_run, build_strategy, check_world_size  # noqa: F401
+from lightrft.builders.ppo_run import (PPORun, build_explorer_source, build_ppo_run, build_strategy,  # noqa: F401
+                                      check_world_size)
 from lightrft.builders.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
 from lightrft.cli.common import announce_config, parse_run_config, print_summary, run_command
 from lightrft.config import PPORunConfig
@@ -27,16 +28,20 @@ def parse_args(argv=None) -> PPORunConfig:
     return parse_run_config(PPORunConfig, build_parser(), argv)
 
 
-def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> PPORun:
+def build_run(args: PPORunConfig, *, trainer_cls=None, callbacks=(), explorers: bool = False, link=None) -> PPORun:
     """The run `train` trains and `lightrft.cli.doctor` checks: the strategy joins the process
     group, the resolved config is announced (and saved next to the checkpoints), then
-    `lightrft.builders.build_ppo_run` builds the rest. `args` is the run config (an argparse
-    namespace of the same flags is converted to one)."""
+    `lightrft.builders.build_ppo_run` builds the rest. With `explorers`, the experience comes from
+    explorer ranks (`link`) or the one-step-ahead explorer thread when the flags ask for them
+    (the doctor checks the colocated path). `args` is the run config (an argparse namespace of the
+    same flags is converted to one)."""
     if isinstance(args, argparse.Namespace):
         args = PPORunConfig.from_namespace(args)
     strategy = build_strategy(args)
     announce_config(build_parser(), args, strategy, args.checkpoint.ckpt_path)
-    return build_ppo_run(args, strategy=strategy, trainer_cls=trainer_cls, callbacks=callbacks)
+    source = build_explorer_source(args, strategy, link) if explorers else None
+    return build_ppo_run(args, strategy=strategy, trainer_cls=trainer_cls, callbacks=callbacks,
+                         experience_source=source)
 
 
 def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
@@ -59,16 +64,8 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
         link = join_roles(args.explorer_ranks, args.dist_timeout)
         if link.layout.is_explorer:
             return run_explorer(args, link)
-    run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks)
+    run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks, explorers=True, link=link)
     args, trainer = run.args, run.trainer
-    if link is not None:
-        from lightrft.trainer.decoupled import trainer_link
-
-        trainer.attach_explorers(trainer_link(args, link))
-    elif args.sync_offset > 0:          # colocated, one step ahead: an explorer thread per rank
-        from lightrft.trainer.decoupled import start_ahead_explorer
-
-        trainer.attach_explorers(start_ahead_explorer(args, run.strategy))
     consumed = 0
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")

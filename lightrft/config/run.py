@@ -22,7 +22,7 @@ from lightrft.config.options import add_section_flags, flag_fields, section_from
 from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig, EvalConfig,
                                       LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig, PPOOptimConfig,
                                       RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig,
-                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig)
+                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig, check_finite)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class RunConfig:
 
     def __post_init__(self):
         for section in self._sections():
+            check_finite(section)
             for f in flag_fields(type(section)):
                 if f.metadata.get("required") and getattr(section, f.name) is None:
                     raise ConfigError(f"--{f.name} is required: {f.metadata['help']}")
@@ -129,11 +130,10 @@ def _check_unique_flags(cls) -> None:
 
 def planned_steps(config, num_prompts: int) -> int:
     """Rollout steps of a PPO run over `num_prompts` prompts: whole rollout batches per episode,
-    times --num_episodes, capped by --max_steps. `config` is a `PPORunConfig` or a namespace of
-    the same flat names (research code may still pass one to `PPOTrainer.fit`)."""
-    steps = num_prompts // config.rollout_batch_size * config.num_episodes
-    max_steps = getattr(config, "max_steps", -1)
-    return min(steps, max_steps) if max_steps > 0 else steps
+    times --num_episodes, capped by --max_steps. `config` is a `PPORunConfig`."""
+    optim = config.optim
+    steps = num_prompts // config.rollout.rollout_batch_size * optim.num_episodes
+    return min(steps, optim.max_steps) if optim.max_steps > 0 else steps
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,33 @@ def engine_logprob_gap(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tenso
     largest = torch.where(tokens > 0, gap.max() if gap.numel() else gap.new_zeros(()), float("nan"))
     return gap.sum(), tokens, largest
 
+
+
+class EngineGapCheck:
+    """Stops the run (or warns once, action "warn") when a step's rollouts were sampled from other
+    weights than the trainer's: a mean engine-vs-trainer log-prob gap (`rollout/engine_logprob_gap_mean`
+    of the step's logs) past `threshold` (`--engine_logprob_gap_threshold`). `report` prints a warning."""
+
+    def __init__(self, threshold: float, action: str = "stop", report=print):
+        if action not in ("stop", "warn"):
+            raise ValueError(f"--engine_logprob_gap_action {action!r}: choose stop or warn")
+        self.threshold, self.action, self.report = float(threshold), action, report
+        self.warned = False
+
+    def check(self, logs: dict[str, float], step: int, engine_name: str, manager) -> None:
+        """Checks step `step`'s logs; `manager` (a `RolloutManager`) names the sync behind them."""
+        gap = logs.get("rollout/engine_logprob_gap_mean", float("nan"))
+        if not gap > self.threshold:
+            return
+        message = (f"step {step}: the {engine_name} rollout engine's log-probs differ from the trainer's by "
+                   f"{gap:.2e} nats per response token on average (largest "
+                   f"{logs.get('rollout/engine_logprob_gap_max', float('nan')):.2e}; "
+                   f"--engine_logprob_gap_threshold {self.threshold:.0e}) after weight sync {manager.syncs} "
+                   f"({manager.last_sync_bytes / 2**20:.1f} MiB in {manager.last_sync_seconds:.2f} s): the engine "
+                   "samples from other weights than the ones trained. `python -m lightrft.cli.doctor` with the same "
+                   "flags checks the sync; --engine_logprob_gap_action warn goes on anyway.")
+        if self.action == "stop":
+            raise EngineSyncError(message)
+        if not self.warned:
+            self.warned = True
+            self.report(f"warning: {message}")

@@ -66,6 +66,44 @@ class ReplicaGroup:
         return values
 
 
+class WeightStream:
+    """The actor's weights, bucket by bucket, for whatever holds a copy of them: the rollout
+    engine (`RolloutManager.for_actor`) and the explorer ranks' publisher alike. Each bucket is a
+    list of `(Hugging Face name, tensor)` of whole decoder layers, about `bucket_mb` MB
+    (`DeepspeedStrategy.iter_parameter_buckets`; under ZeRO-3 each is a gather every rank joins).
+
+    - `buckets()`: the module's own names under `prefix` (what the explorers load);
+    - `checkpoint_buckets()`: the names of the model's checkpoint files (what vLLM loads);
+    - `adapter_buckets()`: a LoRA actor's adapter only, under peft's file names."""
+
+    def __init__(self, strategy, actor, bucket_mb: float, prefix: str = "model."):
+        self.strategy, self.actor, self.bucket_mb, self.prefix = strategy, actor, bucket_mb, prefix
+
+    def buckets(self, include=None) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        kwargs = {"include": include} if include is not None else {}
+        return self.strategy.iter_parameter_buckets(self.actor, self.bucket_mb, prefix=self.prefix, **kwargs)
+
+    def checkpoint_buckets(self) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        module = self.strategy.unwrap_model(self.actor)
+        hf_model = getattr(module, "model", module)
+        for bucket in self.buckets():
+            yield checkpoint_format(hf_model, bucket)
+
+    def _adapter(self):
+        peft_model = self.strategy.unwrap_model(self.actor).model
+        return peft_model, peft_model.active_adapter
+
+    def adapter_buckets(self) -> Iterable[list[tuple[str, torch.Tensor]]]:
+        adapter = self._adapter()[1]
+        # peft's saved names drop the adapter's name: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`.
+        for bucket in self.buckets(include=_is_lora_name):
+            yield [(name.replace(f".{adapter}.", "."), tensor) for name, tensor in bucket]
+
+    def adapter_config(self):
+        peft_model, adapter = self._adapter()
+        return peft_model.peft_config[adapter]
+
+
 class RolloutManager:
     """Wraps a `RolloutEngine` and keeps its weights in step with the trainer.
 
@@ -102,14 +140,16 @@ class RolloutManager:
 
     @classmethod
     def for_actor(cls, engine: RolloutEngine, strategy, actor, prefix: str = "model.",
-                  bucket_mb: float | None = None) -> "RolloutManager":
+                  bucket_mb: float | None = None, stream: "WeightStream | None" = None) -> "RolloutManager":
         """A manager syncing `engine` from `actor` (an `ActorLanguage`, its Hugging Face model under
-        `prefix`) through `strategy.iter_parameter_buckets`, in buckets of `bucket_mb` MB
-        (default: the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`). A LoRA actor syncs its
-        adapter only, to an engine built for LoRA (`lora_rank`)."""
+        `prefix`) through its `WeightStream` (`stream`, or one over `strategy` in buckets of
+        `bucket_mb` MB, default the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`). A LoRA
+        actor syncs its adapter only, to an engine built for LoRA (`lora_rank`)."""
         if getattr(engine, "shares_live_weights", False):
             return cls(engine)
-        size = bucket_mb if bucket_mb is not None else engine.sync_bucket_mb
+        if stream is None:
+            stream = WeightStream(strategy, actor, bucket_mb if bucket_mb is not None else engine.sync_bucket_mb,
+                                  prefix)
         module = strategy.unwrap_model(actor)
         actor_lora, engine_lora = getattr(module, "lora_rank", 0) > 0, getattr(engine, "lora_rank", 0) > 0
         if actor_lora != engine_lora:
@@ -117,22 +157,8 @@ class RolloutManager:
                              f"built with lora_rank {getattr(engine, 'lora_rank', 0)}: build the engine with the "
                              "actor's --lora_rank")
         if not actor_lora:
-            hf_model = getattr(module, "model", module)
-
-            def checkpoint_buckets():
-                for bucket in strategy.iter_parameter_buckets(actor, size, prefix=prefix):
-                    yield checkpoint_format(hf_model, bucket)
-
-            return cls(engine, checkpoint_buckets)
-        peft_model = module.model
-        adapter = peft_model.active_adapter
-
-        def adapter_buckets():
-            # peft's saved names drop the adapter's name: `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`.
-            for bucket in strategy.iter_parameter_buckets(actor, size, prefix=prefix, include=_is_lora_name):
-                yield [(name.replace(f".{adapter}.", "."), tensor) for name, tensor in bucket]
-
-        return cls(engine, adapter_buckets, adapter_config=peft_model.peft_config[adapter])
+            return cls(engine, stream.checkpoint_buckets)
+        return cls(engine, stream.adapter_buckets, adapter_config=stream.adapter_config())
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:

@@ -1,14 +1,15 @@
 """Turns prompts into training experience: generate, score, forward, KL, advantages.
 
-One call of `make_experience_list` handles this rank's share of a rollout batch:
+One call of `NaiveExperienceMaker.make_experience_list` handles this rank's share of a rollout batch:
 
     prompts --RolloutEngine.generate--> sequences, action_mask, rollout log-probs     (B, T) / (B, A)
-            --reward sources----------> scores                                        (B,)
+            --reward sources (Scorer)--> scores                                       (B,)
             --actor / reference / critic forwards, micro-batched--> log-probs, values  (B, A)
             --KL (in the reward or left for the loss) + advantage estimator--> advantages, returns
 
-The B = prompts x G samples of one prompt are contiguous rows, so group estimators (GRPO, RLOO)
-see each group whole on one rank.
+The last two lines are the `ExperienceBuilder`, which rollouts made elsewhere (explorer ranks,
+recorded traffic) go through alike. The B = prompts x G samples of one prompt are contiguous rows,
+so group estimators (GRPO, RLOO) see each group whole on one rank.
 """
 
 import time
@@ -29,102 +30,50 @@ from lightrft.trainer.experience import Experience
 from lightrft.trainer.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
 
 
-class NaiveExperienceMaker:
-    """Makes Experiences on each rank with a colocated rollout engine.
+def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: bool,
+                           prompt_max_len: int) -> list[list[int]]:
+    """The token ids a rollout engine is given for `prompts` (through the chat template when
+    asked), each cut to its last `prompt_max_len` tokens: the question is usually last. Datasets
+    reject or skip over-long rows earlier unless the user asked for truncation."""
+    return [row[-prompt_max_len:] for row in encode_prompts(tokenizer, prompts, apply_chat_template)]
 
-    Models may be DeepSpeed engines or plain modules; `critic`, `reward_model` and `initial_model`
-    may be None (critic-free methods, reward from `remote_rm_url` sources, no KL). `reward_model`
-    may be a list of models; `reward_fn` combines the (K, B) scores of all reward sources into (B,)
-    and defaults to their sum."""
 
-    def __init__(self, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
-                 kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
-                 rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
+def sampling_params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
+                    min_new_tokens: int = 0, **unused) -> SamplingParams:
+    """`SamplingParams` of `n` responses per prompt from a run's generate kwargs (other keys,
+    such as an engine's own options, are ignored); the randomness comes from per-prompt seeds."""
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                          min_new_tokens=min_new_tokens, n=n)
+
+
+class ExperienceBuilder:
+    """Turns a scored rollout into training experience on this rank: the actor, reference and
+    critic forwards (micro-batched), the KL, the advantages and returns, and which samples may
+    train. Used alike for colocated rollouts, explorers' rollouts and recorded traffic.
+
+    Models may be DeepSpeed engines or plain modules; `critic` and `initial_model` may be None
+    (critic-free methods, no KL). `nonfinite_counts` counts, per source, the samples dropped for
+    a non-finite value."""
+
+    def __init__(self, actor, critic, initial_model, kl_controller, strategy, *, advantage_estimator: str = "gae",
                  kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
                  lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
-                 micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size, reward_sources: Sequence = (),
-                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
-                 apply_chat_template: bool = False, mask_truncated_samples: bool = False,
-                 eos_token_ids: Optional[Sequence[int]] = None):
-        self.actor = actor
-        self.critic = critic
-        self.reward_models = [] if reward_model is None else (
-            list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
-        self.initial_model = initial_model
-        self.tokenizer = tokenizer
-        self.prompt_max_len = prompt_max_len
+                 micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size,
+                 mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = ()):
+        self.actor, self.critic, self.initial_model = actor, critic, initial_model
+        self.reward_models: list = []
         self.kl_ctl = kl_controller
         self.strategy = strategy
-        self.engine = rollout_engine
         self.estimator = get_advantage_estimator(advantage_estimator)
-        self.n_samples_per_prompt = n_samples_per_prompt
         self.kl_estimator, self.kl_clamp = kl_estimator, kl_clamp
         self.use_kl_loss = use_kl_loss
         self.gamma = gamma
         self.lambd = lambd
         self.micro_rollout_batch_size = micro_rollout_batch_size
-        self.reward_sources = list(reward_sources)
-        if remote_rm_url:
-            from lightrft.rewards import make_reward_source
-
-            specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
-            self.reward_sources += [make_reward_source(spec.strip()) for spec in specs if spec.strip()]
-        self.seed = seed
-        self.apply_chat_template = apply_chat_template
         self.mask_truncated_samples = mask_truncated_samples
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-        self.scorer = Scorer(tokenizer, reward_models=self.reward_models, reward_sources=self.reward_sources,
-                             reward_fn=reward_fn, micro_batch_size=micro_rollout_batch_size,
-                             device=strategy.device if strategy is not None else None,
-                             overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
-                             eos_token_ids=self.eos_token_ids)
-        self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
-        self.eval_calls = 0
+        self.eos_token_ids = list(eos_token_ids)
         self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
-        self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
         self.reuse_policy_log_probs = False   # set by the trainer when it provides the old log-probs itself
-
-    # ----------------------------------------------------------------------------------- generate
-    def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
-        ids = encode_prompts(self.tokenizer, prompts, self.apply_chat_template)
-        # Keep the end of an over-long prompt: the question is usually last. Datasets reject or
-        # skip such rows earlier unless the user asked for truncation.
-        return [row[-self.prompt_max_len:] for row in ids]
-
-    @torch.no_grad()
-    def generate(self, prompts: list[str], params: SamplingParams, stream: str = "train") -> RolloutOutput:
-        """Samples `params.n` responses per prompt in one engine call. Each prompt draws from its
-        own random stream, derived from the run seed, the rollout count and the prompt's position
-        in the global batch (`lightrft.rollout.seeds`): samples are independent across prompts,
-        and a resumed run draws what the uninterrupted one would have."""
-        if stream == "train":
-            self.calls += 1
-            call = self.calls
-        else:
-            self.eval_calls += 1
-            call = self.eval_calls
-        # Global position of local prompt i: DistributedSampler deals position k to rank k % R.
-        seeds = request_seeds(self.seed, call, self.strategy.rank, len(prompts), stream, stride=self.strategy.world_size)
-        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
-
-    def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
-        """SamplingParams from generate kwargs (temperature, top_p, top_k, max_new_tokens,
-        min_new_tokens); the randomness comes from the per-prompt seeds of `generate`."""
-        return SamplingParams(temperature=generate_kwargs.get("temperature", 1.0),
-                              top_p=generate_kwargs.get("top_p", 1.0), top_k=generate_kwargs.get("top_k", 0),
-                              max_new_tokens=generate_kwargs.get("max_new_tokens", 64),
-                              min_new_tokens=generate_kwargs.get("min_new_tokens", 0),
-                              n=self.n_samples_per_prompt if n is None else n)
-
-    # ------------------------------------------------------------------------------------ rewards
-    def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
-        """Query texts and prompts of each sample (`Scorer.decode`)."""
-        return self.scorer.decode(rollout, prompts, n)
-
-    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
-                        max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
-        """Every sample's combined score (`Scorer.score`)."""
-        return self.scorer.score(rollout, prompts, labels, n, max_new_tokens, shaping)
 
     # ----------------------------------------------------------------------------------- forwards
     def _to_device(self, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -141,26 +90,11 @@ class NaiveExperienceMaker:
             outs.append(model(seq, a, attention_mask=mask).float().cpu())
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
 
-    # -------------------------------------------------------------------------------- experience
-    @torch.no_grad()
-    def make_experience_list(self, prompts: list[str], labels: Optional[list] = None,
-                             **generate_kwargs) -> list[Experience]:
-        """This rank's experience for `prompts` (G samples each), as one padded Experience per
-        micro-rollout batch. `generate_kwargs`: temperature, top_p, top_k, max_new_tokens."""
+    def eval_models(self) -> None:
+        """The models that make experience, in eval mode (no dropout in the rollout forwards)."""
         for model in (self.actor, self.critic, self.initial_model, *self.reward_models):
             if model is not None:
                 model.eval()
-        params = self.sampling_params(**generate_kwargs)
-        started = time.perf_counter()
-        rollout = self.generate(list(prompts), params)
-        generated = time.perf_counter()
-        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
-        scored = time.perf_counter()
-        experiences = self.experience_from_rollout(rollout, rewards, params.n)
-        self.timings["generate"] += generated - started
-        self.timings["reward"] += scored - generated
-        self.timings["experience"] += time.perf_counter() - scored
-        return experiences
 
     @staticmethod
     def _finite_rows(mask: Tensor, *tensors: Optional[Tensor]) -> Tensor:
@@ -262,3 +196,107 @@ class NaiveExperienceMaker:
         if self.estimator.group:
             valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)
         return valid
+
+
+class NaiveExperienceMaker(ExperienceBuilder):
+    """Makes Experiences on each rank with a colocated rollout engine: generation (per-prompt
+    seeds), scoring (`Scorer`, every reward source) and the `ExperienceBuilder` it extends.
+
+    Models may be DeepSpeed engines or plain modules; `critic`, `reward_model` and `initial_model`
+    may be None (critic-free methods, reward from `remote_rm_url` sources, no KL). `reward_model`
+    may be a list of models; `reward_fn` combines the (K, B) scores of all reward sources into (B,)
+    and defaults to their sum."""
+
+    def __init__(self, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
+                 kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
+                 rollout_engine, advantage_estimator: str = "gae", n_samples_per_prompt: int = 1,
+                 kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
+                 lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
+                 micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size, reward_sources: Sequence = (),
+                 overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
+                 apply_chat_template: bool = False, mask_truncated_samples: bool = False,
+                 eos_token_ids: Optional[Sequence[int]] = None):
+        super().__init__(actor, critic, initial_model, kl_controller, strategy, advantage_estimator=advantage_estimator,
+                         kl_estimator=kl_estimator, use_kl_loss=use_kl_loss, gamma=gamma, lambd=lambd,
+                         kl_clamp=kl_clamp, micro_rollout_batch_size=micro_rollout_batch_size,
+                         mask_truncated_samples=mask_truncated_samples,
+                         eos_token_ids=list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id])
+        self.reward_models = [] if reward_model is None else (
+            list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
+        self.tokenizer = tokenizer
+        self.prompt_max_len = prompt_max_len
+        self.engine = rollout_engine
+        self.n_samples_per_prompt = n_samples_per_prompt
+        self.reward_sources = list(reward_sources)
+        if remote_rm_url:
+            from lightrft.rewards import make_reward_source
+
+            specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
+            self.reward_sources += [make_reward_source(spec.strip()) for spec in specs if spec.strip()]
+        self.seed = seed
+        self.apply_chat_template = apply_chat_template
+        self.scorer = Scorer(tokenizer, reward_models=self.reward_models, reward_sources=self.reward_sources,
+                             reward_fn=reward_fn, micro_batch_size=micro_rollout_batch_size,
+                             device=strategy.device if strategy is not None else None,
+                             overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
+                             eos_token_ids=self.eos_token_ids)
+        self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
+        self.eval_calls = 0
+        self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
+
+    # ----------------------------------------------------------------------------------- generate
+    def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
+        return encode_rollout_prompts(self.tokenizer, prompts, self.apply_chat_template, self.prompt_max_len)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], params: SamplingParams, stream: str = "train",
+                 call: Optional[int] = None) -> RolloutOutput:
+        """Samples `params.n` responses per prompt in one engine call. Each prompt draws from its
+        own random stream, derived from the run seed, the rollout count `call` (1-based; the
+        trainer's experience source passes it, and without it the maker counts its own calls) and
+        the prompt's position in the global batch (`lightrft.rollout.seeds`): samples are
+        independent across prompts, and a resumed run draws what the uninterrupted one would have."""
+        if stream == "train":
+            self.calls = self.calls + 1 if call is None else call
+            call = self.calls
+        else:
+            self.eval_calls += 1
+            call = self.eval_calls
+        # Global position of local prompt i: DistributedSampler deals position k to rank k % R.
+        seeds = request_seeds(self.seed, call, self.strategy.rank, len(prompts), stream, stride=self.strategy.world_size)
+        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
+
+    def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
+        """SamplingParams from generate kwargs (temperature, top_p, top_k, max_new_tokens,
+        min_new_tokens); the randomness comes from the per-prompt seeds of `generate`."""
+        return sampling_params(self.n_samples_per_prompt if n is None else n, **generate_kwargs)
+
+    # ------------------------------------------------------------------------------------ rewards
+    def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
+        """Query texts and prompts of each sample (`Scorer.decode`)."""
+        return self.scorer.decode(rollout, prompts, n)
+
+    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
+                        max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
+        """Every sample's combined score (`Scorer.score`)."""
+        return self.scorer.score(rollout, prompts, labels, n, max_new_tokens, shaping)
+
+    # -------------------------------------------------------------------------------- experience
+    @torch.no_grad()
+    def make_experience_list(self, prompts: list[str], labels: Optional[list] = None, *, call: Optional[int] = None,
+                             **generate_kwargs) -> list[Experience]:
+        """This rank's experience for `prompts` (G samples each), as one padded Experience per
+        micro-rollout batch. `call` is the rollout count of the sampling seeds (see `generate`);
+        `generate_kwargs`: temperature, top_p, top_k, max_new_tokens."""
+        self.eval_models()
+        params = self.sampling_params(**generate_kwargs)
+        started = time.perf_counter()
+        rollout = self.generate(list(prompts), params, call=call)
+        generated = time.perf_counter()
+        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
+        scored = time.perf_counter()
+        experiences = self.experience_from_rollout(rollout, rewards, params.n)
+        self.timings["generate"] += generated - started
+        self.timings["reward"] += scored - generated
+        self.timings["experience"] += time.perf_counter() - scored
+        return experiences

@@ -8,7 +8,6 @@ the non-finite guard are the run services shared with SFT and RM (`run_services.
 """
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping
 from typing import Optional, Sequence
@@ -22,21 +21,23 @@ from tqdm import tqdm
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
-from lightrft.config.run import plain_options, planned_steps
+from lightrft.builders.engines import build_hf_engine
+from lightrft.config.run import PPORunConfig, plain_options
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
-from lightrft.rollout.checks import EngineSyncError, engine_gap_tolerance, engine_logprob_gap
-from lightrft.rollout.hf_engine import HFEngine
-from lightrft.rollout.manager import RolloutManager
+from lightrft.rollout.checks import EngineGapCheck, engine_gap_tolerance, engine_logprob_gap
+from lightrft.rollout.manager import RolloutManager, WeightStream
 from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import pinned_options
-from lightrft.trainer.dynamic_sampling import sample_informative_batch
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.experience import Experience, Sample, collate_samples
 from lightrft.trainer.experience_maker import NaiveExperienceMaker
+from lightrft.trainer.experience_source import ColocatedSource, PromptSampler, SourceContext
 from lightrft.trainer.guards import nonfinite_grad_norms
-from lightrft.trainer.metrics import perf_metrics, reward_source_counters, reward_source_metrics
+from lightrft.trainer.metrics import (EXTREME_SUFFIXES, GlobalCounts, combine_metric,  # noqa: F401  (re-exported)
+                                     combine_step_metrics, global_counts, perf_metrics, reduce_pass_metrics,
+                                     start_step_totals)
 from lightrft.trainer.replay_buffer import NaiveReplayBuffer
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 
@@ -46,46 +47,9 @@ PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "ro
                   "kl_estimator", "use_kl_loss", "seed", "prompt_data", "recorded_data", "max_epochs")
 
 
-EXTREME_SUFFIXES = ("_max", "_min")
-
-
-def combine_metric(key: str, values: list[float], signed: bool = False) -> float:
-    """Combines one training metric over micro-batches, ranks or optimizer steps: the largest of
-    a `*_max` metric, the smallest of a `*_min` one, the mean of any other. Extremes skip NaN (what
-    a micro-batch with no token to train on reports) and are NaN when nothing is left. `signed`
-    returns an extreme as a value to maximise (`*_min` negated, -inf for none): the form the
-    cross-rank max all-reduce takes."""
-    if not key.endswith(EXTREME_SUFFIXES):
-        return sum(values) / len(values)
-    kept = [v for v in values if not math.isnan(v)]
-    if key.endswith("_max"):
-        best = max(kept, default=float("-inf"))
-        return best if signed or kept else float("nan")
-    best = -min(kept, default=float("inf"))
-    return best if signed else (-best if kept else float("nan"))
-
-
-class GlobalCounts(Mapping):
-    """One optimizer step's loss normalisers ("tokens", "seqs") over all ranks, from an all-reduce
-    still in flight: reading one waits for it (`PPOTrainer.global_counts`)."""
-
-    def __init__(self, pending: PendingReduction, index: int):
-        self._pending, self._index = pending, index
-
-    def _counts(self) -> dict[str, float]:
-        return self._pending.result()[self._index]
-
-    def __getitem__(self, key: str) -> float:
-        return self._counts()[key]
-
-    def __iter__(self):
-        return iter(self._counts())
-
-    def __len__(self) -> int:
-        return len(self._counts())
-
-    def __repr__(self) -> str:
-        return f"GlobalCounts({self._counts()})"
+def as_ppo_config(args) -> PPORunConfig:
+    """The typed run config of `args` (an argparse namespace of its flags is converted)."""
+    return args if isinstance(args, PPORunConfig) else PPORunConfig.from_namespace(args)
 
 
 class PPOTrainer:
@@ -126,7 +90,8 @@ class PPOTrainer:
                  preemption_grace: float = 600.0, apply_chat_template: bool = False,
                  eos_token_ids: Optional[Sequence[int]] = None, max_ckpt_num: int = 3,
                  eval_generate_kwargs: Optional[dict] = None, engine_logprob_gap_threshold: Optional[float] = None,
-                 engine_logprob_gap_action: str = "stop", **generate_kwargs):
+                 engine_logprob_gap_action: str = "stop", experience_source=None,
+                 sync_bucket_mb: Optional[float] = None, **generate_kwargs):
         # A classic PPO argument given explicitly overrides `algo`; None takes `algo`'s value. Without
         # `algo` the classic signature's documented values apply (init_kl_coef 0.001, not the CLI's 0.01).
         classic = dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, ptx_coef=ptx_coef,
@@ -152,12 +117,9 @@ class PPOTrainer:
         self.callbacks = CallbackList(callbacks)
         self.tracker = tracker
         # Every step checks that the engine samples from the trained weights (`lightrft.rollout.checks`).
-        if engine_logprob_gap_action not in ("stop", "warn"):
-            raise ValueError(f"--engine_logprob_gap_action {engine_logprob_gap_action!r}: choose stop or warn")
-        self.engine_gap_threshold = (engine_gap_tolerance(strategy.config.bf16)[0]
-                                     if engine_logprob_gap_threshold is None else float(engine_logprob_gap_threshold))
-        self.engine_gap_action = engine_logprob_gap_action
-        self._warned_engine_gap = False
+        self.engine_gap = EngineGapCheck(engine_gap_tolerance(strategy.config.bf16)[0]
+                                         if engine_logprob_gap_threshold is None else engine_logprob_gap_threshold,
+                                         engine_logprob_gap_action, lambda message: self.strategy.print(message))
         self.services = RunServices(strategy, preemption_grace=preemption_grace,
                                     max_nonfinite_steps=self.algo.max_nonfinite_steps, max_ckpt_num=max_ckpt_num)
 
@@ -177,13 +139,16 @@ class PPOTrainer:
         self.ptx_loss_fn = GPTLMLoss()
 
         if rollout_engine is None:
-            rollout_engine = HFEngine(strategy.unwrap_model(actor).model, pad_token_id=tokenizer.pad_token_id,
-                                      eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]),
-                                      micro_batch_size=micro_rollout_batch_size,
-                                      synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
+            rollout_engine = build_hf_engine(strategy.unwrap_model(actor).model, tokenizer, eos_token_ids,
+                                             micro_rollout_batch_size,
+                                             synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
         self.rollout_engine = rollout_engine
         # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
-        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, actor)
+        # The actor's weights bucket by bucket: what syncs the engine, and what explorers are sent.
+        # Bucket size: the engine's own (--vllm_sync_bucket_mb), else `sync_bucket_mb`, else 512 MB.
+        bucket_mb = getattr(rollout_engine, "sync_bucket_mb", None) or sync_bucket_mb or 512.0
+        self.weight_stream = WeightStream(strategy, actor, bucket_mb)
+        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, actor, stream=self.weight_stream)
         self.experience_maker = NaiveExperienceMaker(
             actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
             remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
@@ -202,7 +167,13 @@ class PPOTrainer:
         self.stop_reason = None
         self.pass_preempted = None     # whether any rank was asked to stop, from the last pass's metrics
         self._warned_no_aux_loss = False
-        self.explorers = None          # an ExplorerLink when explorer ranks generate (--explorer_ranks)
+        # Where each step's experience comes from (`lightrft.trainer.experience_source`): the
+        # colocated source over `fit`'s prompts unless one is given (recorded traffic, explorers).
+        self.experience_source = experience_source
+        self.resumed_state: dict = {}  # the checkpoint's client state, for the source to resume from
+        self.last_timings: dict[str, float] = {}
+        self.pretrain_iter = None
+        self.args: Optional[PPORunConfig] = None     # the run config `fit` runs
 
     @classmethod
     def from_config(cls, config, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
@@ -225,74 +196,105 @@ class PPOTrainer:
                    apply_chat_template=config.data.apply_chat_template, max_ckpt_num=config.checkpoint.max_ckpt_num,
                    max_new_tokens=r.generate_max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                    engine_logprob_gap_threshold=r.engine_logprob_gap_threshold,
-                   engine_logprob_gap_action=r.engine_logprob_gap_action, **kwargs)
-
-    def attach_explorers(self, explorers) -> None:
-        """Takes each step's rollouts from explorer ranks (`lightrft.trainer.decoupled.ExplorerLink`)
-        instead of generating them here."""
-        self.explorers = explorers
+                   engine_logprob_gap_action=r.engine_logprob_gap_action, sync_bucket_mb=r.vllm_sync_bucket_mb,
+                   **kwargs)
 
     # ====================================================================================== fit
     def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
             num_update_steps_per_episodes: int = 1, eval_dataloader=None) -> None:
-        """Runs `args.num_episodes` passes over the prompts (resuming after `consumed_samples`);
-        `args` is the run config (or an argparse namespace with the same names)."""
-        self.begin(args, pretrain_dataloader)
-        self.experience_maker.reuse_policy_log_probs = self.on_policy(args)
-        self.consumed_samples = consumed_samples
-        total_steps = self.planned_steps(args, prompts_dataloader)
-        prompt_batches = self._prompt_batches(args, prompts_dataloader)
-        self.services.start(self)
-        if self.explorers is not None:
-            self.explorers.start(self, total_steps)
-        self.callbacks.on_train_begin(self)
-        if eval_dataloader is not None and getattr(args, "eval_on_startup", False) and self.global_step == 0:
+        """Runs the planned steps over the prompts (resuming after `consumed_samples`): each takes
+        a batch from the experience source, trains on it (`step`), logs and saves. `args` is the
+        run config (a `PPORunConfig`; an argparse namespace of its flags is converted)."""
+        config = self.args = as_ppo_config(args)
+        total_steps = self.start_run(config, prompts_dataloader, pretrain_dataloader, consumed_samples)
+        if eval_dataloader is not None and config.data.eval_on_startup and self.global_step == 0:
             self.log(self.evaluate(eval_dataloader), step=0)         # the starting point of the curve
         bar = tqdm(total=total_steps, initial=self.global_step, desc="PPO steps",
                    disable=not self.strategy.is_rank_0(), dynamic_ncols=True)
+        ckpt_path = config.checkpoint.ckpt_path
         try:
             while self.global_step < total_steps:
-                # 1. Rollout: generate, score and forward (refilling dropped groups if asked).
-                started = time.time()
-                self.experience_maker.timings = dict.fromkeys(self.experience_maker.timings, 0.0)
-                experiences = self.make_experience(prompt_batches)
-                self.rollout.sleep()
-                if experiences is None:      # prompts exhausted, or preempted while waiting for explorers
-                    self.stop_reason = self.services.stop_reason(args.ckpt_path)
+                # 1. Rollout and 2. training: the experience source's batch, then the named step.
+                logs = self.rollout_and_train(config)
+                if logs is None:      # prompts exhausted, or preempted while waiting for explorers
+                    self.stop_reason = self.services.stop_reason(ckpt_path)
                     break
-                rollout_time = time.time() - started
-                self.callbacks.on_rollout_end(self, experiences)
-                # 2. Train on them (buffer, PPO epochs, KL controller): the named step.
-                started = time.time()
-                logs = self.step(experiences)
-                train_time = time.time() - started
                 # Whether any rank was asked to stop travelled with the last pass's metrics.
                 preempted = self.services.preempted() if self.pass_preempted is None else self.pass_preempted
-                if self.explorers is not None:
-                    self.explorers.after_step(self)
-                    logs.update(self.explorers.logs())
                 bar.update(1)
                 bar.set_postfix(reward=f"{logs.get('rollout/reward', float('nan')):.3f}")
                 # 3. Logs, evaluation, checkpoints; stop early on preemption or non-finite streaks.
-                logs.update(perf_metrics(self.experience_maker.timings, rollout_time, train_time,
-                                         args.rollout_batch_size * self.algo.n_samples_per_prompt))
-                self.save_logs_and_checkpoints(args, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
+                self.save_logs_and_checkpoints(config, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
                 # A signal that came during a save (which can take long) stops the run now, not a step later.
                 self.stop_reason = self.services.stop_reason(
-                    args.ckpt_path, None if self.saved_at_step(args, self.global_step) else preempted)
+                    ckpt_path, None if self.saved_at_step(config, self.global_step) else preempted)
                 if self.stop_reason is not None:
                     break
-            if self.stop_reason is None and 0 < getattr(args, "max_steps", -1) <= self.global_step:
+            if self.stop_reason is None and 0 < config.optim.max_steps <= self.global_step:
                 self.stop_reason = "max_steps"
             # However the loop ended, the last completed step is resumable.
-            if self.global_step > 0 and not self.saved_at_step(args, self.global_step):
-                self.save_checkpoint(args)
+            if self.global_step > 0 and not self.saved_at_step(config, self.global_step):
+                self.save_checkpoint(config)
         finally:
             bar.close()
-            if self.explorers is not None:
-                self.explorers.stop(preempted=self.stop_reason == "preempted")
+            self.experience_source.stop(preempted=self.stop_reason == "preempted")
             self.services.stop()
         self.callbacks.on_train_end(self)
+
+    def start_run(self, config, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0) -> int:
+        """What the loop needs before its first step: the pretraining stream, the run services,
+        the experience source started where the run left off (the colocated one over
+        `prompts_dataloader` unless one was given). Returns the planned steps."""
+        self.set_pretrain_data(pretrain_dataloader)
+        self.experience_maker.reuse_policy_log_probs = self.on_policy(config)
+        self.consumed_samples = consumed_samples
+        total_steps = self.planned_steps(config, prompts_dataloader)
+        if self.experience_source is None:
+            self.experience_source = ColocatedSource()
+        rollout = config.rollout
+        sampler = PromptSampler(prompts_dataloader, rollout.rollout_batch_size, config.optim.num_episodes,
+                                endless=self.algo.dynamic_sampling)
+        self.services.start(self)
+        self.experience_source.load_state_dict(self.resumed_state)
+        self.experience_source.start(SourceContext(
+            maker=self.experience_maker, strategy=self.strategy, algo=self.algo, generate_kwargs=self.generate_kwargs,
+            prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
+            total_steps=total_steps, first_step=self.global_step, preempted=lambda: self.services.preemption.raised,
+            weight_buckets=self.weight_stream.buckets))
+        self.callbacks.on_train_begin(self)
+        return total_steps
+
+    def rollout_and_train(self, config) -> Optional[dict[str, float]]:
+        """One step of the loop: the source's experience, the engine put to sleep, `step`, the
+        source's own logs and the timings. None when the source has no more experience."""
+        started = time.time()
+        experiences = self.make_experience()
+        self.rollout.sleep()
+        if experiences is None:
+            return None
+        rollout_time = time.time() - started
+        self.callbacks.on_rollout_end(self, experiences)
+        started = time.time()
+        logs = self.step(experiences)
+        train_time = time.time() - started
+        logs.update(self.experience_source.after_step(self.global_step))
+        logs.update(perf_metrics(self.last_timings, rollout_time, train_time,
+                                 config.rollout.rollout_batch_size * self.algo.n_samples_per_prompt))
+        return logs
+
+    def make_experience(self, prompt_batches=None) -> Optional[list[Experience]]:
+        """This step's experience from the experience source; None when it has no more. Counts
+        the prompts it drew and its counters (dynamic sampling's dropped groups and rounds).
+        Override to act around each rollout (`prompt_batches` is unused, kept for subclasses that
+        pass it on)."""
+        batch = self.experience_source.next(self.global_step)
+        if batch is None:
+            return None
+        self.consumed_samples += batch.prompts
+        for name, value in batch.counters.items():
+            self.counters[name] += value
+        self.last_timings = {**dict.fromkeys(("generate", "reward", "experience"), 0.0), **batch.timings}
+        return batch.experiences
 
     def step(self, experiences: list[Experience], check_engine: bool = True) -> dict[str, float]:
         """One optimisation round on a rollout's experiences: the step `fit` repeats and
@@ -315,36 +317,21 @@ class PPOTrainer:
             self.check_engine_gap(train_logs)
         self.replay_buffer.clear()
         rollout_logs = totals.result()
-        self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0),
-                           self.args.rollout_batch_size * self.algo.n_samples_per_prompt)
+        # The controller counts the step's samples over all ranks (every rank holds as many).
+        samples = sum(experience.batch_size for experience in experiences) * self.strategy.world_size
+        self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0), samples)
         self.global_step += 1
         return {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value}
 
     def start_step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> PendingReduction:
-        """The rollout's statistics over all ranks, in one all-reduce started now and read
-        (`.result()`, a dict of rollout/* logs) when the step ends: each collective waits for the
-        slowest rank, and this one waits while the actor trains. It carries the mean of every
-        rollout info field (from `rollout_sums`, the buffer's `info_sums`), the non-finite sample
-        counts and the reward sources' counters."""
-        nonfinite = dict(self.experience_maker.nonfinite_counts)
-        counters = reward_source_counters(self.experience_maker.reward_sources)
-        pending = self.strategy.start_all_reduce_many({
-            "rollout": torch.stack(list(rollout_sums.values())) if rollout_sums else torch.zeros(0),
-            "nonfinite": torch.tensor([float(nonfinite[k]) for k in sorted(nonfinite)]),
-            "counters": torch.tensor(list(counters.values()))}, op="sum")
+        """The rollout's statistics over all ranks, in one all-reduce started now and read when
+        the step ends (`lightrft.trainer.metrics.start_step_totals`)."""
+        return start_step_totals(self.strategy, rollout_sums, self.experience_maker.nonfinite_counts,
+                                 self.experience_maker.reward_sources)
 
-        def logs(totals: dict[str, torch.Tensor]) -> dict[str, float]:
-            means = NaiveReplayBuffer.info_means(dict(zip(rollout_sums, totals["rollout"])))
-            return {**{f"rollout/{k}": v for k, v in means.items()},
-                    **{f"rollout/nonfinite_{k}_samples": v
-                       for k, v in zip(sorted(nonfinite), totals["nonfinite"].tolist())},
-                    **reward_source_metrics(dict(zip(counters, totals["counters"].tolist())))}
-        return pending.then(logs)
-
-    def begin(self, args, pretrain_dataloader=None) -> None:
-        """What a step needs before the loop: the run config and the pretraining data stream
-        (`lightrft.cli.doctor` calls it to run steps outside `fit`)."""
-        self.args = args
+    def set_pretrain_data(self, pretrain_dataloader=None) -> None:
+        """The pretraining data stream of the PPO-ptx loss (`--pretrain_data`), cycled; None for
+        none. `fit` sets it; `lightrft.cli.doctor` sets it to run steps outside `fit`."""
         self.pretrain_iter = self._cycle(pretrain_dataloader) if pretrain_dataloader is not None else None
 
     def on_policy(self, args) -> bool:
@@ -361,41 +348,7 @@ class PPOTrainer:
         """Rollout steps of the run: prompts // rollout_batch_size per episode, times the
         episodes, capped by --max_steps. The LR schedule spans exactly these steps, and the run
         takes them all: with dynamic sampling, prompts are drawn past the last episode if needed."""
-        return planned_steps(args, len(dataloader.dataset))
-
-    # ============================================================================ rollout phase
-    def _prompt_batches(self, args, dataloader):
-        """Yields (prompts, labels) from where `consumed_samples` left off, episode after episode
-        (past `num_episodes` only when dynamic sampling used extra batches)."""
-        per_episode = len(dataloader.dataset) // args.rollout_batch_size * args.rollout_batch_size
-        episode, consumed_in_episode = divmod(self.consumed_samples, per_episode)
-        while episode < args.num_episodes or self.algo.dynamic_sampling:
-            dataloader.sampler.set_epoch(episode, consumed_samples=consumed_in_episode)
-            consumed_in_episode = 0
-            for prompts, labels in dataloader:
-                self.consumed_samples += args.rollout_batch_size
-                yield list(prompts), list(labels)
-            episode += 1
-
-    def make_experience(self, prompt_batches) -> Optional[list[Experience]]:
-        """One rollout batch of experience; None when the prompts are exhausted. With dynamic
-        sampling (DAPO), groups whose rewards are all equal are dropped and more prompts drawn."""
-        if self.explorers is not None:
-            return self.explorers.experience(self)
-        batch = next(prompt_batches, None)
-        if batch is None:
-            return None
-        experiences = self.experience_maker.make_experience_list(batch[0], batch[1], **self.generate_kwargs)
-        if not self.algo.dynamic_sampling:
-            return experiences
-        extra_rollouts = (self.experience_maker.make_experience_list(*extra, **self.generate_kwargs)
-                          for extra in iter(lambda: next(prompt_batches, None), None))
-        experiences, dropped, rounds = sample_informative_batch(
-            experiences, extra_rollouts, len(batch[0]) * self.algo.n_samples_per_prompt, self.algo.n_samples_per_prompt,
-            self.algo.max_sampling_rounds, self.strategy)
-        self.counters["dropped_groups"] += dropped
-        self.counters["sampling_rounds"] += rounds
-        return experiences
+        return as_ppo_config(args).planned_steps(len(dataloader.dataset))
 
     # =========================================================================== training phase
     def ppo_train(self, global_steps: int) -> dict[str, float]:
@@ -431,38 +384,16 @@ class PPOTrainer:
                 self.check_step_finite(metrics, sources)
                 self.callbacks.on_step_end(self, metrics)
                 step_metrics.append(metrics)
-        if not step_metrics:
-            return {}
-        logs = {k: combine_metric(k, [m[k] for m in step_metrics]) for k in step_metrics[0]}
-        if "train/engine_logprob_gap_sum" in logs:
-            # Means of sums over means of counts: every token weighs the same, wherever it trained.
-            gap_sum, tokens = logs.pop("train/engine_logprob_gap_sum"), logs.pop("train/engine_logprob_gap_tokens")
-            logs["rollout/engine_logprob_gap_mean"] = gap_sum / tokens if tokens > 0 else float("nan")
-            logs["rollout/engine_logprob_gap_max"] = logs.pop("train/engine_logprob_gap_max")
-        return logs
+        return combine_step_metrics(step_metrics)
 
     def check_engine_gap(self, logs: dict[str, float]) -> None:
-        """Stops the run (or warns once, `--engine_logprob_gap_action warn`) when this step's
-        rollouts were sampled from other weights than the trainer's: a mean engine-vs-trainer
-        log-prob gap past `--engine_logprob_gap_threshold`. Only where the engine is meant to hold
-        the trainer's weights: explorer ranks sample from a policy up to `--sync_offset` versions
-        old on purpose."""
-        gap = logs.get("rollout/engine_logprob_gap_mean", float("nan"))
-        if self.explorers is not None or not gap > self.engine_gap_threshold:
-            return
-        manager = self.rollout
-        message = (f"step {self.global_step + 1}: the {type(self.rollout_engine).__name__} rollout engine's log-probs "
-                   f"differ from the trainer's by {gap:.2e} nats per response token on average (largest "
-                   f"{logs.get('rollout/engine_logprob_gap_max', float('nan')):.2e}; "
-                   f"--engine_logprob_gap_threshold {self.engine_gap_threshold:.0e}) after weight sync {manager.syncs} "
-                   f"({manager.last_sync_bytes / 2**20:.1f} MiB in {manager.last_sync_seconds:.2f} s): the engine "
-                   "samples from other weights than the ones trained. `python -m lightrft.cli.doctor` with the same "
-                   "flags checks the sync; --engine_logprob_gap_action warn goes on anyway.")
-        if self.engine_gap_action == "stop":
-            raise EngineSyncError(message)
-        if not self._warned_engine_gap:
-            self._warned_engine_gap = True
-            self.strategy.print(f"warning: {message}")
+        """Stops the run (or warns once) when this step's rollouts were sampled from other weights
+        than the trainer's (`lightrft.rollout.checks.EngineGapCheck`). Only where the experience
+        source's samples come from the trainer's own engine: explorers sample from a policy up to
+        `--sync_offset` versions old on purpose, served traffic from whatever policy served it."""
+        source = self.experience_source
+        if source is None or source.checks_engine:
+            self.engine_gap.check(logs, self.global_step + 1, type(self.rollout_engine).__name__, self.rollout)
 
     @torch.no_grad()
     def fill_old_log_probs(self, micro_batches: list[Experience], samples: list[list[Sample]]) -> None:
@@ -503,19 +434,9 @@ class PPOTrainer:
         self.counters["skipped_steps"] = self.services.guard.skipped
 
     def global_counts(self, groups: list[list[Experience]]) -> list[Mapping[str, float]]:
-        """Action tokens and sequences of each optimizer step (a group of micro-batches) over all
-        ranks, in one all-reduce for the whole pass: the normalisers that make the loss independent
-        of how the batch is split. Samples that train on nothing (invalid, filler or masked-out)
-        count in neither. The all-reduce starts now; reading a count waits for it, so the forwards
-        before the first loss run while the ranks catch up with each other."""
-        if not groups:
-            return []
-        local = torch.tensor([[sum(float(e.loss_mask.sum()) for e in group),
-                               sum(float(e.loss_mask.any(dim=1).sum()) for e in group)] for group in groups],
-                             dtype=torch.float64)
-        pending = self.strategy.start_all_reduce(local, op="sum").then(
-            lambda totals: [{"tokens": tokens, "seqs": seqs} for tokens, seqs in totals.tolist()])
-        return [GlobalCounts(pending, index) for index in range(len(groups))]
+        """Action tokens and sequences of each optimizer step over all ranks, the loss
+        normalisers (`lightrft.trainer.metrics.global_counts`)."""
+        return global_counts(self.strategy, groups)
 
     def loss_scale(self) -> float:
         """DeepSpeed averages gradients over ranks and divides the loss by the accumulation steps;
@@ -637,25 +558,9 @@ class PPOTrainer:
         return {f"train/{k}": v for k, v in metrics.items()}
 
     def reduce_pass_metrics(self, steps: list[list[dict]], preempted: bool = False) -> tuple[list[dict[str, float]], bool]:
-        """Each optimizer step's micro-batch metrics over its micro-batches and over the ranks, for
-        all the steps of a pass at once: averaged in one all-reduce (the only waited host sync of
-        the pass), which also tells whether any rank was `preempted` (asked to stop); extremes
-        (`*_max`, `*_min`, see `combine_metric`) travel in a max all-reduce in flight beside it.
-        Shape: `steps` is (optimizer steps, micro-batches) of dicts of 0-d tensors. Returns (a dict
-        per optimizer step, preempted on any rank)."""
-        keys = sorted(steps[0][0]) if steps and steps[0] else []
-        local = torch.tensor([[combine_metric(k, [float(m[k]) for m in micro], signed=True) for k in keys]
-                              for micro in steps], dtype=torch.float64).reshape(len(steps), len(keys))
-        extremes = [j for j, k in enumerate(keys) if k.endswith(EXTREME_SUFFIXES)]
-        pending = self.strategy.start_all_reduce(local[:, extremes], op="max") if extremes else None
-        totals = self.strategy.all_reduce_many({"metrics": local, "preempted": torch.tensor([float(preempted)])},
-                                               op="sum")
-        reduced = totals["metrics"] / self.strategy.world_size     # (steps, keys)
-        if pending is not None:
-            signed = pending.result().to(reduced.dtype)
-            sign = torch.tensor([1.0 if keys[j].endswith("_max") else -1.0 for j in extremes], dtype=reduced.dtype)
-            reduced[:, extremes] = torch.where(torch.isinf(signed), float("nan"), signed * sign)
-        return [dict(zip(keys, row)) for row in reduced.tolist()], bool(totals["preempted"].item() > 0)
+        """Each optimizer step's metrics over micro-batches and ranks, and whether any rank was
+        `preempted` (`lightrft.trainer.metrics.reduce_pass_metrics`)."""
+        return reduce_pass_metrics(self.strategy, steps, preempted)
 
     @staticmethod
     def _current_lr(scheduler) -> float:
@@ -669,14 +574,16 @@ class PPOTrainer:
     # ======================================================================= logs and checkpoints
     def save_logs_and_checkpoints(self, args, global_step: int, step_bar, logs_dict: dict,
                                   client_states: Optional[dict] = None, eval_dataloader=None) -> None:
+        args = as_ppo_config(args)
         # Save first, so this step's logs already count a save that failed.
         if self.saved_at_step(args, global_step):
             self.save_checkpoint(args)
         logs_dict = {**logs_dict, **{f"train/{k}": float(v) for k, v in self.counters.items()},
                      "train/failed_saves": float(self.services.failed_saves)}
-        if eval_dataloader is not None and getattr(args, "eval_steps", 0) > 0 and global_step % args.eval_steps == 0:
+        eval_steps = args.data.eval_steps
+        if eval_dataloader is not None and eval_steps > 0 and global_step % eval_steps == 0:
             logs_dict.update(self.evaluate(eval_dataloader))
-        if global_step % max(getattr(args, "logging_steps", 1), 1) == 0:
+        if global_step % max(args.logging.logging_steps, 1) == 0:
             self.log(logs_dict, step=global_step)
         self.last_logs = logs_dict
 
@@ -688,38 +595,39 @@ class PPOTrainer:
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:
         """Whether `save_logs_and_checkpoints` writes a checkpoint at this step (every --save_steps)."""
-        return args.save_steps > 0 and global_step % args.save_steps == 0
+        save_steps = as_ppo_config(args).checkpoint.save_steps
+        return save_steps > 0 and global_step % save_steps == 0
 
     def pinned_options(self, args) -> dict:
         return pinned_options(args, PINNED_OPTIONS)
 
     def client_state(self) -> dict:
+        source_state = self.experience_source.state_dict() if self.experience_source is not None else {}
         counters = {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
-                    "kl_ctl": self.kl_ctl.state_dict(), "rollout_calls": self.experience_maker.calls,
+                    "kl_ctl": self.kl_ctl.state_dict(), **source_state,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
                     "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
                     "config": plain_options(self.args)}   # the resolved run config travels with every checkpoint
-        if self.explorers is not None:
-            counters["prompt_ledger"] = self.explorers.ledger.state_dict()
         return RunServices.client_state(counters, self.pinned_options(self.args))
 
     def checkpoint_parts(self, args, client_state: Optional[dict] = None) -> list[CheckpointPart]:
         """The engines of a checkpoint in write order: critic and EMA first, the actor last (its
         `latest` pointer is what makes the step resumable)."""
-        parts = [CheckpointPart(f"{args.ckpt_path}/{name}", model, {"global_step": self.global_step},
+        ckpt_path = as_ppo_config(args).checkpoint.ckpt_path
+        parts = [CheckpointPart(f"{ckpt_path}/{name}", model, {"global_step": self.global_step},
                                 load_optimizer_states=name == "_critic")
                  for name, model in (("_critic", self.critic), ("_ema", self.ema_model)) if model is not None]
-        return parts + [CheckpointPart(f"{args.ckpt_path}/_actor", self.actor, client_state)]
+        return parts + [CheckpointPart(f"{ckpt_path}/_actor", self.actor, client_state)]
 
     def save_checkpoint(self, args) -> None:
         """Writes a resumable checkpoint and, with `save_hf_ckpt`, a Hugging Face export of the actor."""
-        tag = f"global_step{self.global_step}"
+        tag, ckpt_path = f"global_step{self.global_step}", as_ppo_config(args).checkpoint.ckpt_path
         if not self.disable_ds_ckpt and not self.services.save(self.checkpoint_parts(args, self.client_state()),
-                                                               tag, args.ckpt_path):
+                                                               tag, ckpt_path):
             return
         if self.save_hf_ckpt:
-            self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{args.ckpt_path}/{tag}_hf")
-        self.callbacks.on_save(self, f"{args.ckpt_path}/_actor/{tag}")
+            self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{ckpt_path}/{tag}_hf")
+        self.callbacks.on_save(self, f"{ckpt_path}/_actor/{tag}")
 
     def load_checkpoint(self, args, required: bool = True) -> int:
         """Resumes weights, optimizer, scheduler, KL controller, counters and RNG from the newest
@@ -732,14 +640,12 @@ class PPOTrainer:
         self.global_step = state["global_step"]
         self.consumed_samples = state["consumed_samples"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.experience_maker.calls = state.get("rollout_calls", 0)
+        self.resumed_state = state       # the experience source resumes from it when the run starts
         self.counters.update(state.get("counters", {}))
         self.counters.pop("failed_saves", None)
         self.services.failed_saves = state.get("failed_saves", state.get("counters", {}).get("failed_saves", 0))
         self.services.guard.skipped = self.counters["skipped_steps"]
         self.experience_maker.nonfinite_counts.update(state.get("nonfinite_counts", {}))
-        if self.explorers is not None and "prompt_ledger" in state:
-            self.explorers.ledger.load_state_dict(state["prompt_ledger"])
         return self.consumed_samples
 
     # ================================================================================ evaluation
@@ -748,4 +654,4 @@ class PPOTrainer:
         (see `lightrft.trainer.evaluation.evaluate_policy`)."""
         return evaluate_policy(self.experience_maker, self.strategy, eval_dataloader,
                                {**self.generate_kwargs, **self.eval_generate_kwargs},
-                               k=getattr(self.args, "eval_n_samples", 1))
+                               k=self.args.data.eval_n_samples if self.args is not None else 1)

@@ -4,7 +4,8 @@
         --advantage_estimator reinforce --n_samples_per_prompt 1 ...
 
 `RecordedExperienceDataset` reads the rewarded records of DIR (records without feedback are
-skipped, counted in `unrewarded`); `RecordedPPOTrainer` turns each batch of them into
+skipped, counted in `unrewarded`); `RecordedSource`, the trainer's experience source
+(`PPOTrainer(..., experience_source=RecordedSource())`), turns each batch of them into
 `Experience`s instead of generating: the recorded prompt and response tokens become a
 `RolloutOutput`, the recorded rewards the scores, and the recorded log-probs the behaviour
 policy's (`rollout_log_probs`, what `--tis_cap` corrects with when the served weights were older
@@ -15,7 +16,6 @@ Served traffic has one response per prompt, so there are no groups: the estimato
 nothing within a prompt (`reinforce`, `reinforce++`, or `gae` with a critic).
 """
 
-import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +27,8 @@ from torch.utils.data import Dataset
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.rollout.base import RolloutOutput
 from lightrft.serving.records import read_records, tokenizer_fingerprint
-from lightrft.trainer.experience import Experience
 from lightrft.trainer.scorer import RewardBatch
-from lightrft.trainer.ppo_trainer import PPOTrainer
+from lightrft.trainer.experience_source import SourceBatch, SourceContext
 
 
 @dataclass(frozen=True)
@@ -111,35 +110,30 @@ def check_recorded_algorithm(estimator_name: str, n_samples_per_prompt: int) -> 
                          f"--n_samples_per_prompt {n_samples_per_prompt} (use 1)")
 
 
-class RecordedPPOTrainer(PPOTrainer):
-    """`PPOTrainer` whose rollouts are batches of recorded experiences (see the module docstring);
-    everything after the rollout (replay buffer, losses, checkpoints, evaluation) is PPOTrainer's.
-    Each Experience's `info["policy_version"]` is the step of the weights that served it."""
+class RecordedSource:
+    """Each step's experience from a batch of recorded responses (served traffic): their token
+    ids and sampling log-probs as the server stored them, scored by their recorded rewards; the
+    reference and critic forwards, the KL and the advantages are this trainer's. Each
+    Experience's `info["policy_version"]` is the step of the weights that served it. The samples
+    come from whatever policy served them, so the engine-gap check does not apply."""
 
-    def __init__(self, *args, **kwargs):
-        algo = kwargs.get("algo")
-        if algo is not None:
-            check_recorded_algorithm(algo.advantage_estimator, algo.n_samples_per_prompt)
-        # A reward model, a remote source or a ready-made source scores evaluation; without one,
-        # evaluation says what is missing.
-        given = inspect.signature(PPOTrainer.__init__).bind(self, *args, **kwargs).arguments
-        if not (given.get("reward_model") or given.get("remote_rm_url") or kwargs.get("reward_sources")):
-            kwargs["reward_sources"] = (RecordedRewardsOnly(),)
-        super().__init__(*args, **kwargs)
+    checks_engine = False
 
-    def make_experience(self, prompt_batches) -> Optional[list[Experience]]:
-        batch = next(prompt_batches, None)
+    def start(self, context: SourceContext) -> None:
+        self.context = context
+        self._batches = context.prompts.batches(context.consumed_samples)
+
+    def next(self, step: int) -> Optional[SourceBatch]:
+        batch = next(self._batches, None)
         if batch is None:
             return None
         samples, rewards = batch
-        maker = self.experience_maker
+        maker = self.context.maker
         started = time.perf_counter()
-        for model in (self.actor, self.critic, self.initial_model):
-            if model is not None:
-                model.eval()
+        maker.eval_models()
         rollout = RolloutOutput.from_token_lists([s.prompt_token_ids for s in samples],
                                                  [s.response_token_ids for s in samples],
-                                                 [s.log_probs for s in samples], self.tokenizer.pad_token_id,
+                                                 [s.log_probs for s in samples], maker.tokenizer.pad_token_id,
                                                  maker.eos_token_ids)
         scores = RewardBatch(scores=torch.tensor(rewards, dtype=torch.float32),
                              valid=torch.ones(len(samples), dtype=torch.bool))
@@ -147,5 +141,17 @@ class RecordedPPOTrainer(PPOTrainer):
         versions = torch.tensor([float(s.policy_version) for s in samples])
         for experience in experiences:
             experience.info["policy_version"] = versions[:experience.batch_size]
-        maker.timings["experience"] += time.perf_counter() - started
-        return experiences
+        return SourceBatch(experiences, self.context.rollout_batch_size,
+                           timings={"generate": 0.0, "reward": 0.0, "experience": time.perf_counter() - started})
+
+    def after_step(self, step: int) -> dict[str, float]:
+        return {}
+
+    def stop(self, preempted: bool = False) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

@@ -135,8 +135,8 @@ def _install_ppo(trainer, plan: _Plan) -> None:
         loss, metrics = original(*args, **kwargs)
         return (loss * float("nan") if plan.due("nan-loss") else loss), metrics
 
-    def generate(original, prompts, params, stream="train"):
-        rollout = original(prompts, params, stream=stream)
+    def generate(original, prompts, params, stream="train", **kwargs):
+        rollout = original(prompts, params, stream=stream, **kwargs)
         if stream == "train" and plan.due("nan-logprob"):
             rollout.rollout_log_probs = _poison_first(rollout.rollout_log_probs.float())
         return rollout

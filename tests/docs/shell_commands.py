@@ -301,7 +301,7 @@ def check_cli_command(command: CliCommand, validate: bool = True) -> list[str]:
         elif hasattr(module, "parse_args"):
             _run_parse_args(module, command.argv)
         if hasattr(module, "check_world_size"):
-            module.check_world_size(args, command.world_size)
+            module.check_world_size(args.rollout_batch_size, command.world_size)
         if hasattr(args, "train_batch_size") and hasattr(args, "micro_train_batch_size"):
             from lightrft.strategy.ds_config import gradient_accumulation_steps
 

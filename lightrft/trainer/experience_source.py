@@ -1,0 +1,158 @@
+"""Where a training step's experience comes from: the `ExperienceSource` seam.
+
+`PPOTrainer.fit` asks its source for one batch of experience per step and trains on it with the
+same `PPOTrainer.step`, whatever made it:
+
+- `ColocatedSource` (the default): this rank draws its prompts (`PromptSampler`), generates with
+  the colocated engine, scores and builds experience (`NaiveExperienceMaker`), refilling groups
+  with dynamic sampling (DAPO) when asked.
+- `RecordedSource` (`lightrft/trainer/recorded.py`): batches of served traffic
+  (`train_ppo --recorded_data`); the recorded rewards score them.
+- `ExplorerLink` (`lightrft/trainer/decoupled.py`): explorer ranks or an explorer thread generate
+  and score; this rank builds the experience with its current weights.
+
+A source is given what it may use once, at `start` (a `SourceContext`: the experience maker, the
+sampling parameters, the prompt sampler, a weight stream), and returns what it made with its
+counters (`SourceBatch`) instead of writing into the trainer. Its resumable state travels in the
+trainer's checkpoint (`state_dict` / `load_state_dict`, keys of the trainer's client state).
+"""
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from lightrft.config.sections import AlgorithmConfig
+from lightrft.trainer.dynamic_sampling import sample_informative_batch
+from lightrft.trainer.experience import Experience
+
+WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
+
+
+class PromptSampler:
+    """This rank's prompt batches, episode after episode, from a position in the run.
+
+    Each episode's order is the dataloader's `DistributedSampler` shuffle of that episode (seeded
+    by the run seed), so a run resumed after `consumed_samples` prompts draws what the
+    uninterrupted run would have. `batches` holds no counter: the caller counts what it drew.
+    With `endless` (dynamic sampling, which may need more prompts than the planned episodes hold)
+    it goes on past the last episode."""
+
+    def __init__(self, dataloader, rollout_batch_size: int, num_episodes: int, endless: bool = False):
+        self.dataloader, self.rollout_batch_size = dataloader, rollout_batch_size
+        self.num_episodes, self.endless = num_episodes, endless
+
+    def batches(self, consumed_samples: int) -> Iterator[tuple[list, list]]:
+        """(prompts, labels) of this rank, one rollout batch at a time, starting after
+        `consumed_samples` prompts (counted over all ranks)."""
+        per_episode = len(self.dataloader.dataset) // self.rollout_batch_size * self.rollout_batch_size
+        episode, consumed_in_episode = divmod(consumed_samples, per_episode)
+        while episode < self.num_episodes or self.endless:
+            self.dataloader.sampler.set_epoch(episode, consumed_samples=consumed_in_episode)
+            consumed_in_episode = 0
+            for prompts, labels in self.dataloader:
+                yield list(prompts), list(labels)
+            episode += 1
+
+
+@dataclass
+class SourceContext:
+    """What an experience source may use, handed over once by `PPOTrainer.fit`."""
+
+    maker: Any                        # the NaiveExperienceMaker: generation, scoring, experience building
+    strategy: Any
+    algo: AlgorithmConfig
+    generate_kwargs: dict             # the rollout sampling parameters (the trainer's own dict, read per step)
+    prompts: PromptSampler            # the run's prompts, for sources that draw them on this rank
+    consumed_samples: int             # prompts the run has drawn so far (over all ranks)
+    rollout_batch_size: int           # prompts per step, over all ranks
+    total_steps: int                  # the steps the run plans
+    first_step: int                   # the step the run starts at (> 0 when resumed)
+    preempted: Callable[[], bool]     # whether this rank was asked to stop
+    weight_buckets: Optional[WeightBuckets] = None   # the actor's weights, bucketed (publishing sources)
+
+
+@dataclass
+class SourceBatch:
+    """One step's experience and what making it counted."""
+
+    experiences: list[Experience]
+    prompts: int                                     # prompts drawn for it, over all ranks
+    counters: dict[str, int] = field(default_factory=dict)      # added to the trainer's counters
+    timings: dict[str, float] = field(default_factory=dict)     # seconds: generate, reward, experience
+
+
+class ExperienceSource(Protocol):
+    """The seam between making experience and training on it (see the module docstring)."""
+
+    #: whether the samples come from the trainer's own rollout engine, synced to its weights, so a
+    #: log-prob gap between the two means a broken sync (`PPOTrainer.check_engine_gap`)
+    checks_engine: bool
+
+    def start(self, context: SourceContext) -> None: ...
+
+    def next(self, step: int) -> Optional[SourceBatch]:
+        """The experience of step `step` (0-based); None when the source is exhausted or the run
+        was preempted while waiting."""
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Called once step `step` (now completed, 1-based count) has trained; returns logs."""
+
+    def stop(self, preempted: bool = False) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class ColocatedSource:
+    """Generates, scores and builds each step's experience on this rank (the default source)."""
+
+    checks_engine = True
+
+    def __init__(self):
+        self.calls = 0        # rollout calls so far: the step of the sampling seeds (resumed from checkpoints)
+        self._batches: Optional[Iterator] = None
+
+    def start(self, context: SourceContext) -> None:
+        self.context = context
+        self._batches = context.prompts.batches(context.consumed_samples)
+
+    def _rollout(self, prompts: list, labels: list) -> list[Experience]:
+        self.calls += 1
+        return self.context.maker.make_experience_list(prompts, labels, call=self.calls,
+                                                       **self.context.generate_kwargs)
+
+    def next(self, step: int) -> Optional[SourceBatch]:
+        ctx = self.context
+        ctx.maker.timings = dict.fromkeys(ctx.maker.timings, 0.0)
+        batch = next(self._batches, None)
+        if batch is None:
+            return None
+        drawn = 1
+        experiences = self._rollout(*batch)
+        counters = {}
+        if ctx.algo.dynamic_sampling:
+            def extra_rollouts():
+                nonlocal drawn
+                for extra in self._batches:
+                    drawn += 1
+                    yield self._rollout(*extra)
+            n = ctx.algo.n_samples_per_prompt
+            experiences, dropped, rounds = sample_informative_batch(
+                experiences, extra_rollouts(), len(batch[0]) * n, n, ctx.algo.max_sampling_rounds, ctx.strategy)
+            counters = {"dropped_groups": dropped, "sampling_rounds": rounds}
+        return SourceBatch(experiences, drawn * ctx.rollout_batch_size, counters, dict(ctx.maker.timings))
+
+    def after_step(self, step: int) -> dict[str, float]:
+        return {}
+
+    def stop(self, preempted: bool = False) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"rollout_calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state.get("rollout_calls", 0)
