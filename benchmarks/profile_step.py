@@ -43,15 +43,15 @@ HERE = Path(__file__).resolve().parent
 # (module, class, method, phase): the timed functions. A missing one (renamed, or absent in an
 # older checkout) is skipped and reported.
 TIMED = [
-    ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "generate", "generate"),
+    ("lightrft.experience.maker", "NaiveExperienceMaker", "generate", "generate"),
     ("lightrft.rollout.hf_engine", "HFEngine", "generate", "engine"),
-    ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "compute_rewards", "reward"),
-    ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "experience_from_rollout", "experience"),
-    ("lightrft.trainer.experience_maker", "NaiveExperienceMaker", "_forward_all", "experience forwards"),
-    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "append", "buffer"),
-    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "normalize", "buffer"),
-    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "info_sums", "buffer"),
-    ("lightrft.trainer.replay_buffer", "NaiveReplayBuffer", "collate_fn", "collate"),
+    ("lightrft.experience.maker", "NaiveExperienceMaker", "compute_rewards", "reward"),
+    ("lightrft.experience.maker", "NaiveExperienceMaker", "experience_from_rollout", "experience"),
+    ("lightrft.experience.maker", "NaiveExperienceMaker", "_forward_all", "experience forwards"),
+    ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "append", "buffer"),
+    ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "normalize", "buffer"),
+    ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "info_sums", "buffer"),
+    ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "collate_fn", "collate"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "ppo_train", "train"),
     ("lightrft.trainer.ppo_trainer", "PPOTrainer", "fill_old_log_probs", "old log-probs"),
     ("lightrft.strategy.deepspeed_strategy", "DeepspeedStrategy", "backward", "backward"),

@@ -47,10 +47,10 @@ def check_world_size(rollout_batch_size: int, world_size: int) -> None:
 
 def build_explorer_source(config: PPORunConfig, strategy, link=None):
     """The experience source of a run whose rollouts explorers make: the trainer's end of
-    explorer ranks (`link`, this rank's `lightrft.trainer.roles.JobLink` from `join_roles`), or of
+    explorer ranks (`link`, this rank's `lightrft.explorers.roles.JobLink` from `join_roles`), or of
     an explorer thread one step ahead on this rank (--sync_offset > 0 without explorer ranks).
     None for a colocated run."""
-    from lightrft.trainer.decoupled import start_ahead_explorer, trainer_link
+    from lightrft.explorers.link import start_ahead_explorer, trainer_link
 
     if link is not None:
         return trainer_link(config, link)
@@ -93,8 +93,8 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     tokenizer = build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")
     reward_sources = build_reward_sources(config.rewards)
     if data.recorded_data:
-        # Served traffic as training data: see lightrft/trainer/recorded.py.
-        from lightrft.trainer.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
+        # Served traffic as training data: see lightrft/experience/recorded.py.
+        from lightrft.experience.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
                                                check_recorded_algorithm)
 
         check_recorded_algorithm(config.algorithm.advantage_estimator, config.algorithm.n_samples_per_prompt)

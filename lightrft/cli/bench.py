@@ -179,7 +179,7 @@ class Evaluator:
         from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
         from lightrft.trainer.evaluation import evaluate_policy
-        from lightrft.trainer.experience_maker import NaiveExperienceMaker
+        from lightrft.experience.maker import NaiveExperienceMaker
 
         args = self.args
         model = model.to(self.strategy.device).eval()

@@ -58,8 +58,8 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     link = None
     if args.explorer_ranks > 0:
         # Split the job into explorers and trainers before any process group starts.
-        from lightrft.trainer.decoupled import run_explorer
-        from lightrft.trainer.roles import join_roles
+        from lightrft.explorers.explorer import run_explorer
+        from lightrft.explorers.roles import join_roles
 
         link = join_roles(args.explorer_ranks, args.dist_timeout)
         if link.layout.is_explorer:

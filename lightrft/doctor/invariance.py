@@ -18,7 +18,7 @@ Gradients are taken with `torch.autograd.grad` (nothing accumulates into `.grad`
 import torch
 
 from lightrft.doctor.report import CheckResult
-from lightrft.trainer.experience import Experience, collate_samples, split_experience
+from lightrft.experience.samples import Experience, collate_samples, split_experience
 
 # Largest gap by the run's precision: loss (absolute, advantages +-1), gradient norm (relative),
 # log-probs (max absolute, nats).

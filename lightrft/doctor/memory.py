@@ -16,7 +16,7 @@ import torch
 from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import SamplingParams
-from lightrft.trainer.scorer import RewardBatch
+from lightrft.experience.scorer import RewardBatch
 
 GIB = 2.0**30
 PHASES = ("generate", "forwards", "train", "weight sync")

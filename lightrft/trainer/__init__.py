@@ -1,4 +1,6 @@
-"""Trainers (PPO/GRPO, SFT, reward model), experience making, the replay buffer and callbacks.
+"""Trainers (PPO/GRPO, SFT, reward model), their callbacks and run services (checkpoints, resume,
+preemption, non-finite guards). What a PPO step trains on is made in `lightrft.experience`;
+`Experience`, `NaiveExperienceMaker` and `NaiveReplayBuffer` are re-exported here.
 
 Names resolve on first use, so importing one trainer does not import every other one.
 """
@@ -8,9 +10,9 @@ import importlib
 _EXPORTS = {
     "AdaptiveKLController": "lightrft.algorithms.kl",
     "FixedKLController": "lightrft.algorithms.kl",
-    "Experience": "lightrft.trainer.experience",
-    "NaiveExperienceMaker": "lightrft.trainer.experience_maker",
-    "NaiveReplayBuffer": "lightrft.trainer.replay_buffer",
+    "Experience": "lightrft.experience.samples",
+    "NaiveExperienceMaker": "lightrft.experience.maker",
+    "NaiveReplayBuffer": "lightrft.experience.replay_buffer",
     "PPOTrainer": "lightrft.trainer.ppo_trainer",
     "TrainerCallback": "lightrft.trainer.callbacks",
     "SFTTrainer": "lightrft.trainer.sft_trainer",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.experience.replay_buffer import NaiveReplayBuffer
 
 if TYPE_CHECKING:
     from lightrft.strategy.deepspeed_strategy import PendingReduction

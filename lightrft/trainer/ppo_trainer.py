@@ -31,14 +31,14 @@ from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.evaluation import evaluate_policy
-from lightrft.trainer.experience import Experience, Sample, collate_samples
-from lightrft.trainer.experience_maker import NaiveExperienceMaker
-from lightrft.trainer.experience_source import ColocatedSource, PromptSampler, SourceContext
+from lightrft.experience.samples import Experience, Sample, collate_samples
+from lightrft.experience.maker import NaiveExperienceMaker
+from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext
 from lightrft.trainer.guards import nonfinite_grad_norms
 from lightrft.trainer.metrics import (EXTREME_SUFFIXES, GlobalCounts, combine_metric,  # noqa: F401  (re-exported)
                                      combine_step_metrics, global_counts, perf_metrics, reduce_pass_metrics,
                                      start_step_totals)
-from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 
 # Options that define the experiment: resuming with a different value is an error.
@@ -167,7 +167,7 @@ class PPOTrainer:
         self.stop_reason = None
         self.pass_preempted = None     # whether any rank was asked to stop, from the last pass's metrics
         self._warned_no_aux_loss = False
-        # Where each step's experience comes from (`lightrft.trainer.experience_source`): the
+        # Where each step's experience comes from (`lightrft.experience.sources`): the
         # colocated source over `fit`'s prompts unless one is given (recorded traffic, explorers).
         self.experience_source = experience_source
         self.resumed_state: dict = {}  # the checkpoint's client state, for the source to resume from

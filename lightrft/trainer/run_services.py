@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from lightrft.strategy import checkpoint_io
 from lightrft.strategy.checkpoint_io import CheckpointCorruptError, CheckpointSaveError
-from lightrft.trainer.checkpoint import (PreemptionFlag, capture_rng_state, check_resume_options, pinned_options,
-                                         restore_rng_state)
+from lightrft.trainer.checkpoint import capture_rng_state, check_resume_options, pinned_options, restore_rng_state
+from lightrft.trainer.preemption import PreemptionFlag
 from lightrft.trainer.guards import NonFiniteGuard
 from lightrft.utils.distributed import is_dist_initialized
 from lightrft.utils.faults import install_faults

@@ -20,7 +20,7 @@ from lightrft.serving.openai_api import (RequestError, ServeLimits, finish_choic
                                          parse_completion_request)
 from lightrft.serving.policy import Sample
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, read_records, tokenizer_fingerprint
-from lightrft.trainer.recorded import RecordedExperienceDataset, check_recorded_algorithm
+from lightrft.experience.recorded import RecordedExperienceDataset, check_recorded_algorithm
 from lightrft.utils.tiny import build_char_tokenizer, build_char_tokenizer_with_bos, save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env, to_flags
 from tests.trainer.ppo_harness import LAUNCH_ENV

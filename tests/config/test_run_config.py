@@ -10,7 +10,7 @@ from lightrft.cli import train_ppo, train_rm, train_sft
 from lightrft.config import (AlgorithmConfig, CheckpointConfig, ConfigError, PPODataConfig, PPOModelConfig,
                              PPORunConfig, RewardConfig, RMRunConfig, SFTDataConfig, SFTRunConfig)
 from lightrft.config.options import flag_fields
-from lightrft.trainer.experience_maker import NaiveExperienceMaker
+from lightrft.experience.maker import NaiveExperienceMaker
 
 BASE = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "math", "--advantage_estimator",
         "group_norm", "--n_samples_per_prompt", "4"]

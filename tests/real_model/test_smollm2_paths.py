@@ -40,15 +40,16 @@ from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE
 from lightrft.serving.records import read_records
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.hf_export import export_hf_folder
-from lightrft.trainer.decoupled import ExplorerLink, load_named_weights
-from lightrft.trainer.experience_queue import WeightSubscriber
-from lightrft.trainer.roles import ControlChannel
+from lightrft.explorers.explorer import load_named_weights
+from lightrft.explorers.link import ExplorerLink
+from lightrft.explorers.weights import WeightSubscriber
+from lightrft.explorers.roles import ControlChannel
 from lightrft.utils.toy import write_jsonl
 from tests.conftest import REPO_ROOT, run_torchrun, subprocess_env
 from tests.real_model.test_smollm2 import actor, prompt_ids, tokenizer  # noqa: F401 (the module's fixtures)
 from tests.real_model.test_smollm2 import (GAP_MAX, GAP_MEAN, IM_END, INDUCTOR_CACHE, QUESTIONS, gap, moved,
                                            needs_vllm, trainer_log_probs)
-from tests.trainer.test_roles import gloo_pair
+from tests.explorers.test_roles import gloo_pair
 
 # Correct transfers are held to test_smollm2's GAP_MEAN / GAP_MAX (1e-4 / 1e-3 nats, ten times
 # tighter than the float32 ENGINE_GAP_TOLERANCE a run stops at; measured ~1e-5 / ~4e-5 on every

@@ -14,7 +14,7 @@ import pytest
 
 from lightrft.serving import records
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, read_records, tokenizer_fingerprint
-from lightrft.trainer.recorded import RecordedExperienceDataset
+from lightrft.experience.recorded import RecordedExperienceDataset
 from lightrft.utils.run_lock import LOCK_NAME, RunLockError, read_record
 from lightrft.utils.tiny import build_char_tokenizer
 from tests.conftest import REPO_ROOT, subprocess_env

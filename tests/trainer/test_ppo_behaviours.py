@@ -14,10 +14,10 @@ from lightrft.builders import build_scheduler
 from lightrft.cli.train_ppo import parse_args
 from lightrft.datasets import PromptDataset, SFTDataset
 from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
-from lightrft.trainer.dynamic_sampling import fill_to_size
-from lightrft.trainer.experience import Experience
+from lightrft.experience.dynamic_sampling import fill_to_size
+from lightrft.experience.samples import Experience
 from lightrft.trainer.ppo_trainer import AlgorithmConfig
-from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.utils.tiny import build_char_tokenizer_with_bos
 from tests.trainer.ppo_harness import flags, make_task, max_weight_change, run
 
@@ -135,7 +135,7 @@ def test_a_zero_lr_scheduler_is_well_defined():
 
 def test_rollouts_see_the_prompt_ids_sft_trained_on():
     # A tokenizer that adds BOS (Llama, Gemma): before, rollouts dropped it while SFT kept it.
-    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+    from lightrft.experience.maker import NaiveExperienceMaker
 
     tokenizer = build_char_tokenizer_with_bos()
     text = "3+4="
@@ -224,7 +224,7 @@ def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_on_nothing(
 
 
 def test_the_reference_forward_is_skipped_when_no_kl_can_act():
-    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+    from lightrft.experience.maker import NaiveExperienceMaker
 
     maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
     maker.initial_model, maker.kl_ctl = object(), FixedKLController(0.0)
@@ -243,7 +243,7 @@ def rollout_groups(task, seed: int, rank: int = 0, calls: int = 0) -> list[tuple
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lightrft.rollout.hf_engine import HFEngine
-    from lightrft.trainer.experience_maker import NaiveExperienceMaker
+    from lightrft.experience.maker import NaiveExperienceMaker
 
     tokenizer = AutoTokenizer.from_pretrained(task["model"])
     model = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
@@ -527,7 +527,7 @@ def test_reward_source_failure_rates_are_per_call():
 def test_responses_decode_in_one_batch_as_row_by_row():
     # The per-row formula decode used before: each row's masked tokens through tokenizer.decode.
     from lightrft.rollout.base import RolloutOutput
-    from lightrft.trainer.scorer import Scorer
+    from lightrft.experience.scorer import Scorer
 
     tokenizer = build_char_tokenizer_with_bos()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

@@ -6,9 +6,9 @@ same `PPOTrainer.step`, whatever made it:
 - `ColocatedSource` (the default): this rank draws its prompts (`PromptSampler`), generates with
   the colocated engine, scores and builds experience (`NaiveExperienceMaker`), refilling groups
   with dynamic sampling (DAPO) when asked.
-- `RecordedSource` (`lightrft/trainer/recorded.py`): batches of served traffic
+- `RecordedSource` (`lightrft/experience/recorded.py`): batches of served traffic
   (`train_ppo --recorded_data`); the recorded rewards score them.
-- `ExplorerLink` (`lightrft/trainer/decoupled.py`): explorer ranks or an explorer thread generate
+- `ExplorerLink` (`lightrft/explorers/link.py`): explorer ranks or an explorer thread generate
   and score; this rank builds the experience with its current weights.
 
 A source is given what it may use once, at `start` (a `SourceContext`: the experience maker, the
@@ -24,8 +24,8 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lightrft.config.sections import AlgorithmConfig
-from lightrft.trainer.dynamic_sampling import sample_informative_batch
-from lightrft.trainer.experience import Experience
+from lightrft.experience.dynamic_sampling import sample_informative_batch
+from lightrft.experience.samples import Experience
 
 WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
 

@@ -3,7 +3,7 @@
 import torch
 
 from lightrft.algorithms.whitening import WHITEN_EPS, whiten_with_moments, whitening_moments
-from lightrft.trainer.experience import Experience, Sample, collate_samples, split_experience
+from lightrft.experience.samples import Experience, Sample, collate_samples, split_experience
 
 
 class NaiveReplayBuffer(torch.utils.data.Dataset):

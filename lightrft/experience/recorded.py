@@ -27,8 +27,8 @@ from torch.utils.data import Dataset
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.rollout.base import RolloutOutput
 from lightrft.serving.records import read_records, tokenizer_fingerprint
-from lightrft.trainer.scorer import RewardBatch
-from lightrft.trainer.experience_source import SourceBatch, SourceContext
+from lightrft.experience.scorer import RewardBatch
+from lightrft.experience.sources import SourceBatch, SourceContext
 
 
 @dataclass(frozen=True)

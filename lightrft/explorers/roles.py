@@ -190,7 +190,7 @@ def to_wire(obj):
         name = type(obj).__name__
         if WIRE_TYPES.get(name) is not type(obj):
             raise TypeError(f"{type(obj).__qualname__} cannot be sent between explorers and trainers: register it "
-                            "with lightrft.trainer.roles.wire_type (its fields must be tensors and plain data)")
+                            "with lightrft.explorers.roles.wire_type (its fields must be tensors and plain data)")
         return {WIRE_TAG: name, **{f.name: to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if type(obj) is dict:
         return {k: to_wire(v) for k, v in obj.items()}

@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from lightrft.config import ConfigError, PPORunConfig, RolesConfig
 from lightrft.rollout.base import RolloutOutput
-from lightrft.trainer.decoupled import load_named_weights
-from lightrft.trainer.experience_queue import (DONE, FAILED, ExperienceReceiver, PromptLedger, RolloutBatch,
-                                               WeightPublisher, WeightSubscriber, latest_published)
-from lightrft.trainer.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
+from lightrft.explorers.explorer import load_named_weights
+from lightrft.explorers.ledger import PromptLedger
+from lightrft.explorers.batches import DONE, ExperienceReceiver, FAILED, RolloutBatch
+from lightrft.explorers.weights import WeightPublisher, WeightSubscriber, latest_published
+from lightrft.explorers.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
                                     join_roles, unflatten_tensors)
 from tests.conftest import to_flags
 from tests.strategy.test_checkpoint_io import CreatesFile

@@ -8,8 +8,8 @@ import torch
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, compute_advantages
 from lightrft.algorithms.whitening import whiten
-from lightrft.trainer.experience import Experience
-from lightrft.trainer.replay_buffer import NaiveReplayBuffer
+from lightrft.experience.samples import Experience
+from lightrft.experience.replay_buffer import NaiveReplayBuffer
 
 F64 = torch.float64
 PAD = 0

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from lightrft.trainer import PPOTrainer
 from lightrft.trainer.callbacks import TrainerCallback
-from lightrft.trainer.experience_source import ColocatedSource, PromptSampler, SourceBatch
+from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceBatch
 from lightrft.utils.distributed_sampler import DistributedSampler
 from tests.trainer.ppo_harness import make_task, max_weight_change, run
 

@@ -5,8 +5,8 @@ from dataclasses import fields
 import torch
 import torch.nn.functional as F
 
-from lightrft.trainer.dynamic_sampling import fill_to_size, filter_informative_groups, informative_groups
-from lightrft.trainer.experience import (PER_ACTION_FIELDS, Experience, Sample, collate_samples,
+from lightrft.experience.dynamic_sampling import fill_to_size, filter_informative_groups, informative_groups
+from lightrft.experience.samples import (PER_ACTION_FIELDS, Experience, Sample, collate_samples,
                                          split_experience)
 
 PAD = 0

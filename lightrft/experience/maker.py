@@ -26,8 +26,8 @@ from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
-from lightrft.trainer.experience import Experience
-from lightrft.trainer.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
+from lightrft.experience.samples import Experience
+from lightrft.experience.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
 
 
 def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: bool,
@@ -115,7 +115,7 @@ class ExperienceBuilder:
         return self.initial_model is not None and self.kl_ctl.value != 0.0
 
     def truncated_rows(self, rollout: RolloutOutput) -> Tensor:
-        """Which responses were cut at the length limit (`lightrft.trainer.scorer.truncated_rows`)."""
+        """Which responses were cut at the length limit (`lightrft.experience.scorer.truncated_rows`)."""
         return truncated_rows(rollout, self.eos_token_ids)
 
     @torch.no_grad()

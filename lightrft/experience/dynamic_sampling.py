@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from lightrft.trainer.experience import Experience
+from lightrft.experience.samples import Experience
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -1,0 +1,35 @@
+"""The record of every prompt of a decoupled run.
+
+`PromptLedger`: which prompts were generated, dropped as too stale, and trained at which step.
+It travels in every checkpoint, so a resumed run knows exactly which prompts its weights have
+seen; a prompt trained twice in one episode is an error, not a silent duplicate.
+"""
+
+from lightrft.explorers.batches import RolloutBatch
+
+
+class PromptLedger:
+    """Every rollout batch's fate: received from an explorer, dropped as too stale, trained at a
+    step. `trained[s]` holds the dataset rows trained at step s + 1; what a checkpoint holds is
+    exactly what its weights have learned from."""
+
+    def __init__(self):
+        self.received = 0
+        self.dropped = 0
+        self.trained: list[dict] = []    # {"step", "batch", "episode", "version", "prompts"}
+
+    def record_trained(self, step: int, batch: RolloutBatch) -> None:
+        seen = {p for entry in self.trained if entry["episode"] == batch.episode for p in entry["prompts"]}
+        twice = sorted(seen.intersection(batch.prompt_ids))
+        if twice:
+            raise RuntimeError(f"prompt ledger: rows {twice[:5]} of episode {batch.episode} would be trained a second "
+                               f"time at step {step} (rollout batch {batch.batch}); this is a bug, please report it")
+        self.trained.append({"step": step, "batch": batch.batch, "episode": batch.episode, "version": batch.version,
+                             "prompts": list(batch.prompt_ids)})
+
+    def state_dict(self) -> dict:
+        return {"received": self.received, "dropped": self.dropped, "trained": list(self.trained)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.received, self.dropped = state["received"], state["dropped"]
+        self.trained = list(state["trained"])
