@@ -1,6 +1,6 @@
 """The whole PPO run, built from its config: strategy, models, data, engine, rewards, trainer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_vllm_engine
@@ -59,6 +59,84 @@ def build_explorer_source(config: PPORunConfig, strategy, link=None):
     return None
 
 
+@dataclass
+class PPOModels:
+    """The models of a PPO run, and once prepared (`prepare_ppo_models`) their optimizers and
+    schedulers: DeepSpeed engines for the trained ones, prepared frozen modules for the others."""
+
+    actor: object
+    critic: object = None
+    reward_models: list = field(default_factory=list)
+    initial_model: object = None      # the reference policy of the KL term
+    ema_model: object = None
+    actor_optim: object = None
+    critic_optim: object = None
+    actor_scheduler: object = None
+    critic_scheduler: object = None
+
+
+def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
+    """The actor, critic, reward models, reference and EMA copy of the model section, built
+    partitioned under ZeRO-3 (nothing changes for other stages); not prepared yet."""
+    from lightrft.models import ActorLanguage, Critic, RewardModel
+
+    model = config.model
+    model_kwargs = policy_model_kwargs(model, config.distributed)
+    temperature = config.rollout.temperature
+    with strategy.zero3_init_context():
+        actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+                              lora_dropout=model.lora_dropout, target_modules=model.target_modules,
+                              gradient_checkpointing=config.distributed.gradient_checkpointing,
+                              temperature=temperature, **model_kwargs)
+        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **model_kwargs)
+                  if model.critic_pretrain else None)
+        reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
+                                     normalize_reward=model.normalize_reward, **model_kwargs)
+                         for path in reward_model_paths(config)]
+        initial_model = None
+        if config.algorithm.init_kl_coef > 0:
+            # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
+            initial_model = (actor.adapter_disabled() if model.lora_rank > 0
+                             else ActorLanguage(model.pretrain, temperature=temperature, **model_kwargs))
+        ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
+    return PPOModels(actor, critic, reward_models, initial_model, ema_model)
+
+
+def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_updates: int) -> PPOModels:
+    """The optimizers and LR schedules of the trained models (spanning `total_updates` optimizer
+    steps), and every model prepared by the strategy."""
+    optim = config.optim
+
+    def optimizer(model, lr):
+        opt = strategy.create_optimizer(model, lr=lr, betas=tuple(optim.adam_betas), weight_decay=optim.l2)
+        return strategy.prepare((model, opt, build_scheduler(opt, optim, lr, total_updates)))
+
+    actor, actor_optim, actor_scheduler = optimizer(models.actor, optim.actor_learning_rate)
+    critic = critic_optim = critic_scheduler = None
+    if models.critic is not None:
+        critic, critic_optim, critic_scheduler = optimizer(models.critic, optim.critic_learning_rate)
+    frozen = [strategy.prepare(m) if m is not None else None for m in (models.initial_model, models.ema_model)]
+    return PPOModels(actor, critic, [strategy.prepare(rm) for rm in models.reward_models], *frozen,
+                     actor_optim=actor_optim, critic_optim=critic_optim, actor_scheduler=actor_scheduler,
+                     critic_scheduler=critic_scheduler)
+
+
+def build_ppo_data(config: PPORunConfig, tokenizer, reward_models: list, reward_sources: list):
+    """(the prompt dataset, the experience source it calls for, the reward sources): the prompts
+    of --prompt_data for the colocated source (None), or the served traffic of --recorded_data for
+    a `RecordedSource`, whose recorded rewards score training (a reward model or source, if given,
+    scores evaluation)."""
+    data = config.data
+    if not data.recorded_data:
+        return build_prompt_dataset(data, tokenizer), None, reward_sources
+    from lightrft.experience.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
+                                              check_recorded_algorithm)
+
+    check_recorded_algorithm(config.algorithm.advantage_estimator, config.algorithm.n_samples_per_prompt)
+    prompts = RecordedExperienceDataset(data.recorded_data, tokenizer, max_samples=data.max_samples)
+    return prompts, RecordedSource(), reward_sources if (reward_models or reward_sources) else [RecordedRewardsOnly()]
+
+
 def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=(),
                   experience_source=None) -> PPORun:
     """Everything a PPO run needs, on every rank: the models prepared by the strategy, the data
@@ -66,82 +144,32 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     `strategy` is the one `build_strategy` made (built here when None); `experience_source` is
     where the trainer's experience comes from (`build_explorer_source`; by default the colocated
     source over the prompts, or the recorded traffic of --recorded_data)."""
-    from lightrft.models import ActorLanguage, Critic, RewardModel
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
     strategy = strategy or build_strategy(config)
-    model, data = config.model, config.data
-    model_kwargs = policy_model_kwargs(model, config.distributed)
-    # Under ZeRO-3 the models are built already partitioned (nothing changes for other stages).
-    with strategy.zero3_init_context():
-        actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
-                              lora_dropout=model.lora_dropout, target_modules=model.target_modules,
-                              gradient_checkpointing=config.distributed.gradient_checkpointing,
-                              temperature=config.rollout.temperature, **model_kwargs)
-        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **model_kwargs)
-                  if model.critic_pretrain else None)
-        reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
-                                     normalize_reward=model.normalize_reward, **model_kwargs)
-                         for path in reward_model_paths(config)]
-        needs_reference = config.algorithm.init_kl_coef > 0
-        # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
-        initial_model = ((actor.adapter_disabled() if model.lora_rank > 0
-                          else ActorLanguage(model.pretrain, temperature=config.rollout.temperature, **model_kwargs))
-                         if needs_reference else None)
-        ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
-
-    tokenizer = build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")
-    reward_sources = build_reward_sources(config.rewards)
-    if data.recorded_data:
-        # Served traffic as training data: see lightrft/experience/recorded.py.
-        from lightrft.experience.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
-                                               check_recorded_algorithm)
-
-        check_recorded_algorithm(config.algorithm.advantage_estimator, config.algorithm.n_samples_per_prompt)
-        prompts = RecordedExperienceDataset(data.recorded_data, tokenizer, max_samples=data.max_samples)
-        experience_source = RecordedSource()
-        # The recorded rewards score training; a reward model or source, if given, scores evaluation.
-        if not (reward_models or reward_sources):
-            reward_sources = [RecordedRewardsOnly()]
-    else:
-        prompts = build_prompt_dataset(data, tokenizer)
-    check_run_vocabulary(config, tokenizer, prompts, actor, critic, reward_models)
+    models = build_ppo_models(config, strategy)
+    tokenizer = build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
+    prompts, data_source, reward_sources = build_ppo_data(config, tokenizer, models.reward_models,
+                                                          build_reward_sources(config.rewards))
+    check_run_vocabulary(config, tokenizer, prompts, models.actor, models.critic, models.reward_models)
     dataloader, eval_dataloader, pretrain_dataloader = build_dataloaders(config, strategy, tokenizer, prompts)
-
     # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
     total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
-    optim = config.optim
-    actor_optim = strategy.create_optimizer(actor, lr=optim.actor_learning_rate, betas=tuple(optim.adam_betas),
-                                            weight_decay=optim.l2)
-    actor_scheduler = build_scheduler(actor_optim, optim, optim.actor_learning_rate, total_updates)
-    critic_optim = critic_scheduler = None
-    if critic is not None:
-        critic_optim = strategy.create_optimizer(critic, lr=optim.critic_learning_rate, betas=tuple(optim.adam_betas),
-                                                 weight_decay=optim.l2)
-        critic_scheduler = build_scheduler(critic_optim, optim, optim.critic_learning_rate, total_updates)
-
-    actor, actor_optim, actor_scheduler = strategy.prepare((actor, actor_optim, actor_scheduler))
-    if critic is not None:
-        critic, critic_optim, critic_scheduler = strategy.prepare((critic, critic_optim, critic_scheduler))
-    reward_models = [strategy.prepare(rm) for rm in reward_models]
-    initial_model = strategy.prepare(initial_model) if initial_model is not None else None
-    ema_model = strategy.prepare(ema_model) if ema_model is not None else None
-
+    m = prepare_ppo_models(config, strategy, models, total_updates)
     rollout_engine = None
     if config.rollout.rollout_engine == "vllm" and config.roles.explorer_ranks == 0:  # explorers generate otherwise
         rollout_engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
-
     tracker = build_tracker(config, strategy)
     if config.logging.preview_steps > 0:
         from lightrft.trainer.preview import RolloutPreview
 
         callbacks = [*callbacks, RolloutPreview(every=config.logging.preview_steps)]
     trainer = (trainer_cls or PPOTrainer).from_config(
-        config, strategy, actor, critic, reward_models or None, initial_model, ema_model, actor_optim, critic_optim,
-        actor_scheduler, critic_scheduler, tokenizer=tokenizer, reward_sources=reward_sources,
-        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks, experience_source=experience_source,
-        eos_token_ids=stop_token_ids(tokenizer, model.pretrain))
-
+        config, strategy, m.actor, m.critic, m.reward_models or None, m.initial_model, m.ema_model, m.actor_optim,
+        m.critic_optim, m.actor_scheduler, m.critic_scheduler, tokenizer=tokenizer, reward_sources=reward_sources,
+        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
+        experience_source=experience_source or data_source,
+        eos_token_ids=stop_token_ids(tokenizer, config.model.pretrain))
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)

@@ -244,6 +244,20 @@ class NaiveExperienceMaker(ExperienceBuilder):
         self.eval_calls = 0
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
 
+    @classmethod
+    def for_algorithm(cls, algo, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
+                      kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
+                      rollout_engine, **kwargs) -> "NaiveExperienceMaker":
+        """A maker with the estimator, KL, overlong shaping and truncation options of `algo` (an
+        `AlgorithmConfig`) and the run seed of `strategy`; `kwargs` are the other keywords."""
+        return cls(actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, kl_controller, strategy,
+                   remote_rm_url, reward_fn, rollout_engine=rollout_engine,
+                   advantage_estimator=algo.advantage_estimator, n_samples_per_prompt=algo.n_samples_per_prompt,
+                   kl_estimator=algo.kl_estimator, use_kl_loss=algo.use_kl_loss, gamma=algo.gamma, lambd=algo.lambd,
+                   kl_clamp=algo.kl_clamp, overlong_buffer_len=algo.overlong_buffer_len,
+                   overlong_penalty_factor=algo.overlong_penalty_factor, seed=strategy.config.seed,
+                   mask_truncated_samples=algo.mask_truncated_samples, **kwargs)
+
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
         return encode_rollout_prompts(self.tokenizer, prompts, self.apply_chat_template, self.prompt_max_len)

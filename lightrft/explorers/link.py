@@ -164,7 +164,8 @@ def start_ahead_explorer(args, strategy) -> ExplorerLink:
 
     experience, control = LocalChannel(maxsize=1), LocalChannel()
     tokenizer, engine, module, scorer = explorer_parts(args, strategy.rank)
-    explorer = Explorer(args, experience, control, engine, module, tokenizer, scorer, build_prompt_dataset(args.data, tokenizer),
+    explorer = Explorer(args, experience, control, engine, module, tokenizer, scorer,
+                        build_prompt_dataset(args.data, tokenizer),
                         first_position=strategy.rank, stride=strategy.world_size)
     BackgroundCall(explorer.run)   # its error reaches the trainer as a FAILED message, which raises it
     return _explorer_link(args, experience, control, 1)

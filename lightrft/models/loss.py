@@ -88,6 +88,13 @@ class PolicyLoss(nn.Module):
         loss = aggregate_loss(per_token, mask, self.loss_agg_mode, global_num_tokens, global_num_seqs, norm_len)
         return (loss, metrics) if return_metrics else loss
 
+    @classmethod
+    def from_algorithm(cls, algo) -> "PolicyLoss":
+        """The policy loss of an `AlgorithmConfig` (--policy_loss, clipping, --tis_cap, aggregation)."""
+        return cls(algo.eps_clip, policy_loss=algo.policy_loss,
+                   eps_clip_low_high=algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip), dual_clip=algo.dual_clip,
+                   loss_agg_mode=algo.loss_agg_mode, tis_cap=algo.tis_cap)
+
 
 class ValueLoss(nn.Module):
     """Critic loss: clipped PPO value loss (value_clip=None: unclipped), then `--loss_agg_mode`."""
@@ -119,6 +126,11 @@ class ValueLoss(nn.Module):
         )
         loss = aggregate_loss(per_token, action_mask, self.loss_agg_mode, global_num_tokens, global_num_seqs, norm_len)
         return (loss, metrics) if return_metrics else loss
+
+    @classmethod
+    def from_algorithm(cls, algo) -> "ValueLoss":
+        """The value loss of an `AlgorithmConfig` (--value_clip, aggregation)."""
+        return cls(algo.value_clip, loss_agg_mode=algo.loss_agg_mode)
 
 
 class GPTLMLoss(nn.Module):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.algorithms.aggregation import aggregate_loss
-from lightrft.algorithms.kl import AdaptiveKLController, FixedKLController, compute_approx_kl
+from lightrft.algorithms.kl import compute_approx_kl, make_kl_controller
 from lightrft.builders.engines import build_hf_engine
 from lightrft.config.run import PPORunConfig, plain_options
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
@@ -129,13 +129,8 @@ class PPOTrainer:
                              "--critic_pretrain, or pick a critic-free estimator such as group_norm or reinforce++")
         self.normalize_advantages_globally = estimator.normalize_globally
         algo = self.algo
-        self.kl_ctl = (AdaptiveKLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon) if algo.kl_target
-                       else FixedKLController(algo.init_kl_coef))
-        self.actor_loss_fn = PolicyLoss(algo.eps_clip, policy_loss=algo.policy_loss,
-                                        eps_clip_low_high=algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip),
-                                        dual_clip=algo.dual_clip, loss_agg_mode=algo.loss_agg_mode,
-                                        tis_cap=algo.tis_cap)
-        self.critic_loss_fn = ValueLoss(algo.value_clip, loss_agg_mode=algo.loss_agg_mode)
+        self.kl_ctl = make_kl_controller(algo.init_kl_coef, algo.kl_target or None, algo.kl_horizon)
+        self.actor_loss_fn, self.critic_loss_fn = PolicyLoss.from_algorithm(algo), ValueLoss.from_algorithm(algo)
         self.ptx_loss_fn = GPTLMLoss()
 
         if rollout_engine is None:
@@ -149,15 +144,10 @@ class PPOTrainer:
         bucket_mb = getattr(rollout_engine, "sync_bucket_mb", None) or sync_bucket_mb or 512.0
         self.weight_stream = WeightStream(strategy, actor, bucket_mb)
         self.rollout = RolloutManager.for_actor(rollout_engine, strategy, actor, stream=self.weight_stream)
-        self.experience_maker = NaiveExperienceMaker(
-            actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
+        self.experience_maker = NaiveExperienceMaker.for_algorithm(
+            algo, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
             remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
-            advantage_estimator=algo.advantage_estimator, n_samples_per_prompt=algo.n_samples_per_prompt,
-            kl_estimator=algo.kl_estimator, use_kl_loss=algo.use_kl_loss, gamma=algo.gamma, lambd=algo.lambd,
-            kl_clamp=algo.kl_clamp,
-            micro_rollout_batch_size=micro_rollout_batch_size, overlong_buffer_len=algo.overlong_buffer_len,
-            overlong_penalty_factor=algo.overlong_penalty_factor, seed=strategy.config.seed,
-            apply_chat_template=apply_chat_template, mask_truncated_samples=algo.mask_truncated_samples,
+            micro_rollout_batch_size=micro_rollout_batch_size, apply_chat_template=apply_chat_template,
             eos_token_ids=eos_token_ids)
         self.replay_buffer = NaiveReplayBuffer(micro_train_batch_size, buffer_limit, buffer_cpu_offload,
                                                packing_samples=packing_samples, pad_token_id=tokenizer.pad_token_id)
