@@ -4,7 +4,6 @@ import base64
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from lightrft.rewards.remote import RemoteRewardClient
 from lightrft.serving.http import HTTPSettings
 from lightrft.utils.tiny import save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env
+from tests.serving.test_http import raw
 
 TEXTS = ["user: 2+2?\nassistant: 4", "hi", "a much longer text that needs padding in its batch", "x y z", "Q: ok"]
 
@@ -133,13 +133,7 @@ def test_hostile_queries_get_4xx_naming_the_field(server, direct_scores, body, s
 def raw_reply(url: str, data: bytes) -> tuple[int, dict]:
     """Sends `data` as is; (status, JSON body) of the reply, read until the server closes."""
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(data)
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body)
+    return raw(int(port), data, host=host)
 
 
 def test_bad_content_length_and_type_are_refused_unread(server):

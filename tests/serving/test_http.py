@@ -73,9 +73,9 @@ def call(port, method, path, payload=None, headers=None, body=None, timeout=30):
         conn.close()
 
 
-def raw(port, data: bytes, timeout=10) -> tuple[int, dict]:
+def raw(port, data: bytes, timeout=10, host="127.0.0.1") -> tuple[int, dict]:
     """Sends `data` as is and reads the reply until the server closes: (status, JSON body)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+    with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.sendall(data)
         reply = b""
         while chunk := sock.recv(65536):
