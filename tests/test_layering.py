@@ -91,11 +91,6 @@ def test_a_planted_cycle_is_found(tmp_path, monkeypatch):
 
 
 # ======================================================================= config access below cli/
-# Files being converted to section access by other changes of the same redesign; each leaves this
-# set when its conversion lands (the set is then empty and can go).
-PENDING = {
-    "lightrft/trainer/checkpoint.py", "lightrft/trainer/run_services.py",
-}
 # Names that hold a run config by convention when nothing annotates them otherwise.
 RUN_CONFIG_NAMES = {"args", "config", "run_config"}
 
@@ -233,12 +228,10 @@ def test_no_flat_config_access_below_cli():
     assert {"seed", "train_batch_size", "eval_steps", "rollout_batch_size"} <= flat
     assert not {"optim", "distributed", "to_dict", "updates_per_step"} & flat
     root = PACKAGE.parent
-    stale = sorted(p for p in PENDING if not (root / p).is_file())
-    assert stale == [], "PENDING names files that no longer exist; remove them from the set"
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(root).as_posix()
-        if name.startswith("lightrft/cli/") or name in PENDING:
+        if name.startswith("lightrft/cli/"):
             continue
         reads = flat_config_reads(path, flat, classes)
         if reads:

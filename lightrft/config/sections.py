@@ -16,6 +16,7 @@ from lightrft.algorithms.aggregation import LOSS_AGG_MODES
 from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.config.options import option
+from lightrft.rewards.judge import answer_parser, read_template
 
 
 class ConfigError(ValueError):
@@ -382,12 +383,41 @@ class RewardConfig:
     """Reward sources beside --reward_pretrain."""
 
     remote_rm_url: Optional[str] = option(None, "comma-separated reward sources: http(s) URLs of reward servers, .py "
-                                                "files defining reward_func(queries, prompts, labels), or builtin "
-                                                "rules (math, format)")
+                                                "files defining reward_func(queries, prompts, labels), builtin "
+                                                "rules (math, format), or LLM judges: judge:MODEL_FOLDER or "
+                                                "judge:http(s)://OPENAI_COMPATIBLE_SERVER")
     reward_timeout: float = option(30.0, "seconds per reward request")
     reward_retries: int = option(3, "retries per reward request")
     reward_on_failure: str = option("error", "after the retries: stop the run, or drop the failed samples (counted)",
                                     choices=("error", "drop"))
+    judge_template: Optional[str] = option(None, "text file with an LLM judge's prompt, {prompt}, {response} and "
+                                                 "{label} standing for the sample's ({response} is required); "
+                                                 "default: a built-in 0-10 rubric (docs/rewards.md)")
+    judge_parser: str = option("number:10", "how a judge's answer becomes the reward: number (the first number in "
+                                            "it), number:MAX (that number clamped to [0, MAX], divided by MAX), "
+                                            "verdict (yes/correct/true/pass 1, no/incorrect/false/fail 0) or "
+                                            "regex:PATTERN (the number in the pattern's one group)")
+    judge_max_new_tokens: int = option(32, "most tokens a judge's answer may have (greedy decoding)")
+    judge_batch_size: int = option(8, "judge inputs per generate call (a judge model folder) or requests in flight "
+                                      "(a judge URL)")
+    judge_model: Optional[str] = option(None, "model name a judge URL's requests carry (default: none; the server "
+                                              "answers with the model it serves)")
+
+    def __post_init__(self):
+        check_positive(self, "judge_max_new_tokens", "judge_batch_size")
+        try:
+            answer_parser(self.judge_parser)
+        except ValueError as err:
+            raise ConfigError(f"--judge_parser {self.judge_parser!r}: {err}") from None
+        if self.judge_template is not None:
+            try:
+                read_template(self.judge_template)
+            except ValueError as err:
+                raise ConfigError(f"--judge_template {err}") from None
+            specs = [s.strip() for s in (self.remote_rm_url or "").split(",")]
+            if not any(s.startswith("judge:") for s in specs):
+                raise ConfigError("--judge_template is set but --remote_rm_url names no judge; add "
+                                  "judge:MODEL_FOLDER_OR_URL to --remote_rm_url, or drop --judge_template")
 
 
 @dataclass(frozen=True)

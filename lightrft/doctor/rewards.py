@@ -3,7 +3,10 @@
 For each: what type it returns, how many scores (must be one per sample), whether they are finite
 numbers, whether a source that drops failures (`--reward_on_failure drop`) dropped any, their
 range, and the latency of a whole-batch call (p50 / p90 / max). A call near `--reward_timeout`
-is a warning: in training it would time out whenever the grader is a little slower."""
+is a warning: in training it would time out whenever the grader is a little slower (a judge model
+on the rank has no timeout, so it gets no such warning). A source's counters over the check's calls
+(`source.stats`: a server's requests and retries, a judge's cache hits and unparsed answers) are
+in its figures under "stats"."""
 
 import logging
 import time
@@ -35,11 +38,20 @@ def captured_warnings(logger_name: str = "lightrft.rewards"):
 
 
 def source_names(remote_rm_url: str | None, sources: list) -> list[str]:
-    """A name per reward source: its --remote_rm_url entry (URLs without credentials), else its repr."""
+    """A name per reward source: its --remote_rm_url entry (URLs, judge URLs included, without
+    credentials), else its repr."""
     specs = [s.strip() for s in (remote_rm_url or "").split(",") if s.strip()]
     if len(specs) != len(sources):
         return [repr(s) for s in sources]
-    return [redact_url(s) if s.startswith(("http://", "https://")) else s for s in specs]
+    return [shown_spec(s) for s in specs]
+
+
+def shown_spec(spec: str) -> str:
+    """A --remote_rm_url entry as it may be shown: `http://user:pw@host` as `http://***@host`,
+    `judge:http://...` likewise."""
+    prefix = "judge:" if spec.startswith("judge:") else ""
+    target = spec[len(prefix):]
+    return prefix + redact_url(target) if target.startswith(("http://", "https://")) else spec
 
 
 def describe(output) -> str:
@@ -49,9 +61,27 @@ def describe(output) -> str:
 
 
 def score_source(source, batch: int, call, calls: int) -> dict:
-    """Calls `call()` up to `calls` times; stops at the first failure. Returns the figures."""
+    """Calls `call()` up to `calls` times; stops at the first failure. Returns the figures, with
+    the source's counters over these calls under "stats" when it keeps them (`source.stats`:
+    requests, timeouts, a judge's cache hits and unparsed answers ...)."""
     figures = {"latencies": [], "type": "-", "count": None, "finite": None, "dropped": 0, "error": None,
                "min": float("nan"), "mean": float("nan"), "max": float("nan"), "distinct": 0}
+    before = counters(source)
+    try:
+        measure(figures, batch, call, calls)
+    finally:
+        if before is not None:
+            figures["stats"] = {k: v - before[k] for k, v in counters(source).items()}
+    return figures
+
+
+def counters(source) -> dict | None:
+    stats = getattr(source, "stats", None)
+    return stats.as_dict() if hasattr(stats, "as_dict") else None
+
+
+def measure(figures: dict, batch: int, call, calls: int) -> None:
+    """`score_source`'s calls, recorded in `figures`."""
     for _ in range(calls):
         started = time.perf_counter()
         with captured_warnings() as warnings:
@@ -60,7 +90,7 @@ def score_source(source, batch: int, call, calls: int) -> dict:
             except Exception as err:            # the check reports any failure of user code
                 figures["error"] = f"{type(err).__name__}: {err}"
                 figures["latencies"].append(time.perf_counter() - started)
-                return figures
+                return
         figures["latencies"].append(time.perf_counter() - started)
         figures["type"] = describe(output)
         if hasattr(output, "valid"):
@@ -71,14 +101,13 @@ def score_source(source, batch: int, call, calls: int) -> dict:
             scores = torch.as_tensor(output, dtype=torch.float32).detach().cpu().reshape(-1)
         except (TypeError, ValueError, RuntimeError) as err:
             figures["error"] = f"returned {describe(output)}, not numbers ({err})"
-            return figures
+            return
         finite = torch.isfinite(scores)
         figures.update(count=scores.numel(), finite=bool(finite.all()), nonfinite=int((~finite).sum()))
         if scores.numel() != batch or not finite.all():
-            return figures
+            return
         figures.update(min=scores.min().item(), mean=scores.mean().item(), max=scores.max().item(),
                        distinct=len(set(scores.tolist())))
-    return figures
 
 
 def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) -> CheckResult:
@@ -107,7 +136,8 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
         result.rows.append((name, figures["type"], f"{count}/{batch}", finite,
                             f"{figures['min']:.3g} / {figures['mean']:.3g} / {figures['max']:.3g}",
                             f"{figures['p50']:.3f} / {figures['p90']:.3f} / {figures['latency_max']:.3f}"))
-        judge_source(result, name, figures, batch, config.rewards.reward_timeout)
+        # A judge model on this rank has no timeout (None): its calls are bounded by its answer length.
+        judge_source(result, name, figures, batch, getattr(source, "timeout", config.rewards.reward_timeout))
     if not result.findings:
         result.add("PASS", f"{len(entries)} reward source(s) return {batch} finite scores per call")
     return result
@@ -121,7 +151,7 @@ def reward_model_scores(run, model, rollout) -> torch.Tensor:
                       for i in range(0, rollout.sequences.size(0), micro)])
 
 
-def judge_source(result: CheckResult, name: str, f: dict, batch: int, timeout: float) -> None:
+def judge_source(result: CheckResult, name: str, f: dict, batch: int, timeout: float | None) -> None:
     if f["error"]:
         result.add("FAIL", f"{name}: {f['error']}")
         return
@@ -134,7 +164,7 @@ def judge_source(result: CheckResult, name: str, f: dict, batch: int, timeout: f
     if f["dropped"]:
         reasons = "; ".join(f.get("drop_reasons") or []) or "see the warnings above"
         result.add("FAIL", f"{name}: dropped {f['dropped']} samples under --reward_on_failure drop ({reasons})")
-    if not name.startswith("reward model") and f["latency_max"] > SLOW_SHARE * timeout:
+    if not name.startswith("reward model") and timeout is not None and f["latency_max"] > SLOW_SHARE * timeout:
         result.add("WARN", f"{name}: a call took {f['latency_max']:.2f} s, over {SLOW_SHARE:.0%} of --reward_timeout "
                            f"{timeout:g}; raise --reward_timeout or speed the source up")
     if f["count"] == batch and f["finite"] and f["distinct"] == 1 and batch > 1:

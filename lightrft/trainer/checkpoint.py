@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from lightrft.config.run import plain_options
+
 
 def capture_rng_state() -> dict:
     """This rank's RNG states as plain Python and tensors (loadable with `weights_only=True`)."""
@@ -53,7 +55,8 @@ def check_resume_options(saved: Mapping[str, Any], current: Mapping[str, Any], s
 
 
 def pinned_options(args: Any, names: tuple[str, ...]) -> dict:
-    """The values of the named flags on `args` (missing ones skipped; tuples as lists, as a
-    checkpoint stores them), for `check_resume_options`."""
-    return {name: list(value) if isinstance(value, tuple) else value
-            for name in names if hasattr(args, name) for value in [getattr(args, name)]}
+    """The values of the named flags of `args` (a run config, or an argparse namespace of its
+    flags; missing ones skipped; tuples as lists, as a checkpoint stores them), for
+    `check_resume_options`."""
+    options = plain_options(args)
+    return {name: options[name] for name in names if name in options}

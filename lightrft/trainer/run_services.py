@@ -194,12 +194,12 @@ class RunServices:
 
 
 def check_resume_before_start(ckpt_path: Optional[str], args: Any) -> None:
-    """When `args.load_checkpoint` asks to resume: refuses (ValueError naming every changed flag)
+    """When `args.checkpoint.load_checkpoint` (`args` a run config) asks to resume: refuses (ValueError naming every changed flag)
     a resume whose pinned options differ from the checkpoint's, before the run writes its
     run_config.yaml or builds anything. The checkpoint is the one a resume picks in `ckpt_path` or
     in one of its folders (e.g. `_actor`), read as `RunServices.load` reads it but without hashing
     its files (`RunServices.load` does that, and checks the options again). Rank 0 only."""
-    if not getattr(args, "load_checkpoint", None) or not ckpt_path or not os.path.isdir(ckpt_path):
+    if not args.checkpoint.load_checkpoint or not ckpt_path or not os.path.isdir(ckpt_path):
         return
     root = Path(ckpt_path)
     for folder in (root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))):
