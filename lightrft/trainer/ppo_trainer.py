@@ -1,13 +1,10 @@
 """PPOTrainer: the PPO / GRPO / REINFORCE++ / RLOO loop.
 
-One step = one batch of experience from the experience source (`lightrft.experience.sources`):
-the replay buffer takes it, `max_epochs` passes of micro-batches go through the policy (and value)
-loss, the KL controller follows the observed KL, and the loop logs and saves when due. `fit` reads
-top to bottom and `step` is the named step the doctor runs too. The class is in three files by
-role: this one (construction, the loop, the step, logs, evaluation), `ppo_update.py` (the PPO
-epochs and losses of one batch) and `ppo_checkpoints.py` (what a checkpoint holds, resume); every
-method is meant to be overridden by research code. Checkpoint writing, preemption and the
-non-finite guard are the run services shared with SFT and RM (`run_services.py`).
+One step = one batch from the experience source (`lightrft.experience.sources`) through `step`:
+the replay buffer, `max_epochs` PPO passes, the KL controller; then logs and saves when due. The
+class spans three files by role: this one (construction, `fit`, `step`, logs, evaluation),
+`ppo_update.py` (the epochs and losses of one batch) and `ppo_checkpoints.py` (checkpoints and
+resume); every method is meant to be overridden by research code.
 """
 
 import dataclasses
@@ -82,19 +79,13 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.reward_model, self.initial_model, self.ema_model = reward_model, initial_model, ema_model
         self.actor_optim, self.critic_optim = actor_optim, critic_optim
         self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
-        self.ema_beta = ema_beta
-        self.micro_train_batch_size = micro_train_batch_size
-        self.max_epochs = max_epochs
-        self.max_norm = max_norm
-        self.tokenizer = tokenizer
-        self.prompt_max_len = prompt_max_len
-        self.dataloader_pin_memory = dataloader_pin_memory
+        self.ema_beta, self.max_epochs, self.max_norm = ema_beta, max_epochs, max_norm
+        self.micro_train_batch_size, self.dataloader_pin_memory = micro_train_batch_size, dataloader_pin_memory
+        self.tokenizer, self.prompt_max_len = tokenizer, prompt_max_len
         self.save_hf_ckpt, self.disable_ds_ckpt = save_hf_ckpt, disable_ds_ckpt
         self.gradient_checkpointing = gradient_checkpointing
-        self.generate_kwargs = generate_kwargs
-        self.eval_generate_kwargs = eval_generate_kwargs or {}
-        self.callbacks = CallbackList(callbacks)
-        self.tracker = tracker
+        self.generate_kwargs, self.eval_generate_kwargs = generate_kwargs, eval_generate_kwargs or {}
+        self.callbacks, self.tracker = CallbackList(callbacks), tracker
         # Every step checks that the engine samples from the trained weights (`lightrft.rollout.checks`).
         self.engine_gap = EngineGapCheck(engine_gap_tolerance(strategy.config.bf16)[0]
                                          if engine_logprob_gap_threshold is None else engine_logprob_gap_threshold,
