@@ -3,7 +3,7 @@
     tokenizer        build_tokenizer, stop_token_ids
     models           policy_model_kwargs (actor, reference, EMA and explorer copies alike)
     engines          build_vllm_engine, build_hf_engine
-    rewards          build_reward_sources (HTTP servers, reward files, builtin rules)
+    rewards          build_reward_sources (HTTP servers, reward files, builtin rules, LLM judges)
     datasets         build_prompt_dataset
     training         build_scheduler, build_tracker (PPO, SFT and RM runs)
     ppo_run          build_strategy, PPORun, build_ppo_run (the whole PPO run: models, data, trainer),

@@ -50,7 +50,7 @@ from lightrft.rewards.base import FailurePolicySource, RewardResult, RewardSourc
 # The URL judge sends its requests through the reward-server client's request code (a deadline on
 # the whole request, a cap on the answer's size, redirects refused, retries with backoff) rather
 # than a second HTTP client.
-from lightrft.rewards.remote import FLOAT32_MAX, RemoteRewardClient, _ChunkFailure, redact_url
+from lightrft.rewards.remote import FLOAT32_MAX, RemoteRequestFailure, RemoteRewardClient, redact_url
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.hf_engine import HFEngine
 
@@ -410,11 +410,9 @@ class OpenAIJudge:
             body["model"] = self.model
         client = self._idle.get()
         try:
-            raw = client._post_with_retries(json.dumps(body).encode())
-        except _ChunkFailure as failure:
-            # remote.py words every deadline failure "... within timeout=...".
-            reason = str(failure)
-            return JudgeAnswer(None, reason, "timeouts" if "within timeout=" in reason else "errors")
+            raw = client.post_with_retries(json.dumps(body).encode())
+        except RemoteRequestFailure as failure:
+            return JudgeAnswer(None, str(failure), "timeouts" if failure.timed_out else "errors")
         finally:
             self._idle.put(client)
         try:
@@ -451,7 +449,7 @@ class JudgeSource(FailurePolicySource):
         self.timeout = judge.timeout
         self.template = template
         self.parser = parser
-        self.parse = answer_parser(parser)
+        self._score_of = answer_parser(parser)
         self.on_failure = on_failure
         self.stats = JudgeStats()
 
@@ -474,15 +472,16 @@ class JudgeSource(FailurePolicySource):
         self._count(len(inputs), len(distinct))
         scores, failures = {}, {}
         for text, answer in answers.items():
-            score = None if answer.text is None else self.parse(answer.text)
+            score = None if answer.text is None else self._score_of(answer.text)
             if score is not None:
                 scores[text] = score
                 continue
             if answer.text is None:
-                counter, failures[text] = answer.counter, answer.failure
+                counter, reason = answer.counter, answer.failure
             else:
                 counter = "unparsed"
-                failures[text] = f"the answer {snippet(answer.text)} holds no score for --judge_parser {self.parser}"
+                reason = f"the answer {snippet(answer.text)} holds no score for --judge_parser {self.parser}"
+            failures[text] = reason
             setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         rewards = torch.tensor([scores.get(t, 0.0) for t in inputs], dtype=torch.float32)
         valid = torch.tensor([t in scores for t in inputs], dtype=torch.bool)
@@ -506,7 +505,7 @@ class JudgeSource(FailurePolicySource):
         if self.on_failure == "error":
             raise RewardSourceError(reason + " (--reward_on_failure error; 'drop' trains on without these samples)")
         self.stats.dropped += len(failed)
-        others = f" and {len(failures) - 1} more judge inputs" if len(failures) > 1 else ""
+        others = f" (and {len(failures) - 1} more failed judge inputs)" if len(failures) > 1 else ""
         logger.warning("%s%s; dropping %d of %d samples (--reward_on_failure drop)", reason, others, len(failed),
                        len(inputs))
 

@@ -87,8 +87,13 @@ class RemoteRewardStats:
         return asdict(self)
 
 
-class _ChunkFailure(Exception):
-    """One chunk got no scores; the message is safe to show (no credentials)."""
+class RemoteRequestFailure(Exception):
+    """A request to a reward or judge server got no usable answer; the message is safe to show (no
+    credentials). `timed_out` tells a deadline from other failures."""
+
+    def __init__(self, message: str, timed_out: bool = False):
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class RemoteRewardClient(FailurePolicySource):
@@ -174,7 +179,7 @@ class RemoteRewardClient(FailurePolicySource):
                 payload["truncated"] = [bool(t) for t in truncated[start:end]]
             try:
                 scores = self._score_chunk(payload)
-            except _ChunkFailure as failure:
+            except RemoteRequestFailure as failure:
                 self._fail(f"queries {start}..{end - 1}: {failure}", end - start)
                 continue
             usable = [is_finite_number(s) and abs(s) <= FLOAT32_MAX for s in scores]
@@ -204,48 +209,52 @@ class RemoteRewardClient(FailurePolicySource):
         except (TypeError, ValueError) as err:
             raise RewardSourceError(f"reward server {self.url}: labels and prompts must be JSON-serialisable "
                                     f"({err})") from None
-        answer = self._post_with_retries(body)
+        answer = self.post_with_retries(body)
         try:
             data = json.loads(answer, parse_int=_json_int)
         except RecursionError:
-            raise _ChunkFailure("the answer nests lists or objects too deeply to parse (a reward answer is "
+            raise RemoteRequestFailure("the answer nests lists or objects too deeply to parse (a reward answer is "
                                 "a flat list of numbers)") from None
         except ValueError as err:
-            raise _ChunkFailure(f"the answer is not JSON: {_snippet(answer)} ({err})") from None
+            raise RemoteRequestFailure(f"the answer is not JSON: {_snippet(answer)} ({err})") from None
         if isinstance(data, dict):
             key = next((k for k in ("rewards", "scores") if k in data), None)
             if key is None:
-                raise _ChunkFailure(f"the answer has no 'rewards' (or 'scores') entry; keys: {sorted(data)[:10]}")
+                raise RemoteRequestFailure(f"the answer has no 'rewards' (or 'scores') entry; "
+                                           f"keys: {sorted(data)[:10]}")
             data = data[key]
         if not isinstance(data, list):
-            raise _ChunkFailure(f"the rewards must be a JSON list, got {type(data).__name__}")
+            raise RemoteRequestFailure(f"the rewards must be a JSON list, got {type(data).__name__}")
         expected = len(payload["query"])
         if len(data) != expected:
-            raise _ChunkFailure(f"{len(data)} scores returned for {expected} queries")
+            raise RemoteRequestFailure(f"{len(data)} scores returned for {expected} queries")
         for i, score in enumerate(data):
             if score is not None and (isinstance(score, bool) or not isinstance(score, (int, float))):
-                raise _ChunkFailure(f"score {i} is not a number: {_describe(score)}")
+                raise RemoteRequestFailure(f"score {i} is not a number: {_describe(score)}")
         return data
 
-    def _post_with_retries(self, body: bytes) -> bytearray:
+    def post_with_retries(self, body: bytes) -> bytearray:
+        """POSTs `body` with the client's retries, deadline, size cap and redirect refusal; the answer's
+        bytes, or `RemoteRequestFailure` after the last attempt."""
         attempt = 0
         while True:
             self.stats.requests += 1
+            timed_out = False
             try:
                 return self._post(body)
             except urllib.error.HTTPError as err:
                 cause = self._http_error(err)
             except TimeoutError:
                 cause = f"no answer within timeout={self.timeout}s (the whole answer must arrive within it)"
+                timed_out = True
             except urllib.error.URLError as err:
-                if isinstance(err.reason, TimeoutError):
-                    cause = f"no connection within timeout={self.timeout}s"
-                else:
-                    cause = f"connection failed: {err.reason}"
+                timed_out = isinstance(err.reason, TimeoutError)
+                cause = (f"no connection within timeout={self.timeout}s" if timed_out
+                         else f"connection failed: {err.reason}")
             except (ConnectionError, http.client.HTTPException, OSError) as err:
                 cause = f"connection error: {type(err).__name__}: {err}"
             if attempt == self.max_retries:
-                raise _ChunkFailure(f"{cause} (gave up after {attempt + 1} attempts)")
+                raise RemoteRequestFailure(f"{cause} (gave up after {attempt + 1} attempts)", timed_out)
             self.stats.retries += 1
             wait = retry_wait(attempt, self.backoff, self.max_backoff, self._jitter)
             logger.warning("reward server %s: %s; retry %d/%d in %.2fs", self.url, cause, attempt + 1,
@@ -261,27 +270,27 @@ class RemoteRewardClient(FailurePolicySource):
             cap = self.max_response_bytes
             declared = response.headers.get("Content-Length", "")
             if declared.isascii() and declared.isdigit() and int(declared) > cap:
-                raise _ChunkFailure(f"the answer is {int(declared)} bytes, over max_response_bytes={cap}; "
+                raise RemoteRequestFailure(f"the answer is {int(declared)} bytes, over max_response_bytes={cap}; "
                                     "refused unread (is the URL a reward server?)")
             answer = bytearray()
             while block := response.read(READ_BLOCK_BYTES):
                 answer += block
                 if len(answer) > cap:
-                    raise _ChunkFailure(f"the answer is over max_response_bytes={cap}; refused after reading "
+                    raise RemoteRequestFailure(f"the answer is over max_response_bytes={cap}; refused after reading "
                                         f"{len(answer)} bytes (is the URL a reward server?)")
             return answer
 
     def _http_error(self, err: urllib.error.HTTPError) -> str:
-        """The retryable cause of a non-2xx answer; raises `_ChunkFailure` for a permanent one."""
+        """The retryable cause of a non-2xx answer; raises `RemoteRequestFailure` for a permanent one."""
         with err:
             if 300 <= err.code < 400:
                 target = _redirect_target(self._request_url, err.headers.get("Location"))
-                raise _ChunkFailure(f"HTTP {err.code} redirect to {target}: redirects are not followed (the "
+                raise RemoteRequestFailure(f"HTTP {err.code} redirect to {target}: redirects are not followed (the "
                                     f"request and its credentials go to {self.url} only); if the server moved, "
                                     "give its new URL (--remote_rm_url)")
             detail = _snippet(_read_error_body(err))
             if err.code < 500 and err.code != RETRYABLE_STATUS:
-                raise _ChunkFailure(f"HTTP {err.code} {err.reason}: {detail} (client errors are not retried)")
+                raise RemoteRequestFailure(f"HTTP {err.code} {err.reason}: {detail} (client errors are not retried)")
             return f"HTTP {err.code} {err.reason}: {detail}"
 
 
