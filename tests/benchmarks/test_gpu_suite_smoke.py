@@ -1,0 +1,117 @@
+"""benchmarks/gpu_suite.py, the one-command GPU benchmark, kept from rotting: its `--smoke` mode runs
+every section end to end on the CPU (tiny shapes, float32, ZeRO-2/3 on one gloo rank) and must
+report finite, positive figures under the keys the GPU run fills in. Speed is never asserted.
+The FLOPs count behind MFU and the card table are checked on hand-computed numbers."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from transformers import Qwen2Config
+
+from tests.conftest import REPO_ROOT, subprocess_env
+
+SUITE = REPO_ROOT / "benchmarks" / "gpu_suite.py"
+
+
+@pytest.fixture(scope="module")
+def suite():
+    """The suite's module, for its pure functions (importing it runs nothing)."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite") / "suite.json"
+    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--json", str(out)], cwd=REPO_ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (f"gpu_suite --smoke exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
+                                  f"{proc.stderr[-6000:]}")
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_actor_update_under_zero2_and_zero3_reports_achieved_flops(smoke):
+    results, _ = smoke
+    assert results["mode"] == "smoke" and results["dtype"] == "float32" and results["failed_sections"] == []
+    assert results["peak_tflops"] is None            # no CPU peak table: no MFU
+    for stage in (2, 3):
+        fig = results["actor_update"][f"zero{stage}"]
+        assert fig["zero_stage"] == stage and fig["timed_steps"] == results["sizes"]["update_steps"]
+        for key in ("step_seconds", "tokens_per_s", "achieved_tflops", "model_tflop_per_step", "params",
+                    "non_embedding_params"):
+            assert positive(fig[key]), (stage, key, fig[key])
+        assert fig["mfu"] is None
+        assert fig["micro_batches_per_step"] == results["sizes"]["micro_batches"]
+        # Packed micro-batches of prompts + responses, each within the token budget.
+        assert 0 < fig["action_tokens_per_step"] < fig["tokens_per_step"] <= fig["micro_batches_per_step"] * \
+            results["sizes"]["micro_tokens"]
+        assert fig["tokens_per_s"] == pytest.approx(fig["tokens_per_step"] / fig["step_seconds"])
+        assert fig["achieved_tflops"] == pytest.approx(fig["model_tflop_per_step"] / fig["step_seconds"])
+    # Both stages train the same model on the same batches: the same work per step.
+    zero2, zero3 = results["actor_update"]["zero2"], results["actor_update"]["zero3"]
+    assert zero2["model_tflop_per_step"] == zero3["model_tflop_per_step"] and zero2["params"] == zero3["params"]
+
+
+def test_rollout_sync_and_grpo_step_report_their_figures(smoke):
+    results, stdout = smoke
+    sizes = results["sizes"]
+    hf = results["rollout"]["hf"]
+    assert positive(hf["tokens_per_s"]) and positive(hf["seconds_per_call"])
+    # min_new_tokens = max_new_tokens: every sample decodes exactly that many tokens.
+    assert hf["generated_tokens"] == sizes["rollout_prompts"] * sizes["rollout_n"] * sizes["rollout_new_tokens"]
+    assert "CUDA only" in results["rollout"]["vllm"]["skipped"]
+
+    sync = results["weight_sync"]
+    # Every float32 parameter of the ZeRO-3 actor moved once (the tied LM head is the embedding).
+    assert sync["bytes"] == 4 * results["actor_update"]["zero3"]["params"]
+    assert positive(sync["copy"]["seconds"]) and positive(sync["copy"]["seconds_per_gb"]) and sync["buckets"] >= 1
+    assert "skipped" in sync["vllm"]
+
+    grpo = results["grpo_step"]
+    assert grpo["model"].startswith("tiny random") and grpo["engine"] == "hf"
+    assert grpo["samples_per_step"] == sizes["grpo_prompts"] * sizes["grpo_group"]
+    assert positive(grpo["step_seconds"]) and positive(grpo["samples_per_s"])
+    assert set(grpo["phases_seconds"]) == {"generate", "reward", "experience", "train"}
+    assert all(positive(v) for v in grpo["phases_seconds"].values()), grpo["phases_seconds"]
+
+    assert set(results["memory"]) == {"update ZeRO-2", "update ZeRO-3", "weight sync", "rollout HF",
+                                      "grpo rollout (step 2)", "grpo train (step 2)"}
+    for phase, fig in results["memory"].items():
+        assert positive(fig["peak_gib"]) and positive(fig["seconds"]) and fig["device_used_gib"] is None, phase
+    for row in ("update ZeRO-2", "update ZeRO-3", "rollout HF", "sync gather+copy", "GRPO step"):
+        assert f"\n{row}" in stdout
+
+
+def test_training_flops_match_the_hand_count(suite):
+    # hidden 4, 2 heads of 2, 1 KV head, MLP 6, 1 layer, vocabulary 10; sequences of 3 and 2 tokens,
+    # one action each. Decoder matmul weights: q 4x4 + k, v 2 x 4x2 + o 4x4 + MLP 3 x 4x6 = 120.
+    config = Qwen2Config(hidden_size=4, num_attention_heads=2, num_key_value_heads=1, intermediate_size=6,
+                         num_hidden_layers=1, vocab_size=10)
+    forward = 2 * 120 * 5 + 2 * 4 * (3 * 3 + 2 * 2) + 2 * 4 * 10 * 2     # weights, causal attention, LM head
+    assert suite.training_flops(config, [3, 2], [1, 1]) == 3 * forward == 4392
+    # Qwen2.5-0.5B: 24 layers of 14.9M matmul weights = the model card's 0.36B non-embedding parameters.
+    qwen = Qwen2Config(**suite.QWEN25_05B)
+    per_token = 6 * 24 * (896 * 896 * 2 + 2 * 896 * 128 + 3 * 896 * 4864)
+    assert per_token == 6 * 357_826_560
+    assert suite.training_flops(qwen, [1], [0]) == per_token + 6 * 24 * 896
+    assert suite.training_flops(qwen, [1], [1]) == per_token + 6 * 24 * 896 + 6 * 896 * 151936
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", 312.0), ("NVIDIA A10", 125.0), ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0),
+    ("NVIDIA L40", 181.0), ("Tesla V100-SXM2-16GB", None), ("NVIDIA A10G", None),
+])
+def test_peak_table_matches_device_names(suite, name, tflops):
+    assert suite.peak_tflops(name) == tflops
