@@ -42,6 +42,7 @@ from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.hf_export import export_hf_folder
 from lightrft.explorers.explorer import load_named_weights
 from lightrft.explorers.link import ExplorerLink
+from lightrft.rollout.manager import WeightStream
 from lightrft.explorers.weights import WeightSubscriber
 from lightrft.explorers.roles import ControlChannel
 from lightrft.utils.toy import write_jsonl
@@ -169,13 +170,14 @@ def test_an_explorer_loads_exactly_the_published_weights(smollm2, moved_actor, p
     subscriber = WeightSubscriber(ControlChannel(explorer_group), explorer_index=0)
     link = ExplorerLink(None, ControlChannel(trainer_group), 1, RolesConfig(explorer_ranks=1, sync_method=method),
                         str(tmp_path / "explorer_weights"), timeout_s=60.0)
-    trainer = SimpleNamespace(strategy=DeepspeedStrategy(StrategyConfig()), actor=moved_actor, global_step=3,
-                              args=SimpleNamespace(vllm_sync_bucket_mb=64))
+    # What the trainer hands its experience source: the actor's weight stream (64 MB buckets).
+    link.context = SimpleNamespace(weight_buckets=WeightStream(DeepspeedStrategy(StrategyConfig()), moved_actor,
+                                                               64).buckets)
     explorer = ActorLanguage(smollm2).model.eval()
     expected = moved_actor.model.state_dict()
     assert max((explorer.state_dict()[name] - t).abs().max().item() for name, t in expected.items()) > 1e-3
     try:
-        link.publish(trainer)
+        link.publish(3)                 # version 3: the trainer's step
         subscriber.wait(lambda: subscriber.newest() >= 0)
         version, named = subscriber.take(3)
         load_named_weights(explorer, named)
