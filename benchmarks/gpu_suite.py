@@ -71,6 +71,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from lightrft.doctor.memory import reset_peak_rss  # noqa: E402
 from lightrft.models import ActorLanguage  # noqa: E402
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams  # noqa: E402
 from lightrft.rollout.manager import WeightStream  # noqa: E402
@@ -190,24 +191,15 @@ class MemoryProbe:
         if self.cuda:
             self.kind = "CUDA: torch.cuda.max_memory_allocated per phase; device memory in use at its end"
         else:
-            self.kind = "CPU: peak resident set (VmHWM) per phase" if self._reset_rss() else \
+            self.kind = "CPU: peak resident set (VmHWM) per phase" if reset_peak_rss() else \
                 "CPU: peak resident set since the process started (could not reset it per phase)"
-
-    @staticmethod
-    def _reset_rss() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
 
     def reset(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            self._reset_rss()
+            reset_peak_rss()
 
     def peak_gib(self) -> float:
         if self.cuda:

@@ -28,14 +28,14 @@ class MemoryProbe:
 
     def __init__(self):
         self.cuda = torch.cuda.is_available()
-        self.resettable = self.cuda or _clear_refs()
+        self.resettable = self.cuda or reset_peak_rss()
 
     def reset(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         else:
-            self.resettable = _clear_refs()
+            self.resettable = reset_peak_rss()
 
     def peak_gib(self) -> float:
         if self.cuda:
@@ -47,7 +47,9 @@ class MemoryProbe:
         return hwm / 2**20
 
 
-def _clear_refs() -> bool:
+def reset_peak_rss() -> bool:
+    """Resets this process's peak resident set (VmHWM) to its current size, where Linux allows it
+    (`/proc/self/clear_refs`); False where it cannot, when the peak is the process's whole life's."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
