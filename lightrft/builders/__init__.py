@@ -1,7 +1,8 @@
 """One builder per component of a run, each reading its own config section.
 
     tokenizer        build_tokenizer, stop_token_ids
-    models           policy_model_kwargs (actor, reference, EMA and explorer copies alike)
+    models           policy_model_kwargs (actor, reference, EMA and explorer copies alike),
+                     build_scoring_policy (the KL reference and the distillation teacher)
     engines          build_vllm_engine, build_hf_engine
     rewards          build_reward_sources (HTTP servers, reward files, builtin rules, LLM judges)
     datasets         build_prompt_dataset
@@ -20,6 +21,7 @@ _HOMES = {
     "build_tokenizer": "lightrft.builders.tokenizer",
     "stop_token_ids": "lightrft.builders.tokenizer",
     "policy_model_kwargs": "lightrft.builders.models",
+    "build_scoring_policy": "lightrft.builders.models",
     "build_vllm_engine": "lightrft.builders.engines",
     "build_hf_engine": "lightrft.builders.engines",
     "build_reward_sources": "lightrft.builders.rewards",

@@ -14,7 +14,7 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
                                kv_cache_gb=rollout.vllm_kv_cache_gb,
                                enable_sleep={"auto": None, "on": True, "off": False}[rollout.vllm_enable_sleep],
-                               sync_bucket_mb=rollout.vllm_sync_bucket_mb,
+                               sync_bucket_mb=rollout.vllm_sync_bucket_mb, weight_sync=rollout.weight_sync,
                                **({"tensor_parallel_size": rollout.vllm_tensor_parallel_size}
                                   if rollout.vllm_tensor_parallel_size != 1 else {}),
                                # a LoRA actor syncs only its adapter (RolloutManager.for_actor)

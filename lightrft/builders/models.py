@@ -10,3 +10,14 @@ def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -
     return dict(bf16=distributed.bf16, attn_implementation=model.attn_implementation,
                 trust_remote_code=model.trust_remote_code, disable_dropout=not model.keep_dropout,
                 packing_samples=model.packing_samples)
+
+
+def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float):
+    """A frozen policy that scores the actor's sampled tokens with its own log-probs: the KL
+    reference (`--pretrain`) and the distillation teacher (`--teacher_pretrain`) alike. It takes
+    the actor's precision, attention, packing and sampling temperature, so its log-probs compare
+    with the actor's; built inside `strategy.zero3_init_context()` it is partitioned under ZeRO-3,
+    and `strategy.prepare` serves it as a frozen module (`--ref_reward_offload` keeps it on the CPU)."""
+    from lightrft.models import ActorLanguage
+
+    return ActorLanguage(path, temperature=temperature, **policy_model_kwargs(model, distributed))

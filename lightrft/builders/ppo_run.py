@@ -2,9 +2,10 @@
 
 from dataclasses import dataclass, field
 
+from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_vllm_engine
-from lightrft.builders.models import policy_model_kwargs
+from lightrft.builders.models import build_scoring_policy, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.builders.training import build_scheduler, build_tracker
@@ -69,6 +70,7 @@ class PPOModels:
     reward_models: list = field(default_factory=list)
     initial_model: object = None      # the reference policy of the KL term
     ema_model: object = None
+    teacher_model: object = None      # the teacher of on-policy distillation (--teacher_pretrain)
     actor_optim: object = None
     critic_optim: object = None
     actor_scheduler: object = None
@@ -76,11 +78,14 @@ class PPOModels:
 
 
 def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
-    """The actor, critic, reward models, reference and EMA copy of the model section, built
-    partitioned under ZeRO-3 (nothing changes for other stages); not prepared yet."""
+    """The actor, critic, reward models, reference, EMA copy and distillation teacher of the model
+    section, built partitioned under ZeRO-3 (nothing changes for other stages); not prepared yet.
+    A teacher whose tokenizer is not the actor's is refused before any weight loads."""
     from lightrft.models import ActorLanguage, Critic, RewardModel
 
     model = config.model
+    if model.teacher_pretrain:
+        check_teacher(model)
     model_kwargs = policy_model_kwargs(model, config.distributed)
     temperature = config.rollout.temperature
     with strategy.zero3_init_context():
@@ -97,9 +102,27 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
         if config.algorithm.init_kl_coef > 0:
             # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
             initial_model = (actor.adapter_disabled() if model.lora_rank > 0
-                             else ActorLanguage(model.pretrain, temperature=temperature, **model_kwargs))
+                             else build_scoring_policy(model.pretrain, model, config.distributed, temperature))
         ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
-    return PPOModels(actor, critic, reward_models, initial_model, ema_model)
+        # The teacher is served like the reference: same builder, sharding, offload and packing.
+        teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature)
+                         if model.teacher_pretrain else None)
+    return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
+
+
+def check_teacher(model) -> None:
+    """Refuses a --teacher_pretrain folder without a tokenizer, or with another tokenizer than
+    --pretrain's (`lightrft.models.teacher.check_teacher_tokenizer`). `model` is the model section."""
+    from lightrft.models.teacher import check_teacher_tokenizer
+
+    student = build_tokenizer(model.pretrain, model.trust_remote_code)
+    try:
+        teacher = build_tokenizer(model.teacher_pretrain, model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--teacher_pretrain {model.teacher_pretrain}: no tokenizer could be loaded from it ({err}); "
+                         "pass a Hugging Face model folder with its tokenizer files") from None
+    check_teacher_tokenizer(student, teacher, f"--pretrain {model.pretrain}",
+                            f"--teacher_pretrain {model.teacher_pretrain}")
 
 
 def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_updates: int) -> PPOModels:
@@ -115,7 +138,8 @@ def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_
     critic = critic_optim = critic_scheduler = None
     if models.critic is not None:
         critic, critic_optim, critic_scheduler = optimizer(models.critic, optim.critic_learning_rate)
-    frozen = [strategy.prepare(m) if m is not None else None for m in (models.initial_model, models.ema_model)]
+    frozen = [strategy.prepare(m) if m is not None else None
+              for m in (models.initial_model, models.ema_model, models.teacher_model)]
     return PPOModels(actor, critic, [strategy.prepare(rm) for rm in models.reward_models], *frozen,
                      actor_optim=actor_optim, critic_optim=critic_optim, actor_scheduler=actor_scheduler,
                      critic_scheduler=critic_scheduler)
@@ -147,11 +171,14 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
     strategy = strategy or build_strategy(config)
-    models = build_ppo_models(config, strategy)
     tokenizer = build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
+    eos_token_ids = stop_token_ids(tokenizer, config.model.pretrain)
+    workflow_runner = build_workflow_runner(config.agent, tokenizer, eos_token_ids)   # a bad file fails before loading
+    models = build_ppo_models(config, strategy)
     prompts, data_source, reward_sources = build_ppo_data(config, tokenizer, models.reward_models,
                                                           build_reward_sources(config.rewards))
-    check_run_vocabulary(config, tokenizer, prompts, models.actor, models.critic, models.reward_models)
+    check_run_vocabulary(config, tokenizer, prompts, models.actor, models.critic, models.reward_models,
+                         teacher=models.teacher_model)
     dataloader, eval_dataloader, pretrain_dataloader = build_dataloaders(config, strategy, tokenizer, prompts)
     # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
     total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
@@ -169,7 +196,7 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
         m.critic_optim, m.actor_scheduler, m.critic_scheduler, tokenizer=tokenizer, reward_sources=reward_sources,
         rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
         experience_source=experience_source or data_source,
-        eos_token_ids=stop_token_ids(tokenizer, config.model.pretrain))
+        eos_token_ids=eos_token_ids, teacher_model=m.teacher_model, workflow_runner=workflow_runner)
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)
@@ -208,10 +235,11 @@ def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts):
     return dataloader, eval_dataloader, pretrain_dataloader
 
 
-def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic, reward_models) -> None:
+def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic, reward_models,
+                         teacher=None) -> None:
     """`check_vocabulary` for the run's models: the actor on the tokens the run feeds it (and on the
-    prompt data's ids when the tokenizer is longer than its vocabulary); the critic and reward
-    models score the actor's samples, so they also need every id the actor can produce."""
+    prompt data's ids when the tokenizer is longer than its vocabulary); the critic, reward models
+    and teacher score the actor's samples, so they also need every id the actor can produce."""
     from lightrft.datasets.prompt_dataset import encode_prompts
     from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
 
@@ -228,5 +256,7 @@ def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic
                             fed=fed)
     scorers = [(critic, f"--critic_pretrain {model.critic_pretrain}")] if critic is not None else []
     scorers += [(rm, f"--reward_pretrain {path}") for rm, path in zip(reward_models, reward_model_paths(config))]
+    if teacher is not None:
+        scorers.append((teacher, f"--teacher_pretrain {model.teacher_pretrain}"))
     for scorer, what in scorers:
         check_vocabulary(scorer, tokenizer, what, chat_template=data.apply_chat_template, fed=fed, produced_by=rows)

@@ -5,8 +5,9 @@
 Checks (docs/doctor.md): data (rows rejected and why, prompt lengths, what --prompt_max_len cuts),
 memory (one step at the longest prompts and responses, peak per phase, the flags to change),
 invariance (loss and gradient: 1 vs 2 micro-batches, padded vs packed), engine (rollout log-probs
-vs the trainer's, weight-sync round trip) and rewards (count, type, finiteness and latency of every
-source). Rank 0 prints a table per check and a verdict; the exit code is 0 when nothing failed, 1
+vs the trainer's, weight-sync round trip), rewards (count, type, finiteness and latency of every
+source) and workflow (multi-turn episodes of --workflow: turns, tools, how they ended, rewards).
+Rank 0 prints a table per check and a verdict; the exit code is 0 when nothing failed, 1
 when a check failed, 2 for bad flags. Nothing is written to --ckpt_path or --save_path: the run
 is built in a temporary folder and thrown away.
 """
@@ -25,7 +26,7 @@ from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
-                             check_invariance, check_memory, check_rewards)
+                             check_invariance, check_memory, check_rewards, check_workflow)
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
 
@@ -141,7 +142,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
         begin_training(run)
         if "memory" in checks:
             results.append(agree(guarded("memory", lambda: check_memory(run, options.doctor_memory_budget_gb)), run))
-        sampled = [c for c in checks if c in ("invariance", "engine", "rewards")]
+        sampled = [c for c in checks if c in ("invariance", "engine", "rewards", "workflow")]
         if sampled:
             try:
                 prompts, labels, prompt_ids, rollout = sample_batch(run)
@@ -151,7 +152,8 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
                 return results
             runners = {"invariance": lambda: check_invariance(run, rollout),
                        "engine": lambda: check_engine(run, prompt_ids, rollout),
-                       "rewards": lambda: check_rewards(run, prompts, labels, rollout, options.doctor_reward_calls)}
+                       "rewards": lambda: check_rewards(run, prompts, labels, rollout, options.doctor_reward_calls),
+                       "workflow": lambda: check_workflow(run, prompts, labels)}
             for name in sampled:
                 results.append(agree(guarded(name, runners[name]), run))
     finally:

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from lightrft.config.options import add_section_flags, flag_fields, section_from_namespace
-from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig, EvalConfig,
-                                      LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig, PPOOptimConfig,
-                                      RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig,
-                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig, check_finite)
+from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig,
+                                      EvalConfig, LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig,
+                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig,
+                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig,
+                                      check_distillation, check_finite)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class PPORunConfig(RunConfig):
     GROUPS: ClassVar = (("distributed", "distributed"), ("model", "models"), ("rollout", "rollout"),
                         ("algorithm", "algorithm"), ("optim", "optimisation"), ("data", "data"),
                         ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"),
-                        ("roles", "explorer and trainer roles"))
+                        ("roles", "explorer and trainer roles"), ("agent", "multi-turn agents"))
 
     distributed: DistributedConfig = _section(DistributedConfig)
     model: PPOModelConfig = _section(PPOModelConfig)
@@ -155,6 +156,7 @@ class PPORunConfig(RunConfig):
     logging: PPOLoggingConfig = _section(PPOLoggingConfig)
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     roles: RolesConfig = _section(RolesConfig)
+    agent: AgentConfig = _section(AgentConfig)
 
     def __post_init__(self):
         from lightrft.algorithms.advantages import get_advantage_estimator, validate_group_size
@@ -176,8 +178,11 @@ class PPORunConfig(RunConfig):
         if self.model.critic_pretrain and not estimator.needs_critic:
             raise ConfigError(f"--critic_pretrain is set but --advantage_estimator {algo.advantage_estimator} does "
                               "not use a critic; drop --critic_pretrain or use --advantage_estimator gae")
-        if not self.model.reward_pretrain and not self.rewards.remote_rm_url and not self.data.recorded_data:
-            raise ConfigError("no reward source: pass --reward_pretrain and/or --remote_rm_url")
+        if not (self.model.reward_pretrain or self.rewards.remote_rm_url or self.data.recorded_data
+                or self.model.teacher_pretrain or self.agent.workflow):
+            raise ConfigError("no reward source: pass --reward_pretrain and/or --remote_rm_url (or --teacher_pretrain "
+                              "to distil from a teacher without a task reward, or a --workflow that returns rewards)")
+        check_distillation(self.model.teacher_pretrain, algo)
         if algo.dynamic_sampling and algo.n_samples_per_prompt < 2:
             raise ConfigError("--dynamic_sampling needs --n_samples_per_prompt >= 2 (it drops groups with equal "
                               "rewards)")

@@ -11,8 +11,9 @@ import string
 from dataclasses import dataclass
 from typing import Optional
 
-from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from lightrft.algorithms.aggregation import LOSS_AGG_MODES
+from lightrft.algorithms.distill import DISTILL_MODES
 from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.config.options import option
@@ -74,8 +75,8 @@ class DistributedConfig:
     bf16: bool = option(False, "train in bfloat16 (fp32 master weights)")
     adam_offload: bool = option(False, "keep Adam states on the CPU")
     zero3_param_offload: bool = option(False, "with --zero_stage 3, keep parameters on the CPU between uses")
-    ref_reward_offload: bool = option(False, "keep the frozen reference and reward models' parameters on the CPU "
-                                             "(ZeRO-3 offload)")
+    ref_reward_offload: bool = option(False, "keep the frozen reference, teacher and reward models' parameters on "
+                                             "the CPU (ZeRO-3 offload)")
     grad_accum_dtype: Optional[str] = option(None, "dtype gradients are accumulated in (default: DeepSpeed's choice "
                                                    "for the run dtype)", choices=("fp32", "bf16", "fp16"))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory")
@@ -173,6 +174,11 @@ class PPOModelConfig(ModelConfig):
                                                   "--advantage_estimator gae)")
     reward_pretrain: Optional[str] = option(None, "reward model folder(s), comma-separated; combined by summing "
                                                   "their scores")
+    teacher_pretrain: Optional[str] = option(None, "Hugging Face folder of a teacher for on-policy distillation "
+                                                   "(docs/distillation.md): it scores the student's own samples "
+                                                   "token by token; it must share --pretrain's tokenizer. Served "
+                                                   "like the reference model (ZeRO-3 sharded, "
+                                                   "--ref_reward_offload)")
     value_head_prefix: str = option("score", "attribute name of the value head")
     normalize_reward: bool = option(False, "normalise reward-model scores with the mean/std stored in its config")
     enable_ema: bool = option(False, "keep an exponential moving average of the actor")
@@ -202,6 +208,11 @@ class RolloutConfig:
                                                "are split per replica and every sample still trains exactly once")
     vllm_sync_bucket_mb: float = option(512.0, "MB of gathered weights per vLLM weight-sync call (whole decoder "
                                                "layers per bucket)")
+    weight_sync: str = option("auto", "what a weight sync sends: delta (vLLM: only the decoder layers where a bit "
+                                      "changed; explorers over broadcast: only the changed elements; both keep a "
+                                      "host copy of the synced weights), full (everything, no copy) or auto (delta "
+                                      "to explorers, full to a colocated vLLM engine, which reloads every layer a "
+                                      "step changed anyway)", choices=("auto", "delta", "full"))
     engine_logprob_gap_threshold: Optional[float] = option(
         None, "largest mean |engine - trainer| log-prob gap per response token (nats) a step may show, logged every "
               "step as rollout/engine_logprob_gap_mean and _max; past it the engine is not serving the trained "
@@ -257,6 +268,37 @@ class RolesConfig:
         batch - sync_offset."""
         behind = max(0, batch - self.sync_offset)
         return behind // self.sync_interval * self.sync_interval
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Multi-turn episodes (docs/agents.md): a workflow file runs each rollout, asking the policy
+    for several turns with tools or an environment in between; the environment's tokens are in
+    the trained sequence but out of the loss."""
+
+    workflow: Optional[str] = option(None, "Python file (FILE.py or FILE.py:Class) defining the workflow that runs "
+                                           "one episode per sample: a lightrft Workflow subclass, or an OpenRLHF "
+                                           "agent file (AgentInstance); default: one response per prompt")
+    max_turns: int = option(8, "most policy turns per episode")
+    max_episode_tokens: Optional[int] = option(None, "most response tokens per episode, the policy's and the "
+                                                     "environment's together (default: max_turns x "
+                                                     "--generate_max_len)")
+    tool_timeout: float = option(10.0, "seconds a tool call may run before its worker is killed and the episode "
+                                       "ends")
+    tool_max_output_chars: int = option(4096, "characters of a tool's output fed back to the policy (the rest is "
+                                              "cut, with a marker)")
+    tool_workers: int = option(2, "worker processes that run tool calls")
+
+    def __post_init__(self):
+        check_positive(self, "max_turns", "tool_workers", "tool_max_output_chars")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ConfigError(f"--max_episode_tokens must be >= 1, got {self.max_episode_tokens}")
+        if not self.tool_timeout > 0:
+            raise ConfigError(f"--tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.workflow is not None:
+            path, _, name = self.workflow.partition(".py:")
+            if not (self.workflow.endswith(".py") or (name and name.isidentifier())):
+                raise ConfigError(f"--workflow {self.workflow!r}: expected FILE.py or FILE.py:ClassName")
 
 
 # Aggregation each policy loss must use, where it has only one correct one: GSPO's ratio is per
@@ -318,6 +360,14 @@ class AlgorithmConfig:
     mask_truncated_samples: bool = option(False, "responses cut at --generate_max_len (no EOS) train on nothing "
                                                  "(DAPO overlong filtering)")
     freezing_actor_steps: int = option(-1, "train only the critic for N steps")
+    distill_coef: float = option(1.0, "weight of the teacher's per-token signal (--teacher_pretrain): the reward "
+                                      "coef * (log p_teacher - log p_student) per token, or the weight of the "
+                                      "reverse-KL loss")
+    distill_mode: str = option("reward", "how the teacher's signal trains (--teacher_pretrain): reward adds it to "
+                                         "the token rewards before the returns (needs a per-token estimator: "
+                                         "reinforce, reinforce++, gae); loss adds a reverse-KL loss on the "
+                                         "current log-probs (any estimator, GRPO's included)",
+                               choices=DISTILL_MODES)
     norm_len: Optional[int] = option(None, "length constant of seq-mean-token-sum-norm", flag=False)
     max_nonfinite_steps: int = option(3, "consecutive skipped steps before the run saves and stops", flag=False)
 
@@ -339,7 +389,27 @@ class AlgorithmConfig:
             object.__setattr__(self, "eps_clip_low_high", tuple(self.eps_clip_low_high))
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"--dual_clip must be > 1, got {self.dual_clip}")
-        check_positive(self, "n_samples_per_prompt")
+        check_positive(self, "n_samples_per_prompt", "distill_coef")
+
+
+def check_distillation(teacher_pretrain: Optional[str], algo: AlgorithmConfig) -> None:
+    """What on-policy distillation needs from the algorithm options: `--distill_mode reward` puts
+    the teacher's signal in the per-token rewards, which an estimator reading one score per sample
+    cannot take (it would drop it); the distillation options mean nothing without a teacher."""
+    if not teacher_pretrain:
+        changed = [f"--{name}" for name in ("distill_coef", "distill_mode")
+                   if getattr(algo, name) != getattr(AlgorithmConfig, name)]
+        if changed:
+            raise ConfigError(f"{' and '.join(changed)} set without --teacher_pretrain: they weigh a teacher's "
+                              "signal; add --teacher_pretrain TEACHER_FOLDER or drop them")
+        return
+    estimator = get_advantage_estimator(algo.advantage_estimator)
+    if algo.distill_mode == "reward" and not estimator.uses_token_rewards:
+        readers = ", ".join(n for n, e in sorted(ADVANTAGE_ESTIMATORS.items()) if e.uses_token_rewards)
+        raise ConfigError(f"--teacher_pretrain with --distill_mode reward gives a reward per token, but "
+                          f"--advantage_estimator {algo.advantage_estimator} reads one score per sample and would "
+                          f"drop it: use --advantage_estimator {readers.replace(', ', ' / ')}, or keep "
+                          f"{algo.advantage_estimator} with --distill_mode loss (a reverse-KL loss term)")
 
 
 @dataclass(frozen=True)

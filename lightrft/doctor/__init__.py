@@ -9,8 +9,10 @@ from lightrft.doctor.invariance import check_invariance
 from lightrft.doctor.memory import MemoryProbe, check_memory
 from lightrft.doctor.report import CheckResult, DoctorReport, Finding, format_table, percentile
 from lightrft.doctor.rewards import check_rewards
+from lightrft.doctor.workflow import check_workflow
 
-CHECKS = ("data", "memory", "invariance", "engine", "rewards")
+CHECKS = ("data", "memory", "invariance", "engine", "rewards", "workflow")
 
 __all__ = ["CHECKS", "CheckResult", "DoctorReport", "Finding", "MemoryProbe", "check_data", "check_engine",
-           "check_invariance", "check_memory", "check_rewards", "format_table", "percentile"]
+           "check_invariance", "check_memory", "check_rewards", "check_workflow", "format_table",
+           "percentile"]

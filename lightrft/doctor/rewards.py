@@ -6,7 +6,12 @@ range, and the latency of a whole-batch call (p50 / p90 / max). A call near `--r
 is a warning: in training it would time out whenever the grader is a little slower (a judge model
 on the rank has no timeout, so it gets no such warning). A source's counters over the check's calls
 (`source.stats`: a server's requests and retries, a judge's cache hits and unparsed answers) are
-in its figures under "stats"."""
+in its figures under "stats".
+
+With a distillation teacher (`--teacher_pretrain`, whose tokenizer the run's build already matched
+with the student's), the check also runs the teacher and the student over the same samples and
+reports the per-token signal: the mean reverse KL per token, both mean log-probs, and the range of
+the per-token reward `--distill_coef` x (log p_teacher - log p_student)."""
 
 import logging
 import time
@@ -14,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from lightrft.algorithms.distill import distill_token_rewards
 from lightrft.doctor.report import CheckResult, percentile
 from lightrft.rewards.remote import redact_url
 
@@ -138,9 +144,51 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
                             f"{figures['p50']:.3f} / {figures['p90']:.3f} / {figures['latency_max']:.3f}"))
         # A judge model on this rank has no timeout (None): its calls are bounded by its answer length.
         judge_source(result, name, figures, batch, getattr(source, "timeout", config.rewards.reward_timeout))
-    if not result.findings:
+    if not entries:
+        result.add("PASS", "no reward source or model: the workflow (--workflow) or the teacher scores")
+    elif not result.findings:
         result.add("PASS", f"{len(entries)} reward source(s) return {batch} finite scores per call")
+    if maker.teacher is not None:
+        check_teacher_signal(result, run, rollout)
     return result
+
+
+@torch.no_grad()
+def check_teacher_signal(result: CheckResult, run, rollout) -> None:
+    """The teacher's per-token signal on the generated samples, as the experience builder computes
+    it: a row of the table, its figures under "teacher", and a FAIL where it is not finite."""
+    config, maker = run.args, run.trainer.experience_maker
+    algo = config.algorithm
+    maker.eval_models()
+    mask = rollout.action_mask.bool()
+    started = time.perf_counter()
+    teacher = maker._forward_all(maker.teacher, rollout, "teacher")
+    seconds = time.perf_counter() - started
+    student = maker._forward_all(maker.actor, rollout, "actor")
+    rewards = distill_token_rewards(student, teacher, mask, algo.distill_coef, algo.kl_clamp)
+    tokens = int(mask.sum())
+    finite = bool(torch.isfinite(teacher[mask]).all() and torch.isfinite(student[mask]).all())
+
+    def mean(x):
+        return float(x[mask].mean()) if tokens else float("nan")
+
+    figures = {"tokens": tokens, "finite": finite, "teacher_seconds": seconds, "reverse_kl": mean(student - teacher),
+               "teacher_logprob": mean(teacher), "student_logprob": mean(student), "reward_mean": mean(rewards),
+               "reward_min": float(rewards[mask].min()) if tokens else float("nan"),
+               "reward_max": float(rewards[mask].max()) if tokens else float("nan")}
+    result.figures["teacher"] = figures
+    name = f"teacher --teacher_pretrain {config.model.teacher_pretrain}"
+    result.rows.append((name, f"per-token {algo.distill_mode}", f"{tokens} tokens", "yes" if finite else "no",
+                        f"{figures['reward_min']:.3g} / {figures['reward_mean']:.3g} / {figures['reward_max']:.3g}",
+                        f"{seconds:.3f} (one forward)"))
+    if not finite:
+        result.add("FAIL", f"{name}: its log-probs of the student's samples are not finite; check the teacher's "
+                           "weights and precision (--bf16)")
+        return
+    result.add("PASS", f"{name}: shares the student's tokenizer; on {tokens} sampled tokens the reverse KL is "
+                       f"{figures['reverse_kl']:.3f} nats per token (teacher log-prob "
+                       f"{figures['teacher_logprob']:.3f}, student {figures['student_logprob']:.3f}); per-token "
+                       f"{algo.distill_mode} with --distill_coef {algo.distill_coef:g}")
 
 
 @torch.no_grad()

@@ -20,8 +20,9 @@ from torch import Tensor
 
 from lightrft.algorithms.advantages import (AdvantageInputs, AdvantageOutputs, compute_advantages,
                                             get_advantage_estimator)
+from lightrft.algorithms.distill import distill_token_rewards
 from lightrft.algorithms.kl import compute_approx_kl
-from lightrft.algorithms.masked import masked_mean
+from lightrft.algorithms.masked import masked_mean, masked_sum
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import RolloutOutput, SamplingParams
@@ -47,20 +48,26 @@ def sampling_params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k:
 
 
 class ExperienceBuilder:
-    """Turns a scored rollout into training experience on this rank: the actor, reference and
-    critic forwards (micro-batched), the KL, the advantages and returns, and which samples may
-    train. Used alike for colocated rollouts, explorers' rollouts and recorded traffic.
+    """Turns a scored rollout into training experience on this rank: the actor, reference,
+    teacher and critic forwards (micro-batched), the KL, the advantages and returns, and which
+    samples may train. Used alike for colocated rollouts, explorers' rollouts and recorded traffic.
 
-    Models may be DeepSpeed engines or plain modules; `critic` and `initial_model` may be None
-    (critic-free methods, no KL). `nonfinite_counts` counts, per source, the samples dropped for
+    Models may be DeepSpeed engines or plain modules; `critic`, `initial_model` and `teacher` may
+    be None (critic-free methods, no KL, no distillation). A `teacher` (on-policy distillation,
+    `lightrft.algorithms.distill`) scores the student's sampled tokens like the reference does;
+    with `distill_mode` "reward" its signal `distill_coef` x (log p_teacher - log p_student) joins
+    the token rewards before the returns, with "loss" its log-probs travel in the experience for
+    the trainer's reverse-KL loss. `nonfinite_counts` counts, per source, the samples dropped for
     a non-finite value."""
 
     def __init__(self, actor, critic, initial_model, kl_controller, strategy, *, advantage_estimator: str = "gae",
                  kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
                  lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
                  micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size,
-                 mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = ()):
+                 mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = (), teacher=None,
+                 distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode):
         self.actor, self.critic, self.initial_model = actor, critic, initial_model
+        self.teacher, self.distill_coef, self.distill_mode = teacher, distill_coef, distill_mode
         self.reward_models: list = []
         self.kl_ctl = kl_controller
         self.strategy = strategy
@@ -92,7 +99,7 @@ class ExperienceBuilder:
 
     def eval_models(self) -> None:
         """The models that make experience, in eval mode (no dropout in the rollout forwards)."""
-        for model in (self.actor, self.critic, self.initial_model, *self.reward_models):
+        for model in (self.actor, self.critic, self.initial_model, self.teacher, *self.reward_models):
             if model is not None:
                 model.eval()
 
@@ -124,29 +131,41 @@ class ExperienceBuilder:
         mask_f = action_mask.float()
         # With one epoch (see PPOTrainer.reuse_old_log_probs) the trainer provides the "old"
         # log-probs itself: the first optimizer step from its own forward, the later ones from a
-        # forward before the first update, so none runs here.
-        reuse = self.reuse_policy_log_probs and not self.kl_in_use()
+        # forward before the first update, so none runs here. Distillation needs them at rollout time.
+        reuse = self.reuse_policy_log_probs and not self.kl_in_use() and self.teacher is None
         action_log_probs = None if reuse else self._forward_all(self.actor, rollout, "actor")
         base_log_probs = self._forward_all(self.initial_model, rollout, "reference") if self.kl_in_use() else None
+        teacher_log_probs = self._forward_all(self.teacher, rollout, "teacher") if self.teacher is not None else None
         values = self._forward_all(self.critic, rollout, "critic") if self.critic is not None else None
         scores = rewards.scores.clone()
+        token_rewards = rewards.token_rewards
+        if token_rewards is not None and not self.estimator.uses_token_rewards:
+            scores, token_rewards = scores + (token_rewards * mask_f).sum(dim=1), None
         truncated = self.truncated_rows(rollout)
 
         valid = self._valid_samples(rewards.valid, scores, action_mask, n, action_log_probs, base_log_probs, values,
-                                    rollout.rollout_log_probs)
+                                    teacher_log_probs, rollout.rollout_log_probs)
         keep = valid.unsqueeze(1)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
-        action_log_probs, base_log_probs, values = (
+        action_log_probs, base_log_probs, values, teacher_log_probs = (
             None if t is None else torch.where(keep, t, torch.zeros_like(t))
-            for t in (action_log_probs, base_log_probs, values))
+            for t in (action_log_probs, base_log_probs, values, teacher_log_probs))
 
         kl = None
         if base_log_probs is not None:
             kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, self.kl_estimator, self.kl_clamp)
         # The KL penalty enters the advantages (per token, before the returns) unless it is a loss term.
         kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
+        if token_rewards is not None:
+            token_rewards = torch.where(keep, token_rewards.float(), 0.0)
+        if teacher_log_probs is not None and self.distill_mode == "reward":
+            # The teacher's per-token signal, a dense reward like the KL penalty (0 on invalid rows).
+            distill = distill_token_rewards(action_log_probs, teacher_log_probs, action_mask, self.distill_coef,
+                                            self.kl_clamp)
+            token_rewards = distill if token_rewards is None else token_rewards + distill
         outputs = self.advantages(AdvantageInputs(action_mask=mask_f, scores=scores, values=values, group_size=n,
-                                                  gamma=self.gamma, lambd=self.lambd), kl, kl_coef)
+                                                  gamma=self.gamma, lambd=self.lambd, token_rewards=token_rewards),
+                                  kl, kl_coef)
         advantages, returns = outputs.advantages, outputs.returns
         checked = valid & self._finite_rows(action_mask, advantages, returns)
         self._count_invalid("advantage", valid, checked)
@@ -164,14 +183,28 @@ class ExperienceBuilder:
             "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(scores),
             "truncated": truncated.float(),
             "valid": valid.float(),
+            **{k: v.float() for k, v in rewards.info.items()},
         }
+        if teacher_log_probs is not None:
+            info.update(self.distill_info(action_log_probs, teacher_log_probs, action_mask & keep))
         exp = Experience(
             sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=action_mask,
             num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
             advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
-            values=values, kl=kl, info=info)
+            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info)
         return [exp]
+
+    @staticmethod
+    def distill_info(student_log_probs: Tensor, teacher_log_probs: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """Per sample, the sums over its trained tokens of the reverse-KL estimate log p_student -
+        log p_teacher and of each log-prob, and the token count: summed over the step's samples
+        and divided by the tokens they are per-token means (`PPOTrainer.step` logs them as
+        distill/*). Shape: (B, A) each -> (B,) each."""
+        return {"distill_tokens": mask.float().sum(dim=1),
+                "distill_reverse_kl": masked_sum(student_log_probs - teacher_log_probs, mask, dim=1),
+                "distill_teacher_logprob": masked_sum(teacher_log_probs, mask, dim=1),
+                "distill_student_logprob": masked_sum(student_log_probs, mask, dim=1)}
 
     def advantages(self, inputs: AdvantageInputs, kl: Optional[Tensor], kl_coef: float) -> AdvantageOutputs:
         """Advantages and returns of the configured estimator, with the per-token KL penalty
@@ -205,7 +238,8 @@ class NaiveExperienceMaker(ExperienceBuilder):
     Models may be DeepSpeed engines or plain modules; `critic`, `reward_model` and `initial_model`
     may be None (critic-free methods, reward from `remote_rm_url` sources, no KL). `reward_model`
     may be a list of models; `reward_fn` combines the (K, B) scores of all reward sources into (B,)
-    and defaults to their sum."""
+    and defaults to their sum. With a `teacher` (distillation) the task reward may be absent (a
+    zero score per sample)."""
 
     def __init__(self, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
                  kl_controller, strategy, remote_rm_url=None, reward_fn: Optional[Callable] = None, *,
@@ -215,12 +249,15 @@ class NaiveExperienceMaker(ExperienceBuilder):
                  micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size, reward_sources: Sequence = (),
                  overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0, seed: int = 0,
                  apply_chat_template: bool = False, mask_truncated_samples: bool = False,
-                 eos_token_ids: Optional[Sequence[int]] = None):
+                 eos_token_ids: Optional[Sequence[int]] = None, teacher=None,
+                 distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode,
+                 workflow_runner=None):
         super().__init__(actor, critic, initial_model, kl_controller, strategy, advantage_estimator=advantage_estimator,
                          kl_estimator=kl_estimator, use_kl_loss=use_kl_loss, gamma=gamma, lambd=lambd,
                          kl_clamp=kl_clamp, micro_rollout_batch_size=micro_rollout_batch_size,
                          mask_truncated_samples=mask_truncated_samples,
-                         eos_token_ids=list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id])
+                         eos_token_ids=list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id],
+                         teacher=teacher, distill_coef=distill_coef, distill_mode=distill_mode)
         self.reward_models = [] if reward_model is None else (
             list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
         self.tokenizer = tokenizer
@@ -239,10 +276,12 @@ class NaiveExperienceMaker(ExperienceBuilder):
                              reward_fn=reward_fn, micro_batch_size=micro_rollout_batch_size,
                              device=strategy.device if strategy is not None else None,
                              overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
-                             eos_token_ids=self.eos_token_ids)
+                             eos_token_ids=self.eos_token_ids, task_reward_optional=teacher is not None or workflow_runner is not None)
         self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
         self.eval_calls = 0
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
+        # Runs multi-turn episodes instead of one response per prompt (`lightrft.agents`, --workflow).
+        self.workflow_runner = workflow_runner
 
     @classmethod
     def for_algorithm(cls, algo, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len: int,
@@ -256,7 +295,8 @@ class NaiveExperienceMaker(ExperienceBuilder):
                    kl_estimator=algo.kl_estimator, use_kl_loss=algo.use_kl_loss, gamma=algo.gamma, lambd=algo.lambd,
                    kl_clamp=algo.kl_clamp, overlong_buffer_len=algo.overlong_buffer_len,
                    overlong_penalty_factor=algo.overlong_penalty_factor, seed=strategy.config.seed,
-                   mask_truncated_samples=algo.mask_truncated_samples, **kwargs)
+                   mask_truncated_samples=algo.mask_truncated_samples, distill_coef=algo.distill_coef,
+                   distill_mode=algo.distill_mode, **kwargs)
 
     # ----------------------------------------------------------------------------------- generate
     def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
@@ -270,6 +310,11 @@ class NaiveExperienceMaker(ExperienceBuilder):
         trainer's experience source passes it, and without it the maker counts its own calls) and
         the prompt's position in the global batch (`lightrft.rollout.seeds`): samples are
         independent across prompts, and a resumed run draws what the uninterrupted one would have."""
+        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=self.prompt_seeds(len(prompts), stream,
+                                                                                                    call))
+
+    def prompt_seeds(self, count: int, stream: str = "train", call: Optional[int] = None) -> list[int]:
+        """The seeds of this rank's `count` prompts for one rollout call (see `generate`)."""
         if stream == "train":
             self.calls = self.calls + 1 if call is None else call
             call = self.calls
@@ -277,8 +322,32 @@ class NaiveExperienceMaker(ExperienceBuilder):
             self.eval_calls += 1
             call = self.eval_calls
         # Global position of local prompt i: DistributedSampler deals position k to rank k % R.
-        seeds = request_seeds(self.seed, call, self.strategy.rank, len(prompts), stream, stride=self.strategy.world_size)
-        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
+        return request_seeds(self.seed, call, self.strategy.rank, count, stream, stride=self.strategy.world_size)
+
+    def rollout(self, prompts: list[str], labels: Optional[list], params: SamplingParams, stream: str = "train",
+                call: Optional[int] = None, shaping: bool = True) -> tuple[RolloutOutput, RewardBatch]:
+        """Samples and scores `params.n` responses per prompt: one generation scored by the
+        reward sources, or, with a workflow (--workflow), one multi-turn episode each, scored by
+        the workflow (episodes whose workflow returns None by the reward sources). Times the two
+        phases into `timings` (episodes count as generate)."""
+        started = time.perf_counter()
+        if self.workflow_runner is None:
+            rollout = self.generate(prompts, params, stream=stream, call=call)
+            generated = time.perf_counter()
+            rewards = self.compute_rewards(rollout, prompts, labels, params.n, params.max_new_tokens, shaping)
+        else:
+            batch = self.workflow_runner.run(self.engine, self.tokenize_prompts(prompts), prompts, labels, params,
+                                             self.prompt_seeds(len(prompts), stream, call))
+            rollout, rewards = batch.rollout, batch.rewards
+            generated = time.perf_counter()
+            if bool(batch.unscored.any()):
+                scored = self.compute_rewards(rollout, prompts, labels, params.n, shaping=False)
+                rewards.scores = torch.where(batch.unscored, scored.scores, rewards.scores)
+                rewards.valid &= scored.valid | ~batch.unscored
+        if stream == "train":
+            self.timings["generate"] += generated - started
+            self.timings["reward"] += time.perf_counter() - generated
+        return rollout, rewards
 
     def sampling_params(self, n: Optional[int] = None, **generate_kwargs) -> SamplingParams:
         """SamplingParams from generate kwargs (temperature, top_p, top_k, max_new_tokens,
@@ -304,13 +373,8 @@ class NaiveExperienceMaker(ExperienceBuilder):
         `generate_kwargs`: temperature, top_p, top_k, max_new_tokens."""
         self.eval_models()
         params = self.sampling_params(**generate_kwargs)
+        rollout, rewards = self.rollout(list(prompts), labels, params, call=call)
         started = time.perf_counter()
-        rollout = self.generate(list(prompts), params, call=call)
-        generated = time.perf_counter()
-        rewards = self.compute_rewards(rollout, list(prompts), labels, params.n, params.max_new_tokens)
-        scored = time.perf_counter()
         experiences = self.experience_from_rollout(rollout, rewards, params.n)
-        self.timings["generate"] += generated - started
-        self.timings["reward"] += scored - generated
-        self.timings["experience"] += time.perf_counter() - scored
+        self.timings["experience"] += time.perf_counter() - started
         return experiences

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 PER_ACTION_FIELDS = ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "values",
-                     "returns", "advantages", "kl")
+                     "returns", "advantages", "kl", "teacher_log_probs")
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Experience:
     rollout_log_probs: Optional[Tensor] = None       # (B, A) from the rollout engine
     values: Optional[Tensor] = None                  # (B, A) critic at rollout time
     kl: Optional[Tensor] = None                      # (B, A) per-token KL estimate
+    teacher_log_probs: Optional[Tensor] = None       # (B, A) distillation teacher (--teacher_pretrain)
     info: dict[str, Tensor] = field(default_factory=dict)  # each (B,): reward, response_length, ...
 
     @property

@@ -3,7 +3,7 @@
 A `Scorer` is the reward half of making experience, on its own: the colocated experience maker
 holds one, and explorer ranks score with one (they train nothing, so they need no forwards)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -18,6 +18,12 @@ from lightrft.rollout.base import RolloutOutput
 class RewardBatch:
     scores: Tensor   # (B,) float32 combined score per sample
     valid: Tensor    # (B,) bool; False where a reward source failed and dropped the sample
+    # (B, A) per-token rewards over the response slots (per-turn rewards of an agent episode, on
+    # each turn's last sampled token), or None. Estimators that read token rewards (gae,
+    # reinforce, reinforce++) take them in place; the others see their sum added to `scores`.
+    token_rewards: Optional[Tensor] = None
+    # (B,) per-sample numbers logged as rollout/<key> means (an agent episode's turns, tool calls...)
+    info: dict[str, Tensor] = field(default_factory=dict)
 
 
 def truncated_rows(rollout: RolloutOutput, eos_token_ids: Sequence[int]) -> Tensor:
@@ -37,15 +43,20 @@ def truncated_rows(rollout: RolloutOutput, eos_token_ids: Sequence[int]) -> Tens
 class Scorer:
     """Scores samples with reward models (micro-batched forwards on `device`) and reward sources
     (HTTP servers, reward files, rules, given the decoded texts), combined by `reward_fn` over
-    the (K, B) columns (default: their sum), then shaped by the overlong penalty."""
+    the (K, B) columns (default: their sum), then shaped by the overlong penalty.
+
+    Without any reward model or source it refuses, unless `task_reward_optional` (a run that
+    distils from a teacher, `--teacher_pretrain`, whose signal is per token): every task score is
+    then 0 (before the overlong shaping)."""
 
     def __init__(self, tokenizer, *, reward_models: Sequence = (), reward_sources: Sequence = (),
                  reward_fn: Optional[Callable] = None, micro_batch_size: int = 1, device=None,
                  overlong_buffer_len: int = 0, overlong_penalty_factor: float = 1.0,
-                 eos_token_ids: Optional[Sequence[int]] = None):
-        if not reward_models and not reward_sources:
+                 eos_token_ids: Optional[Sequence[int]] = None, task_reward_optional: bool = False):
+        if not reward_models and not reward_sources and not task_reward_optional:
             raise ValueError("no reward: pass --reward_pretrain (a reward model) or --remote_rm_url "
-                             "(an http(s) URL, a .py file defining reward_func, or a builtin rule name)")
+                             "(an http(s) URL, a .py file defining reward_func, or a builtin rule name), or "
+                             "--teacher_pretrain to distil from a teacher without a task reward")
         self.tokenizer = tokenizer
         self.reward_models = reward_models          # the caller's lists: sources added later count too
         self.reward_sources = reward_sources
@@ -58,11 +69,13 @@ class Scorer:
 
     def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
         """Query texts (prompt + response) and the prompt of each sample, for text reward sources.
-        A response is the first `response_lengths[i]` tokens of its row (the action mask is a
-        prefix), decoded in one batch call."""
+        A response is its row's attended response slots, decoded in one batch call."""
         a = rollout.action_mask.size(1)
         rows = (rollout.sequences[:, -a:] if a else rollout.sequences[:, :0]).tolist()
-        tokens = [row[:length] for row, length in zip(rows, rollout.response_lengths.tolist())]
+        # The response's slots are those attended to: the action mask's prefix for one response,
+        # the whole episode (environment tokens included) for a multi-turn one.
+        lengths = rollout.attention_mask[:, rollout.attention_mask.size(1) - a:].sum(dim=1).tolist()
+        tokens = [row[:length] for row, length in zip(rows, lengths)]
         responses = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         sample_prompts = [p for p in prompts for _ in range(n)]
         return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
@@ -93,8 +106,11 @@ class Scorer:
                     valid &= result.valid.cpu().bool()
                     result = result.rewards
                 columns.append(torch.as_tensor(result, dtype=torch.float32).cpu().reshape(batch))
-        stacked = torch.stack(columns)                                     # (K, B)
-        scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
+        if columns:
+            stacked = torch.stack(columns)                                 # (K, B)
+            scores = self.reward_fn(stacked) if self.reward_fn is not None else stacked.sum(dim=0)
+        else:                               # no task reward (distillation only): a zero score each
+            scores = torch.zeros(batch)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
         if shaping and self.overlong_buffer_len > 0:
             if max_new_tokens is None:

@@ -36,6 +36,8 @@ class RolloutBatch:
     scores: torch.Tensor            # (B,) combined reward
     valid: torch.Tensor             # (B,) bool
     seconds: dict = field(default_factory=dict)   # generate / reward time on the explorer
+    token_rewards: Optional[torch.Tensor] = None  # (B, A) per-turn rewards of multi-turn episodes
+    info: dict = field(default_factory=dict)      # (B,) per-episode numbers (turns, tool calls, ...)
 
 
 DONE = "done"           # an explorer's last message: nothing more will come

@@ -51,8 +51,10 @@ class Explorer:
     `trainers` every t-th of them: the prompts a colocated rank t would get."""
 
     def __init__(self, args, experience, control, engine, module: Optional[torch.nn.Module], tokenizer, scorer, prompts,
-                 *, index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1):
+                 *, index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1,
+                 workflow_runner=None):
         self.args, self.experience, self.control = args, experience, control
+        self.workflow_runner = workflow_runner        # multi-turn episodes (--workflow), else one response each
         self.engine, self.module, self.tokenizer, self.scorer, self.prompts = engine, module, tokenizer, scorer, prompts
         self._scored: Optional[BackgroundCall] = None     # the batch being scored and sent
         self.roles = args.roles
@@ -141,11 +143,16 @@ class Explorer:
         with torch.no_grad():
             prompt_ids = encode_rollout_prompts(self.tokenizer, prompts, args.data.apply_chat_template,
                                                 args.data.prompt_max_len)
-            rollout = self.engine.generate(prompt_ids, params, seeds=seeds)
+            episodes = None
+            if self.workflow_runner is not None:     # multi-turn episodes, scored by the workflow
+                episodes = self.workflow_runner.run(self.engine, prompt_ids, prompts, labels, params, seeds)
+                rollout = episodes.rollout
+            else:
+                rollout = self.engine.generate(prompt_ids, params, seeds=seeds)
         seconds = {"generate": time.perf_counter() - started}
         self._settle()                # the previous batch is scored and sent (in order), or its error raised
         self._scored = BackgroundCall(self._score_and_send, batch, episode, ids, prompts, labels, rollout,
-                                   self.loaded_version, seconds, subscriber, on_error=subscriber.wake)
+                                      self.loaded_version, seconds, subscriber, episodes, on_error=subscriber.wake)
 
     def _scoring_failed(self) -> bool:
         return self._scored is not None and self._scored.error is not None
@@ -161,10 +168,18 @@ class Explorer:
             scored.result()
 
     def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[str], labels: list,
-                        rollout: RolloutOutput, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
+                        rollout: RolloutOutput, version: int, seconds: dict, subscriber: WeightSubscriber,
+                        episodes=None) -> None:
         n = self.args.algorithm.n_samples_per_prompt
         started = time.perf_counter()
-        rewards = self.scorer.score(rollout, prompts, labels, n, self.args.rollout.generate_max_len)
+        if episodes is None:
+            rewards = self.scorer.score(rollout, prompts, labels, n, self.args.rollout.generate_max_len)
+        else:
+            rewards = episodes.rewards
+            if bool(episodes.unscored.any()):         # the workflow left these to the reward sources
+                scored = self.scorer.score(rollout, prompts, labels, n, shaping=False)
+                rewards.scores = torch.where(episodes.unscored, scored.scores, rewards.scores)
+                rewards.valid &= scored.valid | ~episodes.unscored
         seconds = {**seconds, "reward": time.perf_counter() - started}
         if subscriber.stopped:       # the trainers are done: nobody will take it
             return
@@ -173,7 +188,9 @@ class Explorer:
             rows = [i * n + k for i in local for k in range(n)]
             share = RolloutBatch(batch=batch, episode=episode, version=version, prompt_ids=list(ids),
                                  rollout=rollout.select(rows), scores=rewards.scores[rows],
-                                 valid=rewards.valid[rows], seconds=seconds)
+                                 valid=rewards.valid[rows], seconds=seconds,
+                                 token_rewards=None if rewards.token_rewards is None else rewards.token_rewards[rows],
+                                 info={k: v[rows] for k, v in rewards.info.items()})
             self.experience.send(share, trainer_rank)
         self.sent += 1
 
@@ -207,6 +224,7 @@ def explorer_parts(args, link_rank: int):
     (a plain module with `HFEngine`, or vLLM), and a scorer (the reward sources)."""
     from lightrft.builders import (build_hf_engine, build_reward_sources, build_tokenizer, build_vllm_engine,
                                    policy_model_kwargs, stop_token_ids)
+    from lightrft.builders.agents import build_workflow_runner
     from lightrft.models import ActorLanguage
     from lightrft.experience.scorer import Scorer
 
@@ -230,8 +248,10 @@ def explorer_parts(args, link_rank: int):
     # safe to call from two threads at once).
     algo = args.algorithm
     scorer = Scorer(load_tokenizer(), reward_sources=sources, overlong_buffer_len=algo.overlong_buffer_len,
-                    overlong_penalty_factor=algo.overlong_penalty_factor, eos_token_ids=eos)
-    return tokenizer, engine, module, scorer
+                    overlong_penalty_factor=algo.overlong_penalty_factor, eos_token_ids=eos,
+                    # the trainers' teacher scores, or the workflow
+                    task_reward_optional=bool(args.model.teacher_pretrain or args.agent.workflow))
+    return tokenizer, engine, module, scorer, build_workflow_runner(args.agent, tokenizer, eos)
 
 
 def run_explorer(args, link: JobLink) -> dict:
@@ -246,10 +266,11 @@ def run_explorer(args, link: JobLink) -> dict:
     configure_threads()
     set_seed(args.distributed.seed)
     layout = link.layout
-    tokenizer, engine, module, scorer = explorer_parts(args, layout.rank)
+    tokenizer, engine, module, scorer, workflow_runner = explorer_parts(args, layout.rank)
     explorer = Explorer(args, link.experience, link.control, engine, module, tokenizer, scorer,
                         build_prompt_dataset(args.data, tokenizer),
-                        index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
+                        index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers,
+                        workflow_runner=workflow_runner)
     sent = explorer.run()
     # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
     if hasattr(engine, "shutdown"):

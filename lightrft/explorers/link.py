@@ -45,10 +45,11 @@ class ExplorerLink:
     checks_engine = False
 
     def __init__(self, experience, control, explorers: int, roles: RolesConfig, sync_dir: Optional[str],
-                 timeout_s: float):
+                 timeout_s: float, weight_sync: str = "auto"):
         self.roles, self.explorers, self.timeout_s = roles, explorers, timeout_s
         self.receiver = ExperienceReceiver(experience, explorers, max(roles.experience_queue_size, explorers))
-        self.publisher = WeightPublisher(control, roles.sync_method, sync_dir) if control is not None else None
+        self.publisher = (WeightPublisher(control, roles.sync_method, sync_dir, delta=weight_sync in ("auto", "delta"))
+                          if control is not None else None)
         self.ledger = PromptLedger()
         self.current: Optional[RolloutBatch] = None
         self.total_steps = 0
@@ -114,7 +115,7 @@ class ExplorerLink:
         self._window.append(staleness)
         started = time.perf_counter()
         experiences = self.context.maker.experience_from_rollout(
-            batch.rollout, RewardBatch(batch.scores, batch.valid), self.context.algo.n_samples_per_prompt)
+            batch.rollout, RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info), self.context.algo.n_samples_per_prompt)
         for experience in experiences:   # per sample, for the logs and the rollout preview
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         timings = {"generate": batch.seconds.get("generate", 0.0), "reward": batch.seconds.get("reward", 0.0),
@@ -153,7 +154,7 @@ def trainer_link(args, link: JobLink) -> ExplorerLink:
 def _explorer_link(args, experience, control, explorers: int) -> ExplorerLink:
     return ExplorerLink(experience, control, explorers, args.roles,
                         args.roles.sync_dir or f"{args.checkpoint.ckpt_path}/explorer_weights",
-                        timeout_s=args.distributed.dist_timeout * 60.0)
+                        timeout_s=args.distributed.dist_timeout * 60.0, weight_sync=args.rollout.weight_sync)
 
 
 def start_ahead_explorer(args, strategy) -> ExplorerLink:
@@ -163,9 +164,9 @@ def start_ahead_explorer(args, strategy) -> ExplorerLink:
     from lightrft.builders import build_prompt_dataset
 
     experience, control = LocalChannel(maxsize=1), LocalChannel()
-    tokenizer, engine, module, scorer = explorer_parts(args, strategy.rank)
+    tokenizer, engine, module, scorer, workflow_runner = explorer_parts(args, strategy.rank)
     explorer = Explorer(args, experience, control, engine, module, tokenizer, scorer,
                         build_prompt_dataset(args.data, tokenizer),
-                        first_position=strategy.rank, stride=strategy.world_size)
+                        first_position=strategy.rank, stride=strategy.world_size, workflow_runner=workflow_runner)
     BackgroundCall(explorer.run)   # its error reaches the trainer as a FAILED message, which raises it
     return _explorer_link(args, experience, control, 1)

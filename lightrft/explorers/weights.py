@@ -4,12 +4,22 @@
 the stop signal; the weights themselves go inline (`broadcast`) or through a folder
 (`checkpoint`, `latest_published` reads the newest). The subscriber always receives at once, so
 publishing never waits on generation. What is published is the trainer's `WeightStream`.
+
+Delta publishing (`--weight_sync delta` or the default `auto`, with `broadcast`): after the first version,
+each tensor travels as its change since the previous version (`lightrft.rollout.delta`): nothing
+when no bit changed, the changed elements (int32 flat indices and values) when few changed, else
+whole. Every subscriber receives every message in order, so it rebuilds each version from the
+previous one, bit for bit what a full publish would have sent. The publisher's thread computes
+the deltas, off the training path, against a host copy of the last published weights (the
+weights once more in host memory on trainer rank 0). A `checkpoint` folder is read from its
+newest file alone by explorers that may start at any time, so its files are always full.
 """
 
 
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -17,19 +27,27 @@ import torch
 
 from lightrft.strategy.checkpoint_io import load_plain
 from lightrft.explorers.roles import flatten_tensors, unflatten_tensors
+from lightrft.rollout.delta import SentWeights, TensorDelta
 
 class WeightPublisher:
     """Trainer rank 0's side of the control channel: publishes (version, weights) and control
-    messages in order from a thread, holding at most one unsent set of weights."""
+    messages in order from a thread, holding at most one unsent set of weights. With `delta`
+    (and `broadcast`) a version after the first carries only what changed (module doc).
+    `sent_bytes` and `sent_seconds` list the weight bytes of each published version and the
+    seconds its encoding and sending took."""
 
-    def __init__(self, channel, method: str = "broadcast", sync_dir: Optional[str] = None, keep: int = 2):
+    def __init__(self, channel, method: str = "broadcast", sync_dir: Optional[str] = None, keep: int = 2,
+                 delta: bool = True):
         self.channel, self.method, self.keep = channel, method, keep
         self.sync_dir = Path(sync_dir) if sync_dir else None
         if method == "checkpoint":
             self.sync_dir.mkdir(parents=True, exist_ok=True)
+        self.sent = SentWeights() if delta and method == "broadcast" else None
         self.outbox: queue.Queue = queue.Queue(maxsize=1)
         self.error: Optional[BaseException] = None
         self.published = 0
+        self.sent_bytes: list[int] = []
+        self.sent_seconds: list[float] = []
         self.thread = threading.Thread(target=self._run, name="lightrft-weight-publisher", daemon=True)
         self.thread.start()
 
@@ -56,15 +74,37 @@ class WeightPublisher:
         try:
             while True:
                 message, data = self.outbox.get()
+                started = time.perf_counter()
+                if data is not None and self.sent is not None:
+                    message, data = self._encode(message, data)
+                if data is not None:
+                    self.sent_bytes.append(int(data.numel()))
                 if data is not None and self.method == "checkpoint":
                     message = {**message, "path": str(self._write(message, data))}
                     data = None
                 self.channel.publish(message, data)
-                self.published += message["kind"] == "weights"
+                if message["kind"] == "weights":
+                    self.published += 1
+                    self.sent_seconds.append(time.perf_counter() - started)
                 if message["kind"] == "stop":
                     return
         except BaseException as err:
             self.error = err
+
+    def _encode(self, message: dict, data: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The weights message as deltas against the previous version: `spec` then describes the
+        pieces sent (a whole tensor, or a sparse one's indices then values) and `delta` lists per
+        tensor its (name, shape, dtype, form), form "same", "whole" or "sparse"."""
+        forms, pieces, spec = [], [], []
+        for name, tensor in unflatten_tensors(data, message["spec"]):
+            delta = self.sent.delta(name, tensor)
+            form = "same" if delta is None else "sparse" if delta.sparse else "whole"
+            forms.append((name, tuple(tensor.shape), tensor.dtype, form))
+            if delta is not None:
+                parts = [delta.values] if not delta.sparse else [delta.indices, delta.values]
+                pieces += parts
+                spec += [(name, tuple(part.shape), part.dtype) for part in parts]
+        return {**message, "spec": spec, "delta": forms}, flatten_tensors(pieces)
 
     def _write(self, message: dict, data: torch.Tensor) -> Path:
         """`<sync_dir>/policy_v<version>.pt`, written whole or not at all; older ones pruned."""
@@ -100,6 +140,7 @@ class WeightSubscriber:
     def __init__(self, channel, explorer_index: int):
         self.channel, self.explorer_index = channel, explorer_index
         self.versions: dict[int, list] = {}     # version -> named weights, oldest first
+        self.latest: Optional[list] = None      # the newest weights received, what a delta applies to
         self.start_batch: Optional[int] = None  # the first message's: where the trainers stand
         self.retries: list[int] = []
         self.stopped = False
@@ -115,6 +156,9 @@ class WeightSubscriber:
                 if message["kind"] == "weights":
                     named = (read_published(message["path"])[1] if "path" in message
                              else unflatten_tensors(data, message["spec"]))
+                    if "delta" in message:
+                        named = apply_published_delta(self.latest, message["delta"], named)
+                    self.latest = named
                     with self.cond:
                         self.versions[message["version"]] = named
                         if self.start_batch is None:
@@ -160,3 +204,28 @@ class WeightSubscriber:
             for old in [v for v in self.versions if v < version]:
                 del self.versions[old]
             return version, self.versions[version]
+
+
+def apply_published_delta(previous: Optional[list], forms: list, pieces: list) -> list[tuple[str, torch.Tensor]]:
+    """The named weights of a delta message (`WeightPublisher._encode`): `previous` (the version
+    before, never modified: versions may still be in use) with each tensor replaced per its form.
+    Unchanged tensors are shared with `previous`; nothing holds them mutably."""
+    before, parts = dict(previous or []), iter(pieces)
+    named = []
+    for name, shape, dtype, form in forms:
+        if form != "whole" and name not in before:
+            raise RuntimeError(f"received a weight delta for {name} without its previous version: the explorer "
+                               "missed a message of the control channel; restart the job")
+        if form == "same":
+            tensor = before[name]
+        elif form == "whole":
+            tensor = next(parts)[1]
+        else:
+            indices, values = next(parts)[1], next(parts)[1]
+            tensor = before[name].clone()
+            TensorDelta(name, values, indices).apply_to(tensor)
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise RuntimeError(f"weight delta for {name}: expected {tuple(shape)} {dtype}, rebuilt "
+                               f"{tuple(tensor.shape)} {tensor.dtype}; the channel lost a message")
+        named.append((name, tensor))
+    return named

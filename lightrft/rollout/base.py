@@ -68,6 +68,9 @@ class RolloutOutput:
     `action_mask`); everything after it is padding with `action_mask == 0` and log-prob 0.
     `rollout_log_probs` are those of the distribution each token was drawn from (after the
     temperature, top-k/top-p and the `min_new_tokens` ban; see `lightrft.rollout.sampling`).
+    A multi-turn episode (`from_episodes`) is one response holding every turn and the
+    environment's tokens between them: all attended to, with `action_mask` False on the
+    environment's tokens (holes) and log-prob 0 there.
     """
 
     sequences: torch.Tensor  # (B, T) long, T = prompt_len + A
@@ -149,6 +152,42 @@ class RolloutOutput:
             rollout_log_probs[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
         return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len, truncated)
 
+    @classmethod
+    def from_episodes(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        loss_masks: Sequence[Sequence[bool]],
+        log_probs: Sequence[Sequence[float]],
+        truncated: Sequence[bool],
+        pad_token_id: int,
+    ) -> "RolloutOutput":
+        """Pads multi-turn episodes into a `RolloutOutput`, nothing cut: each response is every
+        token after its prompt (the policy's turns and the environment's tokens between them, all
+        attended to), and `action_mask` is its loss mask, with holes on the environment's tokens
+        (their log-probs are 0). One entry per sample in each list."""
+        if not len(prompts) == len(responses) == len(loss_masks) == len(log_probs) == len(truncated):
+            raise ValueError("from_episodes() needs one prompt, response, loss mask, log-prob list and truncated "
+                             "flag per sample")
+        batch = len(prompts)
+        prompt_len = max((len(p) for p in prompts), default=0)
+        num_actions = max((len(r) for r in responses), default=0)
+        sequences = torch.full((batch, prompt_len + num_actions), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, prompt_len + num_actions), dtype=torch.long)
+        action_mask = torch.zeros((batch, num_actions), dtype=torch.bool)
+        rollout_log_probs = torch.zeros((batch, num_actions), dtype=torch.float32)
+        for i, (prompt, resp, mask, lp) in enumerate(zip(prompts, responses, loss_masks, log_probs)):
+            if not len(resp) == len(mask) == len(lp):
+                raise ValueError(f"episode {i}: {len(resp)} response tokens, {len(mask)} loss-mask entries and "
+                                 f"{len(lp)} log-probs")
+            start, end = prompt_len - len(prompt), prompt_len + len(resp)
+            sequences[i, start:end] = torch.tensor(list(prompt) + list(resp), dtype=torch.long)
+            attention_mask[i, start:end] = 1
+            action_mask[i, :len(resp)] = torch.tensor(list(mask), dtype=torch.bool)
+            rollout_log_probs[i, :len(resp)] = torch.tensor(list(lp), dtype=torch.float32)
+        return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len,
+                   torch.tensor(list(truncated), dtype=torch.bool))
+
     def rows(self, start: int, stop: int) -> "RolloutOutput":
         """Samples `start` ... `stop - 1` as a rollout of their own, with the padding only other
         samples needed removed: the prompt part as wide as their longest prompt, the response
@@ -158,7 +197,8 @@ class RolloutOutput:
         prompt_attention = attention[:, :self.prompt_len]
         # Prompts are right-aligned at prompt_len: the widest one starts at the first column with a 1.
         prompt_len = int(prompt_attention.sum(-1).max().item()) if len(sequences) else 0
-        num_actions = int(actions.sum(-1).max().item()) if len(sequences) else 0
+        # Response slots are those attended to (a multi-turn episode's loss mask has holes).
+        num_actions = int(attention[:, self.prompt_len:].sum(-1).max().item()) if len(sequences) else 0
         cols = slice(self.prompt_len - prompt_len, self.prompt_len + num_actions)
         truncated = None if self.truncated is None else self.truncated[start:stop]
         return RolloutOutput(sequences[:, cols], attention[:, cols], actions[:, :num_actions],

@@ -18,6 +18,15 @@ prompts it passed (as it would with T = 1, same seeds), so each sample trains on
 
 LoRA actors: only the adapter travels (`VLLMEngine.load_adapter`, a new adapter id per sync); the
 base weights of the engine are the pretrained ones, which LoRA training leaves untouched.
+
+Delta sync (`weight_sync="delta"`, `--weight_sync delta`): the manager keeps a host copy of the
+weights it last sent, in the engine's dtype (`lightrft.rollout.delta.SentWeights`), and sends only
+the decoder layers (and other modules) in which some bit changed; vLLM reloads whole layers, so a
+changed layer goes whole. A training step changes some element of nearly every layer, so this
+saves bytes only where layers do not train (frozen layers, a skipped step); the default, `auto`,
+syncs a colocated engine fully and keeps no copy. The first sync, the first after a failed one,
+and the first after a sleep that drops the engine's weights are full. The manager must be the only
+one that syncs the engine: weights loaded behind its back need `forget_sent_weights()`.
 """
 
 import time
@@ -28,8 +37,10 @@ import torch
 import torch.distributed as dist
 
 from lightrft.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.delta import SentWeights
 from lightrft.utils.distributed import get_rank, get_world_size
 
+WEIGHT_SYNC_MODES = ("auto", "delta", "full")
 WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
 
 
@@ -117,19 +128,31 @@ class RolloutManager:
         adapter_config: the actor's peft `LoraConfig` when only a LoRA adapter is synced: the
             buckets then hold the adapter's tensors under peft's file names and go to
             `engine.load_adapter` (`for_actor` sets this up for a LoRA actor).
+        weight_sync: "delta" sends only the layers that changed since the last sync (a host copy
+            of the synced weights in the engine's dtype, `engine.weight_dtype`, decides; see the
+            module doc); "full" sends every layer every time and keeps no copy; "auto" (the
+            default) is "full" here: a training step changes some element of every layer, so a
+            colocated engine saves nothing for the copy's memory (delta pays off when layers are
+            frozen). An adapter is always sent whole.
 
     A separate engine starts stale: it was built from the pretrained folder, while the actor may
     hold different weights (a resumed checkpoint), so the first `generate` syncs.
     """
 
-    def __init__(self, engine: RolloutEngine, weight_buckets: WeightBuckets | None = None, adapter_config=None):
+    def __init__(self, engine: RolloutEngine, weight_buckets: WeightBuckets | None = None, adapter_config=None,
+                 weight_sync: str = "auto"):
         self.engine = engine
         self.shares_live_weights = bool(getattr(engine, "shares_live_weights", False))
         if weight_buckets is None and not self.shares_live_weights:
             raise ValueError(f"{type(engine).__name__} holds its own copy of the weights: RolloutManager needs "
                              "weight_buckets to sync it (RolloutManager.for_actor builds them from the strategy)")
+        if weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"--weight_sync {weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC_MODES)}")
         self.weight_buckets = weight_buckets
         self.adapter_config = adapter_config
+        # What the engine holds, for delta syncs of full weights (an adapter is small and goes whole).
+        delta = weight_sync == "delta" and adapter_config is None and not self.shares_live_weights
+        self.sent = SentWeights(getattr(engine, "weight_dtype", None)) if delta else None
         tensor_parallel_size = int(getattr(engine, "tensor_parallel_size", 1))
         self.replica = ReplicaGroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.stale = not self.shares_live_weights
@@ -137,6 +160,8 @@ class RolloutManager:
         self.syncs = 0                 # weight syncs done so far
         self.last_sync_seconds = 0.0   # duration of the latest sync
         self.last_sync_bytes = 0       # bytes of weights moved by the latest sync
+        self.last_sync_skipped = 0     # layers (fused groups) the latest sync left out as unchanged
+        self._logged_syncs = 0         # syncs already reported by `sync_logs`
 
     @classmethod
     def for_actor(cls, engine: RolloutEngine, strategy, actor, prefix: str = "model.",
@@ -144,7 +169,8 @@ class RolloutManager:
         """A manager syncing `engine` from `actor` (an `ActorLanguage`, its Hugging Face model under
         `prefix`) through its `WeightStream` (`stream`, or one over `strategy` in buckets of
         `bucket_mb` MB, default the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`). A LoRA
-        actor syncs its adapter only, to an engine built for LoRA (`lora_rank`)."""
+        actor syncs its adapter only, to an engine built for LoRA (`lora_rank`). The sync mode is
+        the engine's `weight_sync` (`--weight_sync`), auto where the engine does not say."""
         if getattr(engine, "shares_live_weights", False):
             return cls(engine)
         if stream is None:
@@ -157,7 +183,7 @@ class RolloutManager:
                              f"built with lora_rank {getattr(engine, 'lora_rank', 0)}: build the engine with the "
                              "actor's --lora_rank")
         if not actor_lora:
-            return cls(engine, stream.checkpoint_buckets)
+            return cls(engine, stream.checkpoint_buckets, weight_sync=getattr(engine, "weight_sync", "auto"))
         return cls(engine, stream.adapter_buckets, adapter_config=stream.adapter_config())
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
@@ -207,6 +233,8 @@ class RolloutManager:
         if not self.asleep:
             self.engine.sleep()
             self.asleep = True
+            if not getattr(self.engine, "keeps_weights_asleep", False):
+                self.forget_sent_weights()  # the engine may wake with other weights: sync in full
 
     def wake_up(self) -> None:
         if self.asleep:
@@ -220,25 +248,50 @@ class RolloutManager:
         if shutdown is not None:
             shutdown()
 
+    def forget_sent_weights(self) -> None:
+        """The next sync sends every layer (call it after loading weights into the engine other
+        than through this manager)."""
+        if self.sent is not None:
+            self.sent.forget()
+
     def sync_weights(self) -> None:
-        """Pushes the trainer's weights to the engine now, bucket by bucket (all ranks together)."""
+        """Pushes the trainer's weights to the engine now, bucket by bucket (all ranks together);
+        with delta sync only the layers that changed. Every rank takes the same decisions: they
+        compare the same gathered tensors with the same record of the last sync."""
         if self.shares_live_weights:
             self.stale = False
             return
         self.wake_up()
-        started, moved = time.perf_counter(), 0
+        started, moved, skipped = time.perf_counter(), 0, 0
         if self.adapter_config is not None:
             # Each bucket's tensors are copied while it is gathered; the adapter is one load.
             pairs = (pair for bucket in self.weight_buckets() for pair in bucket)
             moved = self.engine.load_adapter(pairs, self.adapter_config)
         else:
-            for bucket in self.weight_buckets():
-                self.engine.update_weights(bucket)
-                moved += sum(t.numel() * t.element_size() for _, t in bucket)
+            try:
+                for bucket in self.weight_buckets():
+                    if self.sent is not None:
+                        bucket, unchanged = self.sent.changed_groups(bucket)
+                        skipped += unchanged
+                    if bucket:
+                        self.engine.update_weights(bucket)
+                        moved += sum(t.numel() * t.element_size() for _, t in bucket)
+            except BaseException:
+                self.forget_sent_weights()  # what reached the engine is unknown
+                raise
         self.last_sync_seconds = time.perf_counter() - started
-        self.last_sync_bytes = moved
+        self.last_sync_bytes, self.last_sync_skipped = moved, skipped
         self.syncs += 1
         self.stale = False
+
+    def sync_logs(self) -> dict[str, float]:
+        """`sync/bytes`, `sync/seconds` and `sync/skipped_layers` of the latest weight sync, once
+        per sync (empty when none happened since the last call)."""
+        if self.syncs == self._logged_syncs:
+            return {}
+        self._logged_syncs = self.syncs
+        return {"sync/bytes": float(self.last_sync_bytes), "sync/seconds": self.last_sync_seconds,
+                "sync/skipped_layers": float(self.last_sync_skipped)}
 
 
 def checkpoint_format(hf_model, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

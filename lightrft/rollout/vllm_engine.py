@@ -196,6 +196,9 @@ class VLLMEngine:
         sync_bucket_mb: how many MB of gathered weights one `update_weights` call should carry;
             read by whoever builds the weight buckets (`RolloutManager.for_actor`,
             `--vllm_sync_bucket_mb`).
+        weight_sync: "delta" (only the decoder layers that changed since the last sync), "full" or
+            "auto" (full for a colocated engine);
+            read by `RolloutManager.for_actor` (`--weight_sync`).
         tensor_parallel_size: T ranks share one engine replica (`--vllm_tensor_parallel_size`); the
             world size must be a multiple of T. Replica r is ranks r*T ... r*T + T - 1.
         lora_rank: > 0 serves the trainer's LoRA adapter of this rank on top of the base weights
@@ -204,11 +207,14 @@ class VLLMEngine:
     """
 
     shares_live_weights = False
+    # Sleep level 1 moves the weights to host memory and back, bit for bit: a delta sync after a
+    # sleep may skip the layers that did not change (RolloutManager).
+    keeps_weights_asleep = True
 
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
                  enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB,
-                 tensor_parallel_size: int = 1, lora_rank: int = 0, **llm_kwargs):
+                 tensor_parallel_size: int = 1, lora_rank: int = 0, weight_sync: str = "auto", **llm_kwargs):
         replica = replica_ranks(get_rank(), get_world_size(), tensor_parallel_size)
         if lora_rank < 0 or lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"--lora_rank {lora_rank}: vLLM serves LoRA adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
@@ -223,6 +229,7 @@ class VLLMEngine:
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.sync_bucket_mb = float(sync_bucket_mb)
+        self.weight_sync = weight_sync
         self.tensor_parallel_size = int(tensor_parallel_size)
         self.lora_rank = int(lora_rank)
         self.platform = "cpu" if platform.is_cpu() else str(platform.device_type)
@@ -259,6 +266,7 @@ class VLLMEngine:
                            max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
+        self.weight_dtype = self.llm.llm_engine.model_config.dtype  # what a delta sync compares in
         self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
         self._asleep = False
         self.adapter = None          # the vLLM LoRARequest every request uses (LoRA engines)

@@ -70,11 +70,13 @@ class ServedPolicy:
         """Loads the weights of `path` and makes them the served policy at `version` (default: the
         step in the folder name, else the previous version + 1). A folder whose tokenizer differs
         from the served one is refused: recorded token ids would mean other text."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from lightrft.builders.tokenizer import build_tokenizer
 
         path = Path(path)
         if (path / "tokenizer_config.json").exists():
-            other = AutoTokenizer.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+            other = build_tokenizer(str(path), trust_remote_code=self.trust_remote_code)
             if tokenizer_fingerprint(other) != self.fingerprint:
                 raise ValueError(f"{path} has a different tokenizer from the served model; serve it with its own "
                                  "server (--pretrain) instead of loading it as new weights")

@@ -17,14 +17,12 @@ def evaluate_policy(maker, strategy, dataloader, generate_kwargs: dict, k: int =
     for prompts, labels in dataloader:
         prompts, labels = list(prompts), list(labels)
         greedy = maker.sampling_params(n=1, **{**generate_kwargs, "temperature": 0.0})
-        rollout = maker.generate(prompts, greedy, stream="eval")
-        rewards = maker.compute_rewards(rollout, prompts, labels, 1, shaping=False).scores
+        rewards = maker.rollout(prompts, labels, greedy, stream="eval", shaping=False)[1].scores
         greedy_sum += rewards.sum().item()
         greedy_n += rewards.numel()
         if k > 1:
             params = maker.sampling_params(n=k, **generate_kwargs)
-            rollout = maker.generate(prompts, params, stream="eval")
-            scores = maker.compute_rewards(rollout, prompts, labels, k, shaping=False).scores.view(-1, k)  # (P, k)
+            scores = maker.rollout(prompts, labels, params, stream="eval", shaping=False)[1].scores.view(-1, k)  # (P, k)
             pass_sum += (scores > 0).any(dim=1).float().sum().item()
             sample_sum += scores.mean(dim=1).sum().item()
             prompts_n += scores.size(0)

@@ -49,7 +49,10 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     from a `lightrft.config.PPORunConfig`. The classic arguments (`init_kl_coef`, `kl_target`,
     `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) default to None, which takes the value of the
     same field of `algo`; a value given explicitly overrides it. Without `algo` they take the classic
-    values 0.001, None (fixed KL), 10000, 0, 0.2 and 0.2."""
+    values 0.001, None (fixed KL), 10000, 0, 0.2 and 0.2. `teacher_model` (a prepared frozen policy,
+    `--teacher_pretrain`) distils into the actor on its own samples, as `algo.distill_mode` says
+    (docs/distillation.md). `workflow_runner` (`lightrft.agents.WorkflowRunner`, --workflow) makes
+    each sample a multi-turn episode (docs/agents.md)."""
 
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
                  critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
@@ -67,7 +70,8 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
                  eos_token_ids: Optional[Sequence[int]] = None, max_ckpt_num: int = 3,
                  eval_generate_kwargs: Optional[dict] = None, engine_logprob_gap_threshold: Optional[float] = None,
                  engine_logprob_gap_action: str = "stop", experience_source=None,
-                 sync_bucket_mb: Optional[float] = None, **generate_kwargs):
+                 sync_bucket_mb: Optional[float] = None, teacher_model=None, workflow_runner=None,
+                 **generate_kwargs):
         # A classic PPO argument given explicitly overrides `algo`; None takes `algo`'s value. Without
         # `algo` the classic signature's documented values apply (init_kl_coef 0.001, not the CLI's 0.01).
         classic = dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, ptx_coef=ptx_coef,
@@ -77,6 +81,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.strategy = strategy
         self.actor, self.critic = actor, critic
         self.reward_model, self.initial_model, self.ema_model = reward_model, initial_model, ema_model
+        self.teacher_model = teacher_model
         self.actor_optim, self.critic_optim = actor_optim, critic_optim
         self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
         self.ema_beta, self.max_epochs, self.max_norm = ema_beta, max_epochs, max_norm
@@ -118,7 +123,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
             algo, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
             remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
             micro_rollout_batch_size=micro_rollout_batch_size, apply_chat_template=apply_chat_template,
-            eos_token_ids=eos_token_ids)
+            eos_token_ids=eos_token_ids, teacher=teacher_model, workflow_runner=workflow_runner)
         self.replay_buffer = NaiveReplayBuffer(micro_train_batch_size, buffer_limit, buffer_cpu_offload,
                                                packing_samples=packing_samples, pad_token_id=tokenizer.pad_token_id)
         self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
@@ -238,6 +243,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         logs = self.step(experiences)
         train_time = time.time() - started
         logs.update(self.experience_source.after_step(self.global_step))
+        logs.update(self.rollout.sync_logs())
         logs.update(perf_metrics(self.last_timings, rollout_time, train_time,
                                  config.rollout.rollout_batch_size * self.algo.n_samples_per_prompt))
         return logs
@@ -276,7 +282,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         if check_engine:
             self.check_engine_gap(train_logs)
         self.replay_buffer.clear()
-        rollout_logs = totals.result()
+        rollout_logs = distill_metrics(totals.result())
         # The controller counts the step's samples over all ranks (every rank holds as many).
         samples = sum(experience.batch_size for experience in experiences) * self.strategy.world_size
         self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0), samples)
@@ -343,3 +349,22 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         return evaluate_policy(self.experience_maker, self.strategy, eval_dataloader,
                                {**self.generate_kwargs, **self.eval_generate_kwargs},
                                k=self.args.data.eval_n_samples if self.args is not None else 1)
+
+
+DISTILL_SUMS = ("reverse_kl", "teacher_logprob", "student_logprob")
+
+
+def distill_metrics(rollout_logs: dict[str, float]) -> dict[str, float]:
+    """A step's rollout logs with the distillation sums (`ExperienceBuilder.distill_info`, means
+    over samples of per-sample sums) turned into per-token means over the step's trained tokens:
+    distill/reverse_kl (mean log p_student - log p_teacher of the sampled tokens, an unbiased
+    estimate of KL(student || teacher) per token), distill/teacher_logprob, distill/student_logprob.
+    Logs without them (no teacher) come back unchanged."""
+    if "rollout/distill_tokens" not in rollout_logs:
+        return rollout_logs
+    logs = dict(rollout_logs)
+    tokens = logs.pop("rollout/distill_tokens")
+    for name in DISTILL_SUMS:
+        total = logs.pop(f"rollout/distill_{name}")
+        logs[f"distill/{name}"] = total / tokens if tokens > 0 else float("nan")
+    return logs

@@ -1,10 +1,11 @@
 """The update half of `PPOTrainer`: one rollout batch's optimisation.
 
 `ppo_train` runs `max_epochs` passes of micro-batches over the replay buffer; each micro-batch goes
-through `training_step` (`training_step_actor`: policy loss, KL loss, entropy, MoE auxiliary loss,
-PPO-ptx; `training_step_critic`: value loss), normalised by the optimizer step's global token and
-sequence counts so the update does not depend on how the batch is split over ranks and
-micro-batches. Every method is meant to be overridden by research code (see docs/extending.md).
+through `training_step` (`training_step_actor`: policy loss, KL loss, distillation loss, entropy,
+MoE auxiliary loss, PPO-ptx; `training_step_critic`: value loss), normalised by the optimizer
+step's global token and sequence counts so the update does not depend on how the batch is split
+over ranks and micro-batches. Every method is meant to be overridden by research code (see
+docs/extending.md).
 
 `PPOUpdate` is a base class of `PPOTrainer`, not used alone: it reads the trainer's models,
 optimizers, losses (`actor_loss_fn`, `critic_loss_fn`, `ptx_loss_fn`), `algo`, `strategy`,
@@ -20,6 +21,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from lightrft.algorithms.aggregation import aggregate_loss
+from lightrft.algorithms.distill import distill_loss_per_token
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.experience.samples import Experience, Sample, collate_samples
 from lightrft.rollout.checks import engine_logprob_gap
@@ -188,6 +190,12 @@ class PPOUpdate:
             kl_loss = self._aggregate(kl, mask, counts)
             loss = loss + self.kl_ctl.value * kl_loss
             metrics["kl_loss"] = kl_loss.detach()
+        if self.algo.distill_mode == "loss" and experience.teacher_log_probs is not None:
+            # On-policy distillation as a loss: the teacher's reverse KL on the current log-probs.
+            distill_loss = self._aggregate(distill_loss_per_token(log_probs, experience.teacher_log_probs, mask,
+                                                                  self.algo.kl_clamp), mask, counts)
+            loss = loss + self.algo.distill_coef * distill_loss
+            metrics["distill_loss"] = distill_loss.detach()
         if self.algo.entropy_coef != 0:
             entropy = self._aggregate(output["entropy"], mask, counts)
             loss = loss - self.algo.entropy_coef * entropy

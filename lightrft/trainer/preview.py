@@ -1,8 +1,10 @@
 """A look at what the policy generates: every N steps a small table of rollout samples (prompt,
-response, reward, policy version, staleness) goes to W&B (a `wandb.Table`) and TensorBoard (a
+response, reward, policy version, staleness; a multi-turn episode's response is the whole
+episode, the environment's parts marked) goes to W&B (a `wandb.Table`) and TensorBoard (a
 markdown table in the Text tab). `train_ppo --preview_steps N` adds it."""
 
 from dataclasses import dataclass
+from itertools import groupby
 
 from lightrft.trainer.callbacks import TrainerCallback
 
@@ -22,6 +24,22 @@ class PreviewRow:
         return [self.step, self.prompt, self.response, self.reward, self.policy_version, self.staleness]
 
 
+def response_text(tokenizer, experience, row: int) -> str:
+    """Row `row`'s response as text: every attended response token, so a multi-turn episode reads
+    whole, with the environment's tokens (not trained) between [env: ...] marks."""
+    a = experience.action_mask.size(1)
+    n = int(experience.attention_mask[row, experience.attention_mask.size(1) - a:].sum()) if a else 0
+    tokens = experience.sequences[row, experience.sequences.size(1) - a:][:n].tolist()
+    trains = experience.action_mask[row, :n].tolist()
+    parts, position = [], 0
+    for trained, run in groupby(trains):
+        length = len(list(run))
+        text = tokenizer.decode(tokens[position:position + length], skip_special_tokens=True)
+        parts.append(text if trained or not text else f"[env: {text}]")
+        position += length
+    return "".join(parts)
+
+
 def preview_rows(trainer, experiences: list, max_rows: int) -> list[PreviewRow]:
     """The first `max_rows` samples of this rank's experiences (padded layout, as they come out of
     the experience maker), decoded with `trainer.tokenizer`."""
@@ -35,11 +53,10 @@ def preview_rows(trainer, experiences: list, max_rows: int) -> list[PreviewRow]:
                 return rows
             prompt_part = experience.sequences[i, :-a] if a else experience.sequences[i]
             prompt_ids = prompt_part[experience.attention_mask[i, :prompt_part.size(0)].bool()].tolist()
-            response_ids = experience.sequences[i, -a:][experience.action_mask[i]].tolist() if a else []
             version = int(versions[i]) if versions is not None else weights_step
             rows.append(PreviewRow(step=weights_step + 1,
                                    prompt=trainer.tokenizer.decode(prompt_ids, skip_special_tokens=True),
-                                   response=trainer.tokenizer.decode(response_ids, skip_special_tokens=True),
+                                   response=response_text(trainer.tokenizer, experience, i),
                                    reward=float(experience.info["reward"][i]), policy_version=version,
                                    staleness=weights_step - version))
     return rows

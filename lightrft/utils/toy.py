@@ -41,10 +41,11 @@ def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: in
     """Fraction of `rows` whose greedy response, stripped, equals row["output"] exactly, for a
     Hugging Face folder holding a causal LM and its tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
+    from lightrft.builders.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(str(model_path), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     correct = 0
     with torch.no_grad():

@@ -78,9 +78,11 @@ def test_healthy_configuration_passes_every_check(task, tmp_path, capsys):
     json_report = tmp_path / "doctor.json"
     report = doctor(task, tmp_path, "--doctor_report", json_report, prompt_max_len=24)
     printed = capsys.readouterr().out
-    assert [c.name for c in report.checks] == ["data", "memory", "invariance", "engine", "rewards"]
+    assert [c.name for c in report.checks] == ["data", "memory", "invariance", "engine", "rewards", "workflow"]
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
-        ["data", "memory", "invariance", "engine", "rewards"], "PASS")
+        ["data", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+    assert [f.text for f in report.check("workflow").findings] == [
+        "no --workflow: one response per prompt (nothing to check)"]
     assert report.exit_code == 0 and "verdict: PASS" in printed
     assert json.loads(json_report.read_text())["verdict"] == "PASS"
     # Nothing was written where the user's run would write.
@@ -279,3 +281,37 @@ def test_vllm_engine_follows_the_trainer_through_a_sync(task, tmp_path):
     assert engine["status"] == "PASS" and engine["figures"]["shares_live_weights"] is False
     assert engine["figures"]["gap_mean"] < 1e-4 and engine["figures"]["moved_gap_mean"] < 1e-4
     assert engine["figures"]["weight_change_effect_mean"] > 20 * 1e-3 and engine["figures"]["syncs"] == 3
+
+
+# --------------------------------------------------------------------------------- workflow
+WORKFLOW = '''
+from lightrft.agents import Workflow
+
+
+class Retry(Workflow):
+    async def run(self, episode):
+        turn = await episode.generate()
+        episode.add_messages({"role": "user", "content": "again"})
+        await episode.generate()
+        if episode.index == 0 and episode.sample == 0:
+            raise ZeroDivisionError("a bug in one episode")
+        return float(len(turn.token_ids) % 2)
+'''
+
+
+def test_workflow_check_plays_episodes_and_reports_how_they_ended(task, tmp_path):
+    path = tmp_path / "retry.py"
+    path.write_text(WORKFLOW)
+    report = doctor(task, tmp_path, "--doctor_checks", "workflow", workflow=path, max_turns=4,
+                    max_episode_tokens=200)
+    check = report.check("workflow")
+    figures = check.figures
+    assert figures["episodes"] == 16 and figures["turns_mean"] == 2.0
+    assert figures["stop_reasons"] == {"done": 15, "workflow_error": 1}
+    assert 0 < figures["environment_token_share"] < 1 and figures["logprob_gap_max"] < 1e-4   # HF engine, fp32
+    warnings = [f.text for f in check.findings if f.level == "WARN"]
+    assert len(warnings) == 1 and "1 of 16 episodes raised" in warnings[0] and "ZeroDivisionError" in warnings[0]
+    budget = doctor(task, tmp_path, "--doctor_checks", "workflow", workflow=path, max_turns=1,
+                    max_episode_tokens=200).check("workflow")
+    assert budget.figures["stop_reasons"] == {"max_turns": 16}
+    assert any("ran out of --max_turns (1)" in f.text for f in budget.findings)

@@ -13,8 +13,9 @@ import httpx
 import pytest
 import torch
 from openai import OpenAI
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_ppo import parse_args, train
 from lightrft.serving.openai_api import (RequestError, ServeLimits, finish_choice, parse_chat_request,
                                          parse_completion_request)
@@ -72,7 +73,7 @@ def test_agent_session_record_feedback_train_and_reload(server):
     assert httpx.get(server["url"] + "/health").status_code == 401
     http = httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"})
     old_model = AutoModelForCausalLM.from_pretrained(server["model"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(server["model"])
+    tokenizer = build_tokenizer(str(server["model"]))
 
     # 1. A three-turn chat: each turn sends the whole conversation so far.
     messages, chat_ids = [], []
@@ -117,28 +118,37 @@ def test_agent_session_record_feedback_train_and_reload(server):
     assert {k: joined[k] for k in rewards} == rewards
     assert joined[again.id] is None                      # no feedback: not trained on
 
-    # 4. One REINFORCE step on the four rewarded experiences, exporting global_step1_hf.
+    # 4. One REINFORCE step on every rewarded sample, exporting global_step1_hf: the completion, and
+    #    the chat, whose turns join into one episode where the text round trip kept their token ids
+    #    (the tiny tokenizer drops spaces on encoding: a turn after an answer with one stays apart).
+    dataset = RecordedExperienceDataset(server["record"], tokenizer)
+    batch = len(dataset)
+    assert 2 <= batch <= 4 and sum(s.turns for s in dataset.samples) == 4
     for key in LAUNCH_ENV:
         os.environ.pop(key, None)
     out = server["root"] / "train"
     logs = train(parse_args(to_flags({
         "pretrain": server["model"], "recorded_data": server["record"], "advantage_estimator": "reinforce",
-        "rollout_batch_size": 4, "train_batch_size": 4, "micro_train_batch_size": 2, "micro_rollout_batch_size": 4,
+        "rollout_batch_size": batch, "train_batch_size": batch, "micro_train_batch_size": 1,
+        "micro_rollout_batch_size": batch,
         "init_kl_coef": 0, "actor_learning_rate": 1e-2, "lr_scheduler": "constant", "lr_warmup_ratio": 0,
         "max_steps": 1, "save_steps": 1, "save_hf_ckpt": True, "disable_ds_ckpt": True, "zero_stage": 2,
         "seed": 3, "ckpt_path": server["ckpt"], "save_path": out / "model", "preview_steps": 1,
         "use_tensorboard": out / "tb"})))
     for key in LAUNCH_ENV:
         os.environ.pop(key, None)
-    assert logs["rollout/reward"] == pytest.approx(0.5)
+    assert logs["rollout/reward"] == pytest.approx(sum(s.reward for s in dataset.samples) / batch)
     assert logs["rollout/policy_version"] == 0.0
-    # The preview shows the recorded responses with their rewards, served by version 0 (staleness 0).
+    # The preview shows the recorded responses (a joined chat's turns with the tokens between them
+    # marked [env: ...]) with their rewards (a chat's last turn's), served by version 0 (staleness 0).
     [(step, table)] = tensorboard_texts(out / "tb", "rollout/preview")
-    served = {r.response: rewards[r.id] for r, _ in read_records(server["record"])[0] if r.id in rewards}
+    served = {r.id: r.response for r, _ in read_records(server["record"])[0]}
     rows = parse_markdown_table(table)[1]
-    assert step == 1 and len(rows) == 4
-    assert sorted((r[2], float(r[3]), int(r[4]), int(r[5])) for r in rows) == \
-        sorted((text, reward, 0, 0) for text, reward in served.items())
+    assert step == 1 and len(rows) == batch
+    assert sorted((float(r[3]), int(r[4]), int(r[5])) for r in rows) == \
+        sorted((rewards[s.id], 0, 0) for s in dataset.samples)
+    for s in dataset.samples:
+        assert sum(r[2].endswith(served[s.id]) and ("[env: " in r[2]) == (s.turns > 1) for r in rows) == 1
 
     # 5. The server picks the export up as policy version 1 and answers with its weights.
     deadline = time.time() + 60

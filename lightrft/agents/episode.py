@@ -1,0 +1,231 @@
+"""One multi-turn episode, token in, token out.
+
+An `Episode` holds the sequence the policy is trained on: the prompt's token ids, then each turn's
+ids exactly as the engine sampled them (they train), with the environment's ids (tool results,
+user replies, game feedback) between turns as the chat template renders them (they are attended
+to but do not train). Nothing is decoded and encoded again: a turn's text is decoded only for the
+workflow to read.
+
+Environment messages are rendered by `ChatRenderer`: the template's text for the new messages,
+preceded by what the template writes after an assistant message's end-of-turn token (ChatML's
+newline after `<|im_end|>`), so the sequence reads as the template would have written the whole
+conversation, but with the sampled ids of every assistant turn kept as they were.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+# The request a turn makes: (token ids so far, most new tokens, turn index) -> (ids, log-probs, cut).
+TurnRequest = Callable[[list[int], int, int], Awaitable[tuple[list[int], list[float], bool]]]
+
+
+class EpisodeEnd(Exception):
+    """Ends an episode before its workflow returns: a limit was reached (`max_turns`, the token
+    budget) or the environment failed (a tool that hung or crashed). The runner records `reason`
+    and scores the episode with the workflow's `reward_on_end` (default 0)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Turn:
+    """One policy turn: what the engine sampled and its text."""
+
+    text: str                  # decoded without special tokens, for the workflow to read
+    token_ids: list[int]       # exactly what the engine sampled: these ids train
+    log_probs: list[float]     # the engine's log-probs of those ids
+    truncated: bool            # stopped by a length limit rather than an end-of-sequence token
+    reward: Optional[float] = None   # per-turn reward (`Episode.reward_turn`), on the turn's last token
+
+
+class ChatRenderer:
+    """Renders environment messages appended to a conversation as token ids, with the tokenizer's
+    chat template, without re-rendering the conversation before them."""
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int]):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this workflow adds chat messages, but the tokenizer has no chat template: use a model "
+                             "whose tokenizer has one, or add raw text with Episode.add_text")
+        self.tokenizer = tokenizer
+        self.base = self._render(self._BASE, generation_prompt=False)
+        # What the template writes after the assistant's content, less the end-of-turn token the
+        # policy itself samples (it is already in the sequence).
+        after = self.base[self.base.rindex("a") + 1:]
+        for eos in eos_token_ids:
+            eos_text = tokenizer.decode([eos])
+            if eos_text and after.startswith(eos_text):
+                after = after[len(eos_text):]
+                break
+        self.turn_tail = after
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def environment_text(self, messages: Sequence[dict], generation_prompt: bool = True) -> str:
+        """The text that follows an assistant turn's end-of-turn token when `messages` come next
+        (and, with `generation_prompt`, the next assistant turn's header)."""
+        full = self._render(self._BASE + list(messages), generation_prompt)
+        if not full.startswith(self.base):
+            raise ValueError("the tokenizer's chat template renders a conversation differently once messages are "
+                             "appended (the earlier turns changed), so environment messages cannot be appended as "
+                             "tokens: add them with Episode.add_text instead")
+        return self.turn_tail + full[len(self.base):]
+
+    def environment_ids(self, messages: Sequence[dict], generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.encode(self.environment_text(messages, generation_prompt), add_special_tokens=False)
+
+
+@dataclass
+class EpisodeStats:
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0       # seconds spent in tools and environment calls
+
+
+class Episode:
+    """One episode of one sample: the workflow's handle on the policy and the environment.
+
+    - `prompt`, `label`: the dataset row; `messages`: the conversation so far as chat messages
+      (the prompt as a user message, then each turn and each environment message).
+    - `await generate()`: the policy's next turn from everything so far.
+    - `add_messages(...)` / `add_text(...)`: environment output, in the sequence but not trained.
+    - `await call_tools(calls)`: runs parsed tool calls and adds their results as tool messages.
+    - `reward_turn(r)`: a per-turn reward on the last turn.
+    - `end(reason)`: stops the episode here (the workflow's `reward_on_end` scores it).
+    """
+
+    def __init__(self, *, prompt: Any, label: Any, prompt_ids: list[int], tokenizer, request: TurnRequest,
+                 max_turns: int, max_tokens: int, max_new_tokens: int, renderer: Optional[ChatRenderer] = None,
+                 tools=None, index: int = 0, sample: int = 0):
+        self.prompt, self.label = prompt, label
+        self.messages: list[dict] = (list(prompt) if isinstance(prompt, list)
+                                     else [{"role": "user", "content": str(prompt)}])
+        self.prompt_ids = list(prompt_ids)
+        self.tokenizer, self._request, self._renderer, self.tools = tokenizer, request, renderer, tools
+        self.max_turns, self.max_tokens, self.max_new_tokens = max_turns, max_tokens, max_new_tokens
+        self.index, self.sample = index, sample
+        self.response_ids: list[int] = []
+        self.loss_mask: list[bool] = []
+        self.log_probs: list[float] = []
+        self.turns: list[Turn] = []
+        self.turn_ends: list[int] = []      # response position of each turn's last token
+        self.truncated = False
+        self.stats = EpisodeStats()
+        self.extra: dict[str, float] = {}   # the workflow's own per-episode numbers, logged as agent/<key>
+
+    # ------------------------------------------------------------------------------------- budget
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - len(self.response_ids)
+
+    @property
+    def turns_left(self) -> int:
+        return self.max_turns - len(self.turns)
+
+    def end(self, reason: str) -> None:
+        """Stops the episode here: raises `EpisodeEnd(reason)`."""
+        raise EpisodeEnd(reason)
+
+    # ------------------------------------------------------------------------------------- policy
+    async def generate(self, max_new_tokens: Optional[int] = None) -> Turn:
+        """The policy's next turn, sampled from every token so far (batched with the other
+        episodes' turns). Ends the episode (`EpisodeEnd`) when no turn or token is left."""
+        if self.turns_left <= 0:
+            self.truncated = True
+            raise EpisodeEnd("max_turns")
+        if self.tokens_left <= 0:
+            self.truncated = True
+            raise EpisodeEnd("token_budget")
+        limit = min(self.max_new_tokens if max_new_tokens is None else max_new_tokens, self.tokens_left)
+        ids, log_probs, cut = await self._request(self.prompt_ids + self.response_ids, limit, len(self.turns))
+        self.response_ids += ids
+        self.loss_mask += [True] * len(ids)
+        self.log_probs += log_probs
+        self.turn_ends.append(len(self.response_ids) - 1)
+        turn = Turn(self.tokenizer.decode(ids, skip_special_tokens=True), list(ids), list(log_probs), cut)
+        self.truncated |= cut
+        self.turns.append(turn)
+        self.messages.append({"role": "assistant", "content": turn.text})
+        return turn
+
+    def reward_turn(self, reward: float) -> None:
+        """A reward for the last turn, on its last token (token-level estimators credit it there;
+        the others add it to the episode's reward)."""
+        if not self.turns:
+            raise ValueError("reward_turn() needs a turn first: call generate()")
+        self.turns[-1].reward = float(reward)
+
+    # -------------------------------------------------------------------------------- environment
+    def add_messages(self, *messages: dict) -> None:
+        """Environment messages (role "tool" or "user"), rendered by the chat template and
+        appended with the next assistant header; they are attended to, never trained."""
+        if self._renderer is None:
+            raise ValueError("add_messages() needs the tokenizer's chat template; add raw text with add_text()")
+        self._append_environment(self._renderer.environment_ids(messages))
+        self.messages.extend(messages)
+
+    def add_text(self, text: str) -> None:
+        """Raw environment text, encoded as is and appended; attended to, never trained."""
+        self._append_environment(self.tokenizer.encode(text, add_special_tokens=False))
+        self.messages.append({"role": "user", "content": text})
+
+    def _append_environment(self, ids: list[int]) -> None:
+        if len(ids) > self.tokens_left:
+            self.truncated = True
+            raise EpisodeEnd("token_budget")
+        self.response_ids += ids
+        self.loss_mask += [False] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+
+    async def call_tools(self, calls: Sequence, tool_role: str = "tool") -> list:
+        """Runs tool calls (`lightrft.agents.tools.parse_tool_calls`) in the tool workers, adds
+        each result as a tool message (`tool_role`) and returns the results. A call that hung or
+        crashed its worker ends the episode (`EpisodeEnd("tool_timeout")` / `"tool_crash"`); a
+        malformed call, an unknown tool, bad arguments or an exception inside the tool are
+        reported to the policy in the tool message."""
+        from lightrft.agents.tools import tool_message
+
+        if self.tools is None:
+            raise ValueError("call_tools() needs tools: declare them in the workflow's `tools` attribute")
+        started = time.perf_counter()
+        results = await asyncio.gather(*(self.tools.call(call) for call in calls))
+        self.stats.env_seconds += time.perf_counter() - started
+        self.stats.tool_calls += len(calls)
+        self.stats.tool_errors += sum(1 for r in results if r.error)
+        for result in results:
+            if result.ends_episode:
+                raise EpisodeEnd("tool_timeout" if result.error == "timeout" else "tool_crash")
+        self.add_messages(*(tool_message(call, result, tool_role) for call, result in zip(calls, results)))
+        return list(results)
+
+    async def environment(self, fn: Callable, *args, **kwargs):
+        """Runs a blocking environment call in a thread, timed under agent/env_seconds."""
+        started = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        finally:
+            self.stats.env_seconds += time.perf_counter() - started
+
+
+@dataclass
+class EpisodeRecord:
+    """A finished episode as the runner hands it on."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[bool]
+    log_probs: list[float]
+    reward: float
+    turn_rewards: list[tuple[int, float]]      # (response position, reward)
+    truncated: bool
+    valid: bool
+    stop_reason: str                           # "done", "max_turns", "token_budget", "tool_timeout", ...
+    turns: int
+    stats: EpisodeStats = field(default_factory=EpisodeStats)
+    extra: dict = field(default_factory=dict)

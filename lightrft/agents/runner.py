@@ -1,0 +1,208 @@
+"""Runs a workflow's episodes for a rollout batch, their turns batched across episodes.
+
+Every episode of the batch (prompts x G) runs as a coroutine. When every unfinished episode is
+waiting for the policy, their requests go to the engine as one `generate` call (one per distinct
+token limit), each request with its own seed: the seed of sample j of prompt i
+(`lightrft.rollout.seeds`) mixed with the turn's number. Batches therefore form the same way
+whatever the tools' timing, and each turn's samples do not depend on the batch, so a run (and a
+resumed run) draws the same episodes. Tools run in worker processes meanwhile (`ToolRunner`).
+
+The result is one `RolloutOutput` row per episode (`RolloutOutput.from_episodes`: the environment's
+tokens are holes of the loss mask) and a `RewardBatch` with the workflow's rewards, per-turn
+rewards as token rewards, and per-episode numbers (turns, tool calls, ...) for the logs.
+"""
+
+import asyncio
+import dataclasses
+import logging
+import math
+import traceback
+from collections import Counter
+from typing import Optional, Sequence
+
+import torch
+
+from lightrft.agents.episode import ChatRenderer, Episode, EpisodeEnd, EpisodeRecord
+from lightrft.experience.scorer import RewardBatch
+from lightrft.rollout.base import RolloutOutput, SamplingParams
+from lightrft.rollout.seeds import mix_seed, sample_seed
+
+logger = logging.getLogger(__name__)
+
+# Per-episode numbers every rollout row carries (rollout/<name> in the logs: means per episode).
+EPISODE_INFO = ("turns", "tool_calls", "tool_errors", "env_seconds", "ended_early", "tool_failure",
+                "workflow_error")
+
+
+@dataclasses.dataclass
+class AgentBatch:
+    rollout: RolloutOutput
+    rewards: RewardBatch
+    records: list[EpisodeRecord]
+    unscored: torch.Tensor          # (B,) bool: the workflow returned None, the run's reward sources score these
+
+
+class WorkflowRunner:
+    """Runs `workflow` over rollout batches with a rollout engine (see the module docstring).
+
+    `max_episode_tokens` bounds an episode's response tokens (turns and environment together);
+    `tools` is the `ToolRunner` of the workflow's tools, or None."""
+
+    def __init__(self, workflow, tokenizer, *, max_turns: int, max_episode_tokens: Optional[int],
+                 eos_token_ids: Sequence[int], tools=None):
+        self.workflow, self.tokenizer, self.tools = workflow, tokenizer, tools
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.eos_token_ids = list(eos_token_ids)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.renderer = ChatRenderer(tokenizer, self.eos_token_ids) if getattr(tokenizer, "chat_template", None) \
+            else None
+        workflow.setup(tokenizer)
+        self.errors_logged = 0
+
+    def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()
+
+    # ------------------------------------------------------------------------------------- engine
+    def _generate(self, engine, requests: list, params: SamplingParams) -> None:
+        """Answers `requests` ((ids, limit, seed, future) each) with one engine call per limit."""
+        by_limit: dict[int, list] = {}
+        for request in requests:
+            by_limit.setdefault(request[1], []).append(request)
+        for limit, group in sorted(by_limit.items()):
+            turn_params = dataclasses.replace(params, n=1, max_new_tokens=limit,
+                                              min_new_tokens=min(params.min_new_tokens, limit))
+            out = engine.generate([ids for ids, *_ in group], turn_params, seeds=[seed for _, _, seed, _ in group])
+            lengths = out.action_mask.sum(dim=1).tolist()
+            responses, log_probs = out.responses.tolist(), out.rollout_log_probs.tolist()
+            truncated = out.truncated.tolist() if out.truncated is not None else [False] * len(group)
+            for row, (*_, future) in enumerate(group):
+                n = lengths[row]
+                future.set_result((responses[row][:n], log_probs[row][:n], bool(truncated[row])))
+
+    async def _drive(self, engine, episodes: list[Episode], seeds: list[int], params: SamplingParams) -> list:
+        loop = asyncio.get_running_loop()
+        pending: list = []
+        wake = asyncio.Event()
+        unfinished = len(episodes)
+
+        def make_request(episode_seed: int):
+            async def request(ids: list[int], limit: int, turn: int):
+                future = loop.create_future()
+                pending.append((ids, limit, mix_seed(episode_seed, turn), future))
+                wake.set()
+                return await future
+            return request
+
+        async def run(episode: Episode):
+            nonlocal unfinished
+            try:
+                return await self._run_episode(episode)
+            finally:
+                unfinished -= 1
+                wake.set()
+
+        for episode, seed in zip(episodes, seeds):
+            episode._request = make_request(seed)
+        tasks = [asyncio.ensure_future(run(episode)) for episode in episodes]
+        while unfinished:
+            await wake.wait()
+            wake.clear()
+            if pending and len(pending) == unfinished:
+                batch = list(pending)
+                pending.clear()
+                try:
+                    self._generate(engine, batch, params)
+                except BaseException as err:
+                    for *_, future in batch:
+                        future.set_exception(err)
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise
+        return await asyncio.gather(*tasks)
+
+    # ------------------------------------------------------------------------------------ episode
+    async def _run_episode(self, episode: Episode) -> EpisodeRecord:
+        stop, valid, reward = "done", True, None
+        try:
+            reward = await self.workflow.run(episode)
+        except EpisodeEnd as end:
+            stop, reward = end.reason, self.workflow.reward_on_end
+        except Exception:                                       # a bug in the workflow: this episode only
+            stop, valid, reward = "workflow_error", False, 0.0
+            episode.extra["error"] = traceback.format_exc()
+        if reward is not None and not isinstance(reward, (int, float)):
+            stop, valid = "workflow_error", False
+            episode.extra["error"] = (f"{type(self.workflow).__name__}.run returned {type(reward).__name__}; it must "
+                                      "return a number (the episode's reward) or None (scored by --remote_rm_url)")
+            reward = 0.0
+        # The environment's tokens after the last turn neither train nor condition anything: drop them.
+        kept = max((i + 1 for i, trains in enumerate(episode.loss_mask) if trains), default=0)
+        turn_rewards = [(end, turn.reward) for end, turn in zip(episode.turn_ends, episode.turns)
+                        if turn.reward is not None and end < kept]
+        if kept == 0:
+            valid = False       # no turn: nothing to train
+        return EpisodeRecord(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids[:kept],
+                             loss_mask=episode.loss_mask[:kept], log_probs=episode.log_probs[:kept],
+                             reward=math.nan if reward is None else float(reward), turn_rewards=turn_rewards,
+                             truncated=episode.truncated or stop in ("max_turns", "token_budget"), valid=valid,
+                             stop_reason=stop, turns=len(episode.turns), stats=episode.stats, extra=episode.extra)
+
+    def episodes(self, prompt_ids: list[list[int]], prompts: list, labels: Optional[list],
+                 params: SamplingParams) -> list[Episode]:
+        labels = labels if labels is not None else [None] * len(prompts)
+        max_tokens = self.max_episode_tokens or self.max_turns * params.max_new_tokens
+        return [Episode(prompt=prompt, label=label, prompt_ids=ids, tokenizer=self.tokenizer, request=None,
+                        max_turns=self.max_turns, max_tokens=max_tokens, max_new_tokens=params.max_new_tokens,
+                        renderer=self.renderer, tools=self.tools, index=i, sample=j)
+                for i, (prompt, label, ids) in enumerate(zip(prompts, labels, prompt_ids)) for j in range(params.n)]
+
+    def run(self, engine, prompt_ids: list[list[int]], prompts: list, labels: Optional[list],
+            params: SamplingParams, seeds: list[int]) -> AgentBatch:
+        """G = `params.n` episodes per prompt (rows i*G ... i*G + G - 1), prompt i's episode j
+        seeded by `sample_seed(seeds[i], j)`."""
+        episodes = self.episodes(prompt_ids, prompts, labels, params)
+        episode_seeds = [sample_seed(seeds[e.index], e.sample) for e in episodes]
+        records = asyncio.run(self._drive(engine, episodes, episode_seeds, params))
+        self._report_errors(records)
+        return self.batch(records)
+
+    def _report_errors(self, records: list[EpisodeRecord]) -> None:
+        failed = [r for r in records if r.stop_reason == "workflow_error"]
+        if failed and len(failed) == len(records):
+            raise RuntimeError(f"--workflow {type(self.workflow).__name__}: every episode of this rollout failed; the "
+                               f"first one:\n{failed[0].extra.get('error', '')}")
+        if failed and self.errors_logged < 3:
+            self.errors_logged += 1
+            logger.warning("%d of %d episodes failed in the workflow (they do not train); the first one:\n%s",
+                           len(failed), len(records), failed[0].extra.get("error", ""))
+
+    def batch(self, records: list[EpisodeRecord]) -> AgentBatch:
+        """The episodes as one rollout (rows in order) with their rewards and logged numbers."""
+        rollout = RolloutOutput.from_episodes([r.prompt_ids for r in records], [r.response_ids for r in records],
+                                              [r.loss_mask for r in records], [r.log_probs for r in records],
+                                              [r.truncated for r in records], self.pad_token_id)
+        token_rewards = None
+        if any(r.turn_rewards for r in records):
+            token_rewards = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+            for row, record in enumerate(records):
+                for position, value in record.turn_rewards:
+                    token_rewards[row, position] += value
+        unscored = torch.tensor([math.isnan(r.reward) and r.stop_reason == "done" for r in records])
+        scores = torch.tensor([0.0 if u else r.reward for r, u in zip(records, unscored.tolist())])
+        info = {
+            "turns": [r.turns for r in records],
+            "tool_calls": [r.stats.tool_calls for r in records],
+            "tool_errors": [r.stats.tool_errors for r in records],
+            "env_seconds": [r.stats.env_seconds for r in records],
+            "ended_early": [r.stop_reason not in ("done", "workflow_error") for r in records],
+            "tool_failure": [r.stop_reason in ("tool_timeout", "tool_crash") for r in records],
+            "workflow_error": [r.stop_reason == "workflow_error" for r in records],
+        }
+        rewards = RewardBatch(scores=scores.float(), valid=torch.tensor([r.valid for r in records]),
+                              token_rewards=token_rewards,
+                              info={k: torch.tensor(v, dtype=torch.float32) for k, v in info.items()})
+        return AgentBatch(rollout, rewards, records, unscored)
+
+    @staticmethod
+    def stop_reasons(records: list[EpisodeRecord]) -> dict[str, int]:
+        return dict(Counter(r.stop_reason for r in records))
