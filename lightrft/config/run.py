@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 from lightrft.config.options import add_section_flags, flag_fields, section_from_namespace
 from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig,
                                       EvalConfig, LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig,
-                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig,
-                                      RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig,
+                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig,
+                                      RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig,
                                       check_distillation, check_finite)
 
 

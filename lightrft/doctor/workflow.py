@@ -54,7 +54,8 @@ def check_workflow(run, prompts: list, labels: list) -> CheckResult:
     result.rows = [("episodes", "turns mean / max", "tool calls / errors", "ended", "reward min / mean / max",
                     "env tokens", "gap max", "s"),
                    (str(f["episodes"]), f"{f['turns_mean']:.2f} / {f['turns_max']}",
-                    f"{f['tool_calls']} / {f['tool_errors']}", ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
+                    f"{f['tool_calls']} / {f['tool_errors']}",
+                    ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
                     f"{f['reward_min']:.3g} / {f['reward_mean']:.3g} / {f['reward_max']:.3g}",
                     f"{100 * f['environment_token_share']:.0f}%", f"{gap:.2e}", f"{seconds:.2f}")]
     judge(result, records, reasons, rewards, gap, config)

@@ -276,7 +276,8 @@ class NaiveExperienceMaker(ExperienceBuilder):
                              reward_fn=reward_fn, micro_batch_size=micro_rollout_batch_size,
                              device=strategy.device if strategy is not None else None,
                              overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
-                             eos_token_ids=self.eos_token_ids, task_reward_optional=teacher is not None or workflow_runner is not None)
+                             eos_token_ids=self.eos_token_ids,
+                             task_reward_optional=teacher is not None or workflow_runner is not None)
         self.calls = 0                 # training rollouts so far (the step of the sampling seeds)
         self.eval_calls = 0
         self.timings = {"generate": 0.0, "reward": 0.0, "experience": 0.0}   # seconds, reset per step
@@ -310,8 +311,8 @@ class NaiveExperienceMaker(ExperienceBuilder):
         trainer's experience source passes it, and without it the maker counts its own calls) and
         the prompt's position in the global batch (`lightrft.rollout.seeds`): samples are
         independent across prompts, and a resumed run draws what the uninterrupted one would have."""
-        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=self.prompt_seeds(len(prompts), stream,
-                                                                                                    call))
+        seeds = self.prompt_seeds(len(prompts), stream, call)
+        return self.engine.generate(self.tokenize_prompts(prompts), params, seeds=seeds)
 
     def prompt_seeds(self, count: int, stream: str = "train", call: Optional[int] = None) -> list[int]:
         """The seeds of this rank's `count` prompts for one rollout call (see `generate`)."""

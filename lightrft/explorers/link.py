@@ -114,8 +114,9 @@ class ExplorerLink:
         self.calls = step + 1      # the rollout count a colocated run would be at
         self._window.append(staleness)
         started = time.perf_counter()
-        experiences = self.context.maker.experience_from_rollout(
-            batch.rollout, RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info), self.context.algo.n_samples_per_prompt)
+        rewards = RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info)
+        experiences = self.context.maker.experience_from_rollout(batch.rollout, rewards,
+                                                                 self.context.algo.n_samples_per_prompt)
         for experience in experiences:   # per sample, for the logs and the rollout preview
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         timings = {"generate": batch.seconds.get("generate", 0.0), "reward": batch.seconds.get("reward", 0.0),

@@ -22,7 +22,8 @@ def evaluate_policy(maker, strategy, dataloader, generate_kwargs: dict, k: int =
         greedy_n += rewards.numel()
         if k > 1:
             params = maker.sampling_params(n=k, **generate_kwargs)
-            scores = maker.rollout(prompts, labels, params, stream="eval", shaping=False)[1].scores.view(-1, k)  # (P, k)
+            rewards = maker.rollout(prompts, labels, params, stream="eval", shaping=False)[1]
+            scores = rewards.scores.view(-1, k)  # (P, k)
             pass_sum += (scores > 0).any(dim=1).float().sum().item()
             sample_sum += scores.mean(dim=1).sum().item()
             prompts_n += scores.size(0)

@@ -322,8 +322,8 @@ def test_a_hanging_or_crashing_tool_ends_only_its_episode_with_the_reason_record
                                                       "tool_crash"]
     assert batch.rewards.scores.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     assert batch.rewards.info["tool_failure"].tolist() == [0, 0, 1, 1, 1, 1]
-    assert batch.rewards.info["tool_calls"].tolist() == [1.0] * 6 and batch.rewards.info["turns"].tolist() == [2, 2,
-                                                                                                              1, 1, 1, 1]
+    assert batch.rewards.info["tool_calls"].tolist() == [1.0] * 6
+    assert batch.rewards.info["turns"].tolist() == [2, 2, 1, 1, 1, 1]
     assert batch.rewards.valid.all()         # ended episodes still train, with the workflow's end reward
     # The tool's answer is in the first two episodes as the template's tool message, out of the loss.
     tool_ids = tiny.tokenizer.encode("\ntool: 42\nassistant: ", add_special_tokens=False)
