@@ -94,6 +94,53 @@ def prepare_workload(out: Path, work: Workload, args) -> dict:
             "accuracy_before": greedy_accuracy(model, eval_rows, max_new_tokens=work.max_new_tokens)}
 
 
+# A real checkpoint on the toy's task (`vs_trl.py --workload smollm2`): SmolLM2-135M-Instruct as
+# packaged, float32. Sized for a 2-core CPU: 4 prompts x G = 8 = 32 samples of at most 24 new
+# tokens a step (a chat answer "17 + 5 = 22" takes about 10), one optimizer step on all 32 in
+# micro-batches of 16, no KL. Operands below 20: the model answers about a quarter right greedily
+# and about as many samples at temperature 1 are right, so few groups of 8 are all wrong (no
+# signal); with operands below 50 about half the groups were. lr 1e-5 with AdamW moved TRL's
+# held-out reward by 4 points in 2 steps in the smoke run.
+SMOLLM2_WORKLOAD = Workload(n_train=256, n_eval=64, max_operand=20, prompts_per_step=4, group_size=8,
+                            train_batch=32, micro_batch=16, max_new_tokens=24, prompt_max_len=96,
+                            learning_rate=1e-5)
+SMOLLM2_QUESTION = "What is {a}+{b}? Answer with the number only."
+
+
+def chat_rows(rows: list[dict], tokenizer) -> list[dict]:
+    """Arithmetic rows ("a+b=") as the question SMOLLM2_QUESTION in one user message, rendered
+    through the tokenizer's chat template with the generation prompt. Rendered once, when the data
+    files are written, so that every trainer reads the same prompt text (and tokenizes it without
+    adding special tokens: the template already holds them)."""
+    rendered = []
+    for row in rows:
+        a, b = row["input"].rstrip("=").split("+")
+        messages = [{"role": "user", "content": SMOLLM2_QUESTION.format(a=a, b=b)}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered.append({**row, "input": text})
+    return rendered
+
+
+def prepare_smollm2_workload(out: Path, work: Workload, seed: int) -> dict:
+    """Writes the chat-templated data files of the real-model workload; the model is the packaged
+    SmolLM2-135M-Instruct folder (`python -m lightrft.utils.pretrained` prepares it)."""
+    from transformers import AutoTokenizer
+
+    from lightrft.utils.pretrained import smollm2_folder
+
+    model = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    train_rows, eval_rows = arithmetic_splits(n_train=work.n_train, n_eval=work.n_eval, seed=seed,
+                                              max_operand=work.max_operand)
+    train_rows, eval_rows = chat_rows(train_rows, tokenizer), chat_rows(eval_rows, tokenizer)
+    longest = max(len(tokenizer(r["input"], add_special_tokens=False)["input_ids"]) for r in train_rows + eval_rows)
+    if longest > work.prompt_max_len:
+        raise SystemExit(f"a templated prompt has {longest} tokens, over the workload's prompt_max_len "
+                         f"{work.prompt_max_len}: raise SMOLLM2_WORKLOAD.prompt_max_len")
+    return {"model": model, "train": write_jsonl(train_rows, out / "train.jsonl"),
+            "eval": write_jsonl(eval_rows, out / "eval.jsonl"), "train_rows": train_rows, "eval_rows": eval_rows}
+
+
 def reward_trend(rewards: list[float]) -> tuple[float, float]:
     """Mean training reward over the first and over the last quarter of the steps (at least one
     step each): single batches of 32 prompts are too noisy to show a trend."""

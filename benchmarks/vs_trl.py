@@ -20,6 +20,18 @@ step-time breakdown; then
     same global batch (`--scaling_mode strong`) or the same batch per rank (`weak`);
   * ZeRO-3 against ZeRO-0 on two ranks: bytes of model + optimizer state held per rank.
 
+`--workload smollm2` runs a real checkpoint instead (`grpo_step.SMOLLM2_WORKLOAD`): the packaged
+SmolLM2-135M-Instruct in float32, the toy's addition (operands below 20) asked as a chat question
+("What is 17+5? Answer with the number only.", rendered through the model's chat template once, when
+the data files are written, so both sides read the same prompt text), 4 prompts x G = 8 samples
+of at most 24 new tokens a step, one AdamW step on all 32 (micro-batches of 16), lr 1e-5, no KL,
+the `math` reward (the final number equals the label). Held-out reward: the same reward on greedy
+answers to 64 held-out questions, before and after, on each side's live model. Per phase for
+both: generate, reward, experience (old/reference forwards and the rest), train, weight sync and
+the rest of the step, plus the final export (`save`, once a run) and whole-process seconds; the
+report ends with markdown tables for docs/benchmarks.md. No scaling or ZeRO part; no plot unless
+--png is given.
+
 The PNG holds held-out accuracy against training seconds and against samples, both libraries
 on one plot. Needs `trl` and `matplotlib` (a venv: `python -m venv --system-site-packages
 /tmp/trl-venv && /tmp/trl-venv/bin/pip install trl==1.16.0 matplotlib`; run the script with
@@ -29,6 +41,8 @@ that python). TRL is never a dependency of lightrft.
         [--png docs/img/vs_trl.png] [--json OUT]
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --smoke     # 4 steps, 1 repeat: checks it runs
     /tmp/trl-venv/bin/python benchmarks/vs_trl.py --replot vs_trl.json   # redraw the PNG only
+    /tmp/trl-venv/bin/python benchmarks/vs_trl.py --workload smollm2 [--repeats 3] [--steps 5] [--json OUT]
+    /tmp/trl-venv/bin/python benchmarks/vs_trl.py --workload smollm2 --smoke  # 2 steps, 1 pair
     python benchmarks/vs_trl.py --scaling_only --scaling_batch_factor 4  # 2 ranks vs 1 on 4x the batch
     python benchmarks/vs_trl.py --scaling_only --scaling_mode weak       # 256 samples a step per rank
 """
@@ -38,6 +52,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,12 +69,21 @@ import torch  # noqa: E402
 import grpo_step  # noqa: E402
 from grpo_step import Workload  # noqa: E402
 
+from lightrft.rewards import math_answer_reward  # noqa: E402
+
 PHASES = ("generate", "reward", "experience", "train", "other")
+# The real-model workload also splits out the weight sync to the rollout engine (none on either
+# side here: both decode with the live module) and reports the final export once per run.
+REAL_PHASES = ("generate", "reward", "experience", "train", "sync", "other")
 
 
 # ----------------------------------------------------------------------------------- shared parts
-def heldout_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 80) -> float:
-    """Exact greedy answers on `rows` by a live model (the same function for both sides)."""
+def heldout_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch_size: int = 80,
+                     score: str = "exact") -> float:
+    """Greedy answers on `rows` by a live model (the same function for both sides): the fraction
+    that equal row["output"] exactly (`score="exact"`, the toy model's bare answers), or the mean
+    `math` reward against row["label"] (`score="math"`: the final number of a chat answer such as
+    "17 + 25 = 42"). Prompts are row["input"] as written, tokenized without added special tokens."""
     was_training = model.training
     model.eval()
     correct = 0
@@ -71,7 +95,10 @@ def heldout_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, ba
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            correct += sum(text.strip() == r["output"] for text, r in zip(texts, chunk))
+            if score == "math":
+                correct += float(math_answer_reward(texts, [r["label"] for r in chunk]).sum())
+            else:
+                correct += sum(text.strip() == r["output"] for text, r in zip(texts, chunk))
     tokenizer.padding_side = padding_side
     model.train(was_training)
     return correct / len(rows)
@@ -110,11 +137,28 @@ def lightrft_worker(config: dict) -> dict:
     from transformers import AutoTokenizer
 
     from lightrft.cli.train_ppo import parse_args, train
+    from lightrft.rollout.manager import RolloutManager
+    from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
     from lightrft.trainer.callbacks import TrainerCallback
+    from lightrft.trainer.ppo_trainer import PPOTrainer
 
     work, eval_rows, steps = Workload(**config["workload"]), config["eval_rows"], config["steps"]
+    score = config.get("heldout_score", "exact")
     phase_clock = profile_step.PhaseClock()
     profile_step.instrument(phase_clock)
+    # The weight sync runs inside `generate` (when the engine is stale); the final export after the loop.
+    phase_clock.wrap(RolloutManager, "sync_weights", "sync")
+    phase_clock.wrap(DeepspeedStrategy, "save_model", "save")
+    # `on_step_end` fires inside `ppo_train`, whose timer closes after it: a step's training time
+    # runs from the start of its `ppo_train` to that callback.
+    train_started: list[float] = []
+    timed_ppo_train = PPOTrainer.ppo_train
+
+    def marked_ppo_train(self, *args, **kwargs):
+        train_started.append(time.perf_counter())
+        return timed_ppo_train(self, *args, **kwargs)
+
+    PPOTrainer.ppo_train = marked_ppo_train
     clock = TrainingClock(work.samples_per_step)
     tokenizer = AutoTokenizer.from_pretrained(config["model"])
     per_step: list[dict] = []
@@ -130,7 +174,7 @@ def lightrft_worker(config: dict) -> dict:
         def on_train_begin(self, trainer):
             clock.start()
             clock.evaluate(0, lambda: heldout_accuracy(self.live_model(trainer), tokenizer, eval_rows,
-                                                       work.max_new_tokens))
+                                                       work.max_new_tokens, score=score))
             phase_clock.take()
             self.last = clock.seconds()
 
@@ -139,24 +183,27 @@ def lightrft_worker(config: dict) -> dict:
             if self.optimizer_steps % work.optimizer_steps_per_step:
                 return
             step = self.optimizer_steps // work.optimizer_steps_per_step
-            now = clock.seconds()
+            now, trained = clock.seconds(), time.perf_counter() - train_started[-1]
             phases, _ = phase_clock.take()
             row = profile_step.step_breakdown(now - self.last, phases)
-            per_step.append({"step_time": now - self.last, "generate": row["generate"], "reward": row["reward"],
+            sync = phases.get("sync", 0.0)
+            per_step.append({"step_time": now - self.last, "generate": row["generate"] - sync, "reward": row["reward"],
                              "experience": row["experience forwards"] + row["experience, rest"],
-                             "train": row["train"]})
+                             "train": trained, "sync": sync})
             if step % config["eval_every"] == 0 or step == steps:
                 clock.evaluate(step, lambda: heldout_accuracy(self.live_model(trainer), tokenizer, eval_rows,
-                                                              work.max_new_tokens))
+                                                              work.max_new_tokens, score=score))
             self.last = clock.seconds()
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     out = Path(config["out"])
     flags = grpo_step.lightrft_flags(config["data"], work, out, steps, config["seed"])
-    flags = [f for f in flags if f not in ("--use_tensorboard", str(out / "tb"))]
+    flags = [f for f in flags if f not in ("--use_tensorboard", str(out / "tb"))] + config.get("lightrft_flags", [])
     train(parse_args(flags), callbacks=[Probe()])
-    return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads()}
+    save = phase_clock.take()[0].get("save", 0.0)     # the export to --save_path, after the last step
+    return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads(), "save_seconds": save,
+            "flags": flags}
 
 
 # ------------------------------------------------------------------------------------ TRL worker
@@ -166,9 +213,8 @@ def trl_worker(config: dict) -> dict:
     import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from lightrft.rewards import math_answer_reward
-
     work, eval_rows, steps = Workload(**config["workload"]), config["eval_rows"], config["steps"]
+    score = config.get("heldout_score", "exact")
     clock = TrainingClock(work.samples_per_step)
     rounds: list[dict] = []
 
@@ -182,7 +228,7 @@ def trl_worker(config: dict) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kw):
             clock.start()
-            clock.evaluate(0, lambda: heldout_accuracy(model, tokenizer, eval_rows, work.max_new_tokens))
+            clock.evaluate(0, lambda: heldout_accuracy(model, tokenizer, eval_rows, work.max_new_tokens, score=score))
             self.last = clock.seconds()
 
         def on_step_end(self, args, state, control, model=None, **kw):
@@ -191,10 +237,12 @@ def trl_worker(config: dict) -> dict:
             step = state.global_step // work.optimizer_steps_per_step
             now = clock.seconds()
             phases = rounds[-1] if rounds else {"generate": 0.0, "reward": 0.0, "experience": 0.0}
+            # TRL decodes with the live module: no weight sync.
             per_step.append({"step_time": now - self.last, **phases,
-                             "train": now - self.last - sum(phases.values())})
+                             "train": now - self.last - sum(phases.values()), "sync": 0.0})
             if step % config["eval_every"] == 0 or step == steps:
-                clock.evaluate(step, lambda: heldout_accuracy(model, tokenizer, eval_rows, work.max_new_tokens))
+                clock.evaluate(step, lambda: heldout_accuracy(model, tokenizer, eval_rows, work.max_new_tokens,
+                                                              score=score))
             self.last = clock.seconds()
 
     def exact_answer_reward(prompts, completions, label, **kwargs) -> list[float]:
@@ -222,7 +270,14 @@ def trl_worker(config: dict) -> dict:
     if len(rounds) != steps:
         raise SystemExit(f"TRL ran {len(rounds)} generation rounds, expected {steps}: the configuration no longer "
                          "matches the workload")
-    return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads(), "version": trl.__version__}
+    save = 0.0
+    if config.get("save_final"):
+        # The same export lightrft's train() ends with: the Hugging Face weights and the tokenizer.
+        started = time.perf_counter()
+        trainer.save_model(str(out / "model"))
+        save = time.perf_counter() - started
+    return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads(), "version": trl.__version__,
+            "save_seconds": save}
 
 
 # --------------------------------------------------------------------- ZeRO state bytes (torchrun)
@@ -294,13 +349,30 @@ def run_child(kind: str, config: dict, out: Path, python: str) -> dict:
     return result
 
 
-def summarize(runs: list[dict], work: Workload) -> dict:
+def alternating_runs(config: dict, out: Path, repeats: int, seed: int, measure: str = "accuracy") -> dict:
+    """lightrft, TRL, lightrft, TRL, ... each in a fresh process; {"lightrft": runs, "trl": runs}."""
+    runs = {"lightrft": [], "trl": []}
+    for repeat in range(repeats):
+        for kind in ("lightrft", "trl"):
+            # Pair k samples with seed + k on both sides: the accuracy gains average over seeds.
+            run = run_child(kind, {**config, "seed": seed + repeat, "out": str(out / f"{kind}_{repeat}")},
+                            out / f"{kind}_{repeat}", sys.executable)
+            runs[kind].append(run)
+            rate = len(run["per_step"][1:]) / sum(s["step_time"] for s in run["per_step"][1:])
+            print(f"{kind} run {repeat + 1}: {rate:.3g} steps/s, {measure} {run['curve'][0]['accuracy']:.1%} -> "
+                  f"{run['curve'][-1]['accuracy']:.1%}, process {run['process_seconds']:.0f} s, "
+                  f"peak RSS {run['peak_rss_mib']:.0f} MiB", flush=True)
+    return runs
+
+
+def summarize(runs: list[dict], work: Workload, phases: tuple = PHASES) -> dict:
     """Per run: steps/s over the timed steps (all but the first, which warms up); medians and
-    the min-max spread over runs; phase means over all timed steps."""
+    the min-max spread over runs; phase means over all timed steps (`phases`, the last being
+    the rest of the step)."""
     rates = [len(r["per_step"][1:]) / sum(s["step_time"] for s in r["per_step"][1:]) for r in runs]
     timed = [s for r in runs for s in r["per_step"][1:]]
     mean_step = statistics.mean(s["step_time"] for s in timed)
-    split = {p: statistics.mean(s[p] for s in timed) for p in PHASES[:-1]}
+    split = {p: statistics.mean(s[p] for s in timed) for p in phases[:-1]}
     split["other"] = max(mean_step - sum(split.values()), 0.0)
     after = [r["curve"][-1]["accuracy"] for r in runs]
     return {"steps_per_sec": statistics.median(rates), "steps_per_sec_runs": rates,
@@ -308,7 +380,10 @@ def summarize(runs: list[dict], work: Workload) -> dict:
             "accuracy_before": runs[0]["curve"][0]["accuracy"], "accuracy_after": statistics.mean(after),
             "accuracy_after_runs": after, "gain": statistics.mean(after) - runs[0]["curve"][0]["accuracy"],
             "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
-            "mean_step_time": mean_step, "split_seconds": split, "runs": runs}
+            "mean_step_time": mean_step, "split_seconds": split,
+            "process_seconds": statistics.median(r["process_seconds"] for r in runs),
+            "process_seconds_runs": [r["process_seconds"] for r in runs],
+            "save_seconds": statistics.median(r.get("save_seconds", 0.0) for r in runs), "runs": runs}
 
 
 # A fixed single-thread loop (~0.4 s alone): what `host_cores` times.
@@ -490,12 +565,100 @@ def report(result: dict) -> None:
     print("=" * 100)
 
 
+# ------------------------------------------------------------------------------ real-model driver
+def compare_real(args) -> None:
+    """`--workload smollm2`: SmolLM2-135M-Instruct, lightrft against TRL, alternating pairs; prints
+    the report and a markdown table for docs/benchmarks.md, writes --json."""
+    work = grpo_step.SMOLLM2_WORKLOAD
+    import trl  # noqa: F401  (fail early, before the data, when TRL is missing)
+
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="vs_trl_smollm2_")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    load = [os.getloadavg()[0]]
+    data = grpo_step.prepare_smollm2_workload(out, work, args.seed)
+    # One update per rollout on every sample (train_batch = samples_per_step), so both sides train
+    # on-policy and skip the old-log-prob forward; no reference model either (no KL).
+    lightrft_flags = ["--packing_samples"] if args.packing else []
+    config = {"model": str(data["model"]), "data": {"model": str(data["model"]), "train": str(data["train"]),
+                                                    "eval": str(data["eval"])},
+              "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
+              "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every or args.steps,
+              "heldout_score": "math", "save_final": True, "lightrft_flags": lightrft_flags}
+    print(f"SmolLM2-135M-Instruct, {work.prompts_per_step} prompts x G = {work.group_size}, at most "
+          f"{work.max_new_tokens} new tokens, {args.steps} steps x {args.repeats} alternating pairs, "
+          f"{args.threads} thread(s) per process; lightrft flags {' '.join(lightrft_flags) or '(defaults)'}", flush=True)
+    try:
+        runs = alternating_runs(config, out, args.repeats, args.seed, measure="held-out reward")
+    finally:
+        if not args.output_dir:
+            shutil.rmtree(out, ignore_errors=True)   # 0.5 GB of exported weights a run
+    load.append(os.getloadavg()[0])
+    light, trl_side = summarize(runs["lightrft"], work, REAL_PHASES), summarize(runs["trl"], work, REAL_PHASES)
+    pairs = [a / b for a, b in zip(light["steps_per_sec_runs"], trl_side["steps_per_sec_runs"])]
+    result = {"workload": "smollm2", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": grpo_step.machine_description(), "threads": args.threads, "steps": args.steps,
+              "repeats": args.repeats, "trl_version": runs["trl"][0]["version"], "model": str(data["model"]),
+              "workload_config": dataclasses.asdict(work), "lightrft_flags": lightrft_flags,
+              "load": " -> ".join(f"{x:.1f}" for x in load), "lightrft": light, "trl": trl_side,
+              "speed_ratio": statistics.median(pairs), "speed_ratio_runs": pairs}
+    print("\n" + real_markdown(result))
+    if args.png:
+        plot(result, Path(args.png))
+        print(f"plot: {args.png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        print(f"json: {args.json}")
+
+
+def real_markdown(result: dict) -> str:
+    """The real-model figures as markdown tables, ready for docs/benchmarks.md."""
+    light, trl = result["lightrft"], result["trl"]
+    sides = (("lightrft", light), (f"TRL {result['trl_version']}", trl))
+    n = result["repeats"]
+    lines = [f"{result['date']}; {result['machine']}; {result['threads']} thread(s) per process; "
+             f"{result['steps']} steps a run ({result['steps'] - 1} timed) x {n} alternating pairs; "
+             f"1-minute load {result['load']}",
+             "",
+             f"| | steps/s, median ({n} runs) | spread (min-max) | samples/s | whole process, s (runs) "
+             f"| held-out reward before -> after (per seed) | peak RSS |",
+             "|---|---|---|---|---|---|---|"]
+    for name, side in sides:
+        rates = side["steps_per_sec_runs"]
+        after = ", ".join(f"{100 * a:.1f}" for a in side["accuracy_after_runs"])
+        process = ", ".join(f"{s:.0f}" for s in side["process_seconds_runs"])
+        lines.append(f"| {name} | {side['steps_per_sec']:.4f} ({', '.join(f'{r:.4f}' for r in rates)}) "
+                     f"| {min(rates):.4f}-{max(rates):.4f} | {side['samples_per_sec']:.2f} "
+                     f"| {side['process_seconds']:.0f} ({process}) "
+                     f"| {side['accuracy_before']:.1%} -> {side['accuracy_after']:.1%} ({after}) "
+                     f"| {side['peak_rss_mib']:.0f} MiB |")
+    lines += ["", f"- lightrft / TRL steps/s: **{result['speed_ratio']:.2f}x** median of the pairs "
+                  f"({', '.join(f'{r:.2f}' for r in result['speed_ratio_runs'])}); held-out reward gain "
+                  f"lightrft {light['gain']:+.3f}, TRL {trl['gain']:+.3f}.",
+              "",
+              "Mean seconds per timed step (share of the step); *experience* is the old/reference forwards "
+              "and the rest of the experience, *save* the final export once per run:",
+              "",
+              "| | step | " + " | ".join(REAL_PHASES) + " | save (once) |",
+              "|---|---|" + "---|" * len(REAL_PHASES) + "---|"]
+    for name, side in sides:
+        cells = " | ".join(f"{side['split_seconds'][p]:.2f} ({side['split_seconds'][p] / side['mean_step_time']:.0%})"
+                           for p in REAL_PHASES)
+        lines.append(f"| {name} | {side['mean_step_time']:.2f} | {cells} | {side['save_seconds']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
+    parser.add_argument("--workload", choices=("toy", "smollm2"), default="toy",
+                        help="toy: the SFT-warmed tiny Qwen2 (default); smollm2: the real SmolLM2-135M-Instruct "
+                             "on chat-templated addition (lightrft against TRL only)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: toy 20, smollm2 5)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side (>= 3 for a spread)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side's one process")
-    parser.add_argument("--eval_every", type=int, default=4, help="held-out accuracy every this many steps")
+    parser.add_argument("--eval_every", type=int, default=None,
+                        help="held-out accuracy every this many steps (default: toy 4, smollm2 only before and after)")
+    parser.add_argument("--packing", action="store_true",
+                        help="smollm2: lightrft trains on packed sequences (--packing_samples) instead of padded ones")
     parser.add_argument("--sft_steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip_scaling", action="store_true", help="leave out 2 ranks vs 1 and ZeRO-3 vs ZeRO-0")
@@ -504,8 +667,10 @@ def main() -> None:
                         help="2 ranks vs 1 on this many times the samples per step and per optimizer step")
     parser.add_argument("--scaling_mode", choices=("strong", "weak"), default="strong",
                         help="strong: the same global batch on 1 and 2 ranks; weak: the same batch per rank")
-    parser.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 40 SFT steps: checks it runs")
-    parser.add_argument("--png", default=str(REPO_ROOT / "docs" / "img" / "vs_trl.png"))
+    parser.add_argument("--smoke", action="store_true",
+                        help="checks it runs: toy 4 steps, 1 repeat, 40 SFT steps; smollm2 2 steps, 1 repeat")
+    parser.add_argument("--png", default=None,
+                        help="the plot (default: docs/img/vs_trl.png for toy, none for smollm2)")
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--output_dir", default=None, help="keep models and logs here")
     parser.add_argument("--replot", default=None, metavar="JSON", help="only redraw --png from a saved --json")
@@ -524,10 +689,25 @@ def main() -> None:
         result["peak_rss_mib"] = peak_rss_mib()
         Path(config["out"], "result.json").write_text(json.dumps(result))
         return
+    if args.workload == "toy":
+        args.png = args.png or str(REPO_ROOT / "docs" / "img" / "vs_trl.png")
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.png))
         print(f"plot: {args.png}")
         return
+    if args.packing and args.workload != "smollm2":
+        parser.error("--packing applies to --workload smollm2 only")
+    if args.workload == "smollm2":
+        if args.scaling_only:
+            parser.error("--scaling_only runs the toy workload: leave out --workload smollm2")
+        if args.smoke:
+            args.steps, args.repeats = 2, 1
+        args.steps = args.steps or 5
+        if args.steps < 2:
+            parser.error("--steps must be >= 2: each run's first step warms up and is not timed")
+        compare_real(args)
+        return
+    args.steps, args.eval_every = args.steps or 20, args.eval_every or 4
     if args.smoke:
         args.steps, args.repeats, args.sft_steps, args.eval_every = 4, 1, 40, 2
     if not args.scaling_only:
@@ -542,7 +722,7 @@ def main() -> None:
     config = {"model": str(data["model"]), "data": {"model": str(data["model"]), "train": str(data["train"]),
                                                     "eval": str(data["eval"])},
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
-              "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every}
+              "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every, "heldout_score": "exact"}
     if args.scaling_only:
         print(f"lightrft, 1 rank vs 2 ranks (torchrun, 1 thread per rank), batch x{args.scaling_batch_factor}, "
               f"{args.scaling_mode} scaling:")
@@ -551,16 +731,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"scaling": s}, indent=2))
         return
-    runs = {"lightrft": [], "trl": []}
-    for repeat in range(args.repeats):
-        for kind in ("lightrft", "trl"):
-            # Pair k samples with seed + k on both sides: the accuracy gains average over seeds.
-            run = run_child(kind, {**config, "seed": args.seed + repeat, "out": str(out / f"{kind}_{repeat}")},
-                            out / f"{kind}_{repeat}", sys.executable)
-            runs[kind].append(run)
-            rate = len(run["per_step"][1:]) / sum(s["step_time"] for s in run["per_step"][1:])
-            print(f"{kind} run {repeat + 1}: {rate:.2f} steps/s, accuracy {run['curve'][0]['accuracy']:.1%} -> "
-                  f"{run['curve'][-1]['accuracy']:.1%}, peak RSS {run['peak_rss_mib']:.0f} MiB", flush=True)
+    runs = alternating_runs(config, out, args.repeats, args.seed)
     load.append(os.getloadavg()[0])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": grpo_step.machine_description(),
               "threads": args.threads, "steps": args.steps, "repeats": args.repeats,
