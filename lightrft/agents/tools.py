@@ -57,7 +57,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightrft.utils.lifeline import set_parent_death_signal
+from lightrft.utils.lifeline import exit_with_parent
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
@@ -574,7 +574,7 @@ module.serve_tools(*sys.argv[3:])
 def serve_tools(fd: str, parent_pid: str, arm_death_signal: str) -> None:
     """The worker loop: imports the tool files, answers "ready" (or why not), then runs one call
     at a time until the connection closes. Requests and answers are JSON."""
-    _exit_with_parent(int(parent_pid), arm_death_signal == "1")
+    exit_with_parent(int(parent_pid), arm_death_signal == "1", "lightrft-tool-parent-watch")
     conn = Connection(int(fd))
     functions = []
     try:
@@ -602,21 +602,3 @@ def serve_tools(fd: str, parent_pid: str, arm_death_signal: str) -> None:
         except BaseException as err:  # SystemExit and KeyboardInterrupt from the tool too: the worker lives on
             answer = ["exception", f"{type(err).__name__}: {err}"]
         conn.send_bytes(json.dumps(answer).encode())
-
-
-def _exit_with_parent(parent_pid: int, arm_death_signal: bool) -> None:
-    """Makes the worker die with the trainer: SIGKILL from the kernel when the parent exits (Linux;
-    armed only for workers started by the main thread, since the signal follows the starting
-    thread), and a watcher thread comparing getppid() once a second."""
-    if arm_death_signal:
-        set_parent_death_signal(signal.SIGKILL)
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="lightrft-tool-parent-watch", daemon=True).start()

@@ -27,7 +27,6 @@ import os
 import signal
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,7 +37,7 @@ import torch
 
 from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, accepts_keyword,
                                    check_batch_lengths, to_reward_tensor)
-from lightrft.utils.lifeline import set_parent_death_signal
+from lightrft.utils.lifeline import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -284,8 +283,11 @@ def _exit_cause(process) -> str:
 
 def _worker_main(path: str, conn, parent_pid: int, watch_with_signal: bool) -> None:
     """The reward worker: imports the file, answers "ready" (or the import error), then scores one
-    request at a time until the pipe closes. Exits with its parent (see `_exit_with_parent`)."""
-    _exit_with_parent(parent_pid, watch_with_signal)
+    request at a time until the pipe closes. Exits with its parent
+    (`lightrft.utils.lifeline.exit_with_parent`); Ctrl-C is left to the trainer, which stops the
+    worker itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(parent_pid, watch_with_signal, "lightrft-reward-parent-watch")
     try:
         func = import_reward_func(Path(path))
     except RewardSourceError as err:
@@ -306,23 +308,3 @@ def _worker_main(path: str, conn, parent_pid: int, watch_with_signal: bool) -> N
             conn.send(("error", f"reward_func in {path} raised {type(err).__name__}: {err}"))
             continue
         conn.send(("ok", result.rewards.tolist(), {k: v.tolist() for k, v in result.extra_logs.items()}))
-
-
-def _exit_with_parent(parent_pid: int, watch_with_signal: bool) -> None:
-    """Makes the worker die with the trainer: SIGKILL from the kernel when the parent exits (Linux;
-    only when the parent's main thread started the worker, since the signal follows the starting
-    thread) and a watcher thread that compares getppid() once a second. Ctrl-C is left to the
-    trainer, which stops the worker itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if watch_with_signal:
-        set_parent_death_signal(signal.SIGKILL)
-
-    def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="lightrft-reward-parent-watch", daemon=True).start()

@@ -127,6 +127,25 @@ class Lifeline:
         os._exit(self.exit_code)
 
 
+def exit_with_parent(parent_pid: int, arm_death_signal: bool, thread_name: str) -> None:
+    """Makes a worker process die with the process that started it (`parent_pid`): SIGKILL from
+    the kernel when the parent exits (Linux; armed only when the parent's main thread started the
+    worker, since the signal follows the starting thread), and a watcher thread (`thread_name`)
+    that compares getppid() once a second."""
+    if arm_death_signal:
+        set_parent_death_signal(signal.SIGKILL)
+
+    def watch():
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name=thread_name, daemon=True).start()
+
+
 def _send_sigterm() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
