@@ -132,25 +132,9 @@ class RolloutOutput:
             end = next((j + 1 for j, tok in enumerate(resp) if tok in eos), len(resp))
             cut_responses.append(list(resp[:end]))
             cut_log_probs.append(list(lp[:end]))
-
-        batch = len(prompts)
-        prompt_len = max((len(p) for p in prompts), default=0)
-        num_actions = max((len(r) for r in cut_responses), default=0)
-        sequences = torch.full((batch, prompt_len + num_actions), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, prompt_len + num_actions), dtype=torch.long)
-        action_mask = torch.zeros((batch, num_actions), dtype=torch.bool)
-        rollout_log_probs = torch.zeros((batch, num_actions), dtype=torch.float32)
-        truncated = torch.tensor([len(r) == 0 or r[-1] not in eos for r in cut_responses], dtype=torch.bool)
-        for i, (prompt, resp, lp) in enumerate(zip(prompts, cut_responses, cut_log_probs)):
-            # Prompt right-aligned at prompt_len (left padding), response left-aligned after it.
-            start = prompt_len - len(prompt)
-            sequences[i, start:prompt_len] = torch.tensor(list(prompt), dtype=torch.long)
-            attention_mask[i, start:prompt_len] = 1
-            sequences[i, prompt_len:prompt_len + len(resp)] = torch.tensor(resp, dtype=torch.long)
-            attention_mask[i, prompt_len:prompt_len + len(resp)] = 1
-            action_mask[i, :len(resp)] = True
-            rollout_log_probs[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
-        return cls(sequences, attention_mask, action_mask, rollout_log_probs, prompt_len, truncated)
+        truncated = [len(r) == 0 or r[-1] not in eos for r in cut_responses]
+        return cls.from_episodes(prompts, cut_responses, [[True] * len(r) for r in cut_responses], cut_log_probs,
+                                 truncated, pad_token_id)
 
     @classmethod
     def from_episodes(
