@@ -1,29 +1,12 @@
 """Loading a workflow file (`--workflow FILE.py[:Class]`): a lightrft `Workflow` subclass, or an
 OpenRLHF agent file's `AgentInstance` (run by `OpenRLHFWorkflow`)."""
 
-import importlib.util
 import inspect
-import sys
-import zlib
 from pathlib import Path
 
 from lightrft.agents.openrlhf import OpenRLHFWorkflow
 from lightrft.agents.workflow import Workflow
-
-
-def _load_module(path: Path):
-    name = f"lightrft_workflow_{zlib.crc32(str(path.resolve()).encode()):08x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        raise ValueError(f"--workflow {path}: importing the file failed: {type(err).__name__}: {err}") from err
-    return module
+from lightrft.utils.pyfile import PythonFileError, import_python_file
 
 
 def load_workflow(spec: str) -> Workflow:
@@ -34,7 +17,10 @@ def load_workflow(spec: str) -> Workflow:
     path = Path(path_text if not class_name else path_text + ".py")
     if not path.is_file():
         raise ValueError(f"--workflow {spec}: no such file {path}")
-    module = _load_module(path)
+    try:
+        module = import_python_file(path, "lightrft_workflow", "--workflow file")
+    except PythonFileError as err:
+        raise ValueError(str(err)) from err.__cause__
     if class_name:
         cls = getattr(module, class_name, None)
         if not inspect.isclass(cls):

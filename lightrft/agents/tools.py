@@ -38,7 +38,6 @@ the function's signature are answered without reaching a worker.
 """
 
 import asyncio
-import importlib.util
 import inspect
 import json
 import os
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightrft.utils.lifeline import exit_with_parent
+from lightrft.utils.pyfile import PythonFileError, import_python_file
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
@@ -539,22 +539,12 @@ def _locate_tool(name: str, fn: Callable) -> _Tool:
 
 
 def _import_file(path: Path, prefix: str):
-    """Imports the .py file at `path` under a name unique to the path; ToolRunnerError naming
-    the file when it cannot be read or raises."""
-    if not path.is_file():
-        raise ToolRunnerError(f"tool file {path} not found; pass the path of a .py file")
-    module_name = f"{prefix}_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ToolRunnerError(f"tool file {path} cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # lets dataclasses and pickling inside the file find it
+    """Imports the .py file at `path` (`lightrft.utils.pyfile`); ToolRunnerError naming the file
+    when it cannot be read or raises."""
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise ToolRunnerError(f"importing tool file {path} failed: {type(err).__name__}: {err}") from err
-    return module
+        return import_python_file(path, prefix, "tool file")
+    except PythonFileError as err:
+        raise ToolRunnerError(str(err)) from err.__cause__
 
 
 # ------------------------------------------------------------------------------------- worker

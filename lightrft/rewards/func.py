@@ -20,12 +20,10 @@ Two ways to run it:
 Both check the output the same way and give the same numbers.
 """
 
-import importlib.util
 import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -38,6 +36,7 @@ import torch
 from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, accepts_keyword,
                                    check_batch_lengths, to_reward_tensor)
 from lightrft.utils.lifeline import exit_with_parent
+from lightrft.utils.pyfile import PythonFileError, import_python_file
 
 logger = logging.getLogger(__name__)
 
@@ -106,18 +105,10 @@ def check_reward_file(path: str | Path) -> Path:
 def import_reward_func(path: Path):
     """Imports the reward file and returns its `reward_func`; RewardSourceError naming the file
     when importing fails or there is no callable `reward_func`."""
-    # A unique module name per resolved path: two reward files may share a file name.
-    module_name = f"lightrft_reward_file_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardSourceError(f"reward file {path} cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # lets dataclasses and pickling inside the file find it
     try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise RewardSourceError(f"importing reward file {path} failed: {type(err).__name__}: {err}") from err
+        module = import_python_file(path, "lightrft_reward_file", "reward file")
+    except PythonFileError as err:
+        raise RewardSourceError(str(err)) from err.__cause__
     func = getattr(module, "reward_func", None)
     if not callable(func):
         raise RewardSourceError(f"reward file {path} defines no function reward_func(queries, prompts, labels)")

@@ -241,6 +241,7 @@ def test_an_openrlhf_agent_file_runs_with_its_import_line_changed(tiny, tmp_path
         assert record.response_ids == turns[0] + feedback + turns[1] + feedback + turns[2]
         assert record.turns == 3 and record.extra["agent_scores"] == 1.0
     assert batch.rewards.scores.tolist() == pytest.approx([0.7] * 6)       # 0.1 + 0.1 + 0.5, summed as OpenRLHF does
+    assert batch.rewards.info["agent_scores"].tolist() == [1.0] * 6         # logged as rollout/agent_scores
 
 
 def test_a_bad_workflow_flag_names_the_file_and_what_it_lacks(tmp_path):
@@ -252,7 +253,7 @@ def test_a_bad_workflow_flag_names_the_file_and_what_it_lacks(tmp_path):
         load_workflow(str(tmp_path / "missing.py"))
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")
-    with pytest.raises(ValueError, match="importing the file failed: ModuleNotFoundError"):
+    with pytest.raises(ValueError, match="importing --workflow file .*broken.py failed: ModuleNotFoundError"):
         load_workflow(str(broken))
 
 
