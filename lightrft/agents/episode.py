@@ -117,7 +117,9 @@ class Episode:
         self.turn_ends: list[int] = []      # response position of each turn's last token
         self.truncated = False
         self.stats = EpisodeStats()
-        self.extra: dict[str, float] = {}   # the workflow's own per-episode numbers, logged as agent/<key>
+        # The workflow's own per-episode numbers; those named in `Workflow.metrics` are logged
+        # as rollout/<key> (means over episodes), the rest stay in the episode's record.
+        self.extra: dict = {}
 
     # ------------------------------------------------------------------------------------- budget
     @property
@@ -205,7 +207,7 @@ class Episode:
         return list(results)
 
     async def environment(self, fn: Callable, *args, **kwargs):
-        """Runs a blocking environment call in a thread, timed under agent/env_seconds."""
+        """Runs a blocking environment call in a thread, timed under rollout/env_seconds."""
         started = time.perf_counter()
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)

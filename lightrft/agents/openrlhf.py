@@ -12,7 +12,9 @@ executor does, token in, token out:
 - Each turn, `step({"observation_text", "action_text", "label", "sampling_params"})` gets the
   turn's text; its `rewards` (a number or a one-element tensor) are summed into the episode's
   reward, `environment_feedback` is encoded as is and appended (out of the loss), `done` ends the
-  episode, `scores` and numeric `extra_logs` are logged (rollout/agent_<key>).
+  episode, `scores` are logged (rollout/agent_scores, the last step's) and numeric `extra_logs`
+  kept in the episode's record (`episode.extra["agent_<key>"]`; their keys vary, so they are not
+  logged).
 - The budgets are lightrft's: `--max_turns` and `--max_episode_tokens` (OpenRLHF's max_length);
   a `sampling_params` returned by `step` is ignored (the run's sampling parameters hold).
 """
@@ -62,6 +64,8 @@ def _number(value) -> float:
 
 class OpenRLHFWorkflow(Workflow):
     """Runs an OpenRLHF `AgentInstance` class as a workflow (see the module docstring)."""
+
+    metrics = ("agent_scores",)
 
     def __init__(self, instance_cls):
         self.instance_cls = instance_cls

@@ -29,9 +29,13 @@ from lightrft.rollout.seeds import mix_seed, sample_seed
 
 logger = logging.getLogger(__name__)
 
-# Per-episode numbers every rollout row carries (rollout/<name> in the logs: means per episode).
-EPISODE_INFO = ("turns", "tool_calls", "tool_errors", "env_seconds", "ended_early", "tool_failure",
-                "workflow_error")
+
+def _number(value) -> float:
+    """A workflow's logged value as a float (a one-element tensor too); non-numbers count as NaN."""
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 @dataclasses.dataclass
@@ -197,6 +201,7 @@ class WorkflowRunner:
             "ended_early": [r.stop_reason not in ("done", "workflow_error") for r in records],
             "tool_failure": [r.stop_reason in ("tool_timeout", "tool_crash") for r in records],
             "workflow_error": [r.stop_reason == "workflow_error" for r in records],
+            **{key: [_number(r.extra.get(key, 0.0)) for r in records] for key in self.workflow.metrics},
         }
         rewards = RewardBatch(scores=scores.float(), valid=torch.tensor([r.valid for r in records]),
                               token_rewards=token_rewards,

@@ -31,10 +31,14 @@ class Workflow:
       defined in the workflow's file; they run in worker processes (`--tool_workers`).
     - `reward_on_end`: the reward of an episode ended early (a limit reached, a tool that hung
       or crashed) rather than by `run` returning. Default 0.
+    - `metrics`: keys of `episode.extra` (numbers the workflow sets per episode) logged every step
+      as rollout/<key>, the mean over episodes (0 for an episode that did not set it). Fixed per
+      workflow, so every rank logs the same keys.
     """
 
     tools: list = []
     reward_on_end: float = 0.0
+    metrics: tuple = ()
 
     def setup(self, tokenizer) -> None:
         """Called once before the first episode with the run's tokenizer."""

@@ -9,7 +9,10 @@ def build_vllm_engine(config, tokenizer, seed: int):
     longest sequence a rollout makes."""
     from lightrft.rollout import make_rollout_engine
 
-    model, rollout = config.model, config.rollout
+    model, rollout, agent = config.model, config.rollout, config.agent
+    # A multi-turn episode's response is its turns and the environment's messages together.
+    response = ((agent.max_episode_tokens or agent.max_turns * rollout.generate_max_len) if agent.workflow
+                else rollout.generate_max_len)
     return make_rollout_engine("vllm", model_path=model.pretrain, seed=seed,
                                gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
                                kv_cache_gb=rollout.vllm_kv_cache_gb,
@@ -23,7 +26,7 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                dtype="bfloat16" if config.distributed.bf16 else "float32",
                                # the longest sequence a rollout makes (prompts are cut to prompt_max_len):
                                # vLLM would otherwise size its KV cache for the model's whole context
-                               max_model_len=config.data.prompt_max_len + rollout.generate_max_len,
+                               max_model_len=config.data.prompt_max_len + response,
                                pad_token_id=tokenizer.pad_token_id,
                                eos_token_id=stop_token_ids(tokenizer, model.pretrain))
 

