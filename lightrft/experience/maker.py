@@ -335,7 +335,7 @@ class NaiveExperienceMaker(ExperienceBuilder):
         if self.workflow_runner is None:
             rollout = self.generate(prompts, params, stream=stream, call=call)
             generated = time.perf_counter()
-            rewards = self.compute_rewards(rollout, prompts, labels, params.n, params.max_new_tokens, shaping)
+            rewards = self.compute_rewards(rollout, prompts, labels, params.n, params.max_new_tokens, shaping=shaping)
         else:
             batch = self.workflow_runner.run(self.engine, self.tokenize_prompts(prompts), prompts, labels, params,
                                              self.prompt_seeds(len(prompts), stream, call))
