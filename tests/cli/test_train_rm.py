@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
+from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_rm import parse_args
 from lightrft.datasets import PreferenceDataset
 from lightrft.models import RewardModel
@@ -34,7 +34,7 @@ def marker_pairs(n: int, seed: int) -> list[dict]:
 
 def scores(model_dir, rows, **kwargs):
     """(chosen scores, rejected scores) of `rows` from the exported folder, in one plain process."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = build_tokenizer(str(model_dir))     # as train_rm loads it
     model = RewardModel(model_dir, **kwargs).eval()
     dataset = PreferenceDataset(rows, tokenizer, prompt_key="prompt", max_len=32)
     batch = dataset.collate_fn(list(dataset))
