@@ -1,7 +1,8 @@
 """One builder per component of a run, each reading its own config section.
 
     tokenizer        build_tokenizer, stop_token_ids
-    models           policy_model_kwargs (actor, reference, EMA and explorer copies alike),
+    models           model_kwargs (every model), policy_model_kwargs (actor, reference, EMA and
+                     explorer copies alike),
                      build_scoring_policy (the KL reference and the distillation teacher)
     engines          build_vllm_engine, build_hf_engine
     rewards          build_reward_sources (HTTP servers, reward files, builtin rules, LLM judges)
@@ -20,6 +21,7 @@ import importlib
 _HOMES = {
     "build_tokenizer": "lightrft.builders.tokenizer",
     "stop_token_ids": "lightrft.builders.tokenizer",
+    "model_kwargs": "lightrft.builders.models",
     "policy_model_kwargs": "lightrft.builders.models",
     "build_scoring_policy": "lightrft.builders.models",
     "build_vllm_engine": "lightrft.builders.engines",

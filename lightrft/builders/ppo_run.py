@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_vllm_engine
-from lightrft.builders.models import build_scoring_policy, policy_model_kwargs
+from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.builders.training import build_scheduler, build_tracker
@@ -86,24 +86,25 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     model = config.model
     if model.teacher_pretrain:
         check_teacher(model)
-    model_kwargs = policy_model_kwargs(model, config.distributed)
+    policy_kwargs = policy_model_kwargs(model, config.distributed)
+    scorer_kwargs = model_kwargs(model, config.distributed)
     temperature = config.rollout.temperature
     with strategy.zero3_init_context():
         actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                               lora_dropout=model.lora_dropout, target_modules=model.target_modules,
                               gradient_checkpointing=config.distributed.gradient_checkpointing,
-                              temperature=temperature, **model_kwargs)
-        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **model_kwargs)
+                              temperature=temperature, **policy_kwargs)
+        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **scorer_kwargs)
                   if model.critic_pretrain else None)
         reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
-                                     normalize_reward=model.normalize_reward, **model_kwargs)
+                                     normalize_reward=model.normalize_reward, **scorer_kwargs)
                          for path in reward_model_paths(config)]
         initial_model = None
         if config.algorithm.init_kl_coef > 0:
             # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
             initial_model = (actor.adapter_disabled() if model.lora_rank > 0
                              else build_scoring_policy(model.pretrain, model, config.distributed, temperature))
-        ema_model = ActorLanguage(model.pretrain, **model_kwargs) if model.enable_ema else None
+        ema_model = ActorLanguage(model.pretrain, **policy_kwargs) if model.enable_ema else None
         # The teacher is served like the reference: same builder, sharding, offload and packing.
         teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature)
                          if model.teacher_pretrain else None)

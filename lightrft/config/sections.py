@@ -185,6 +185,9 @@ class PPOModelConfig(ModelConfig):
     keep_dropout: bool = option(False, "keep the models' dropout during RL (default: off in actor, critic, reference "
                                        "and reward models, so an on-policy update has importance ratio exactly 1)")
     ema_beta: float = option(0.992, "EMA decay")
+    no_prompt_sharing: bool = option(False, "give every sample its own prompt forward (default: in a padded "
+                                             "micro-batch the samples of one prompt share one forward of it: the "
+                                             "same log-probs and gradients, the prompt computed once)")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
+from lightrft.models.shared_prompts import PromptSharingUnsupported, sharing_possible, shared_prompt_forward
 
 
 class ActorLanguage(nn.Module):
@@ -47,6 +48,10 @@ class ActorLanguage(nn.Module):
         packing_samples: the model will get packed rows; an architecture that cannot be packed
             exactly is refused here (`hf_utils.check_packing_support`) rather than at its first
             packed forward.
+        share_prompts: in padded forwards, rows with the same prompt columns share one prompt
+            forward (`lightrft.models.shared_prompts`): the same log-probs and gradients, with a
+            prompt's matrix work done once for its G samples. Off under gradient checkpointing
+            (its layers drop the KV cache) and for mixture-of-experts load-balancing losses.
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`.
     """
@@ -66,6 +71,7 @@ class ActorLanguage(nn.Module):
         temperature: float = 1.0,
         disable_dropout: bool = True,
         packing_samples: bool = False,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__()
         if temperature <= 0:
@@ -73,6 +79,7 @@ class ActorLanguage(nn.Module):
         if lora_rank < 0:
             raise ValueError(f"--lora_rank must be >= 0, got {lora_rank}")
         self.temperature = float(temperature)
+        self.share_prompts = share_prompts
         if isinstance(pretrain_or_model, nn.Module):
             model = pretrain_or_model
             if hasattr(model, "set_attn_implementation"):
@@ -181,13 +188,25 @@ class ActorLanguage(nn.Module):
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, None)
         num_actions = int(num_actions)
-        # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
-        output = self.model(**kwargs, logits_to_keep=num_actions + 1)
-        output.logits = output.logits[:, :-1]  # (B, A, V)
+        output = self._shared_prompt_forward(kwargs, num_actions)
+        if output is None:
+            # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
+            output = self.model(**kwargs, logits_to_keep=num_actions + 1)
+            output.logits = output.logits[:, :-1]  # (B, A, V)
         log_probs = log_probs_from_logits(output.logits, sequences[:, -num_actions:], self.temperature)  # (B, A)
         if return_output and return_entropy:
             output["entropy"] = entropy_from_logits(output.logits, self.temperature)  # (B, A)
         return (log_probs, output) if return_output else log_probs
+
+    def _shared_prompt_forward(self, kwargs, num_actions):
+        """The padded output with one prompt forward per distinct prompt, or None for the plain forward."""
+        if not self.share_prompts or "output_router_logits" in kwargs or not sharing_possible(self.model):
+            return None
+        try:
+            return shared_prompt_forward(self.model, kwargs, num_actions)
+        except PromptSharingUnsupported:
+            self.share_prompts = False  # this model cannot; the plain forward from now on
+            return None
 
     def _forward_packed(self, kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy):
         if num_actions is None:

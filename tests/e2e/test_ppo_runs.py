@@ -29,8 +29,13 @@ def first_step(scalars, tag):
 
 
 def test_packing_and_zero3_give_the_same_first_step(toy, tmp_path):
+    """Padded runs share each prompt's forward among its 4 samples (ZeRO-2 and ZeRO-3, where the
+    prompt and response forwards gather the weights twice); packed runs and --no_prompt_sharing
+    do not: all agree."""
     runs = {
         "padded-zero2": run_ppo(toy, tmp_path / "a", max_steps=1),
+        "padded-zero3": run_ppo(toy, tmp_path / "d", max_steps=1, zero_stage=3),
+        "padded-unshared": run_ppo(toy, tmp_path / "e", max_steps=1, no_prompt_sharing=True),
         "packed-zero2": run_ppo(toy, tmp_path / "b", max_steps=1, packing_samples=True),
         "packed-zero3": run_ppo(toy, tmp_path / "c", max_steps=1, packing_samples=True, zero_stage=3),
     }
