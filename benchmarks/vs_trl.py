@@ -578,7 +578,7 @@ def compare_real(args) -> None:
     data = grpo_step.prepare_smollm2_workload(out, work, args.seed)
     # One update per rollout on every sample (train_batch = samples_per_step), so both sides train
     # on-policy and skip the old-log-prob forward; no reference model either (no KL).
-    lightrft_flags = ["--packing_samples"] if args.packing else []
+    lightrft_flags = (["--packing_samples"] if args.packing else []) + (["--no_prompt_sharing"] if args.unshared else [])
     config = {"model": str(data["model"]), "data": {"model": str(data["model"]), "train": str(data["train"]),
                                                     "eval": str(data["eval"])},
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
@@ -659,6 +659,9 @@ def main() -> None:
                         help="held-out accuracy every this many steps (default: toy 4, smollm2 only before and after)")
     parser.add_argument("--packing", action="store_true",
                         help="smollm2: lightrft trains on packed sequences (--packing_samples) instead of padded ones")
+    parser.add_argument("--unshared", action="store_true",
+                        help="smollm2: every lightrft sample computes its own prompt (--no_prompt_sharing), as "
+                             "before prompt sharing")
     parser.add_argument("--sft_steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip_scaling", action="store_true", help="leave out 2 ranks vs 1 and ZeRO-3 vs ZeRO-0")
@@ -695,8 +698,8 @@ def main() -> None:
         plot(json.loads(Path(args.replot).read_text()), Path(args.png))
         print(f"plot: {args.png}")
         return
-    if args.packing and args.workload != "smollm2":
-        parser.error("--packing applies to --workload smollm2 only")
+    if (args.packing or args.unshared) and args.workload != "smollm2":
+        parser.error("--packing and --unshared apply to --workload smollm2 only")
     if args.workload == "smollm2":
         if args.scaling_only:
             parser.error("--scaling_only runs the toy workload: leave out --workload smollm2")

@@ -8,12 +8,16 @@ in probability ratios. It is computed, in training mode as the trainer runs it, 
 - one padded micro-batch (the reference),
 - two padded micro-batches whose losses add up,
 - one packed micro-batch (when the architecture packs exactly),
+- one padded micro-batch with a prompt forward per sample (when the actor shares a prompt's
+  forward among its samples, `lightrft.models.shared_prompts`: the reference layout shares it),
 and the old log-probs come from an eval-mode forward, as in experience making: the ratio of the
 first update must be exactly 1. Dropout left on (`--keep_dropout`), attention that leaks across
 padding or packed borders, or batch-dependent kernels show up here as gaps.
 
 Gradients are taken with `torch.autograd.grad` (nothing accumulates into `.grad`, no optimizer step).
 """
+
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -70,6 +74,20 @@ def loss_and_grad(run, micro_batches: list[Experience], counts: dict) -> tuple[f
     return float(total.detach()), norm, log_probs
 
 
+UNSHARED = "1 padded, prompt per sample"
+
+
+@contextmanager
+def unshared_prompts(module):
+    """The actor with a prompt forward per sample for the duration."""
+    before = module.share_prompts
+    module.share_prompts = False
+    try:
+        yield
+    finally:
+        module.share_prompts = before
+
+
 def packing_problem(run) -> str | None:
     """Why this model cannot take packed rows, or None when it can."""
     module = run.strategy.unwrap_model(run.trainer.actor)
@@ -91,7 +109,7 @@ def check_invariance(run, rollout) -> CheckResult:
     keep_dropout = config.model.keep_dropout
     size = max(2, min(config.optim.micro_train_batch_size, rollout.sequences.size(0)))
     result = CheckResult("invariance", f"loss and gradient of {size} samples: 1 vs 2 micro-batches, padded vs "
-                                       "packed, train vs eval forward")
+                                       "packed, shared vs per-sample prompt forward, train vs eval forward")
     tol = TOLERANCE["bfloat16" if config.distributed.bf16 else "float32"]
     samples = batch_samples(rollout, size, config.distributed.seed)
     whole = collate_samples(samples, pad, packing=False)
@@ -108,7 +126,13 @@ def check_invariance(run, rollout) -> CheckResult:
     cannot_pack = packing_problem(run)
     if cannot_pack is None:
         layouts["1 packed micro-batch"] = [collate_samples(samples, pad, packing=True)]
-    measured = {name: loss_and_grad(run, batches, counts) for name, batches in layouts.items()}
+    module = strategy.unwrap_model(run.trainer.actor)
+    if getattr(module, "share_prompts", False):
+        layouts[UNSHARED] = [whole]
+    measured = {}
+    for name, batches in layouts.items():
+        with unshared_prompts(module) if name == UNSHARED else nullcontext():
+            measured[name] = loss_and_grad(run, batches, counts)
     ref_loss, ref_norm, ref_lp = measured["1 padded micro-batch"]
     mask = whole.action_mask
     local = [max_gap(ref_lp, old, mask)]
@@ -137,13 +161,17 @@ def check_invariance(run, rollout) -> CheckResult:
     if cannot_pack is not None:
         result.add("PASS", f"padded vs packed not compared: this model cannot pack exactly ({cannot_pack})")
     if not any(f.level != "PASS" for f in result.findings):
-        result.add("PASS", "the loss and gradient do not depend on how the batch is split, padded or packed")
+        result.add("PASS", "the loss and gradient do not depend on how the batch is split, padded or packed, or on "
+                           "whether samples share their prompt's forward")
     return result
 
 
 def invariance_hint(keep_dropout: bool, layout: str) -> str:
     if keep_dropout:
         return "dropout is on (--keep_dropout) and draws new masks per forward; drop the flag"
+    if layout == UNSHARED:
+        return ("sharing a prompt's forward among its samples changes this model's output; pass --no_prompt_sharing "
+                "and report the model")
     if "packed" in layout:
         return ("packed rows attend across their borders or lose positions; try another --attn_implementation, or "
                 "train without --packing_samples")
