@@ -81,7 +81,9 @@ def train(args: SFTRunConfig) -> dict:
                               lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                               target_modules=args.target_modules, trust_remote_code=args.trust_remote_code,
                               gradient_checkpointing=args.gradient_checkpointing,
-                              packing_samples=args.packing_samples)
+                              packing_samples=args.packing_samples,
+                              # SFT rows are whole sequences (num_actions = T - 1): no prompt columns to share.
+                              share_prompts=False)
 
     train_set, eval_set = build_datasets(args, tokenizer)
     check_data_vocabulary(args, model, tokenizer, train_set, eval_set, lambda sample: [sample.input_ids.tolist()])
