@@ -578,7 +578,8 @@ def compare_real(args) -> None:
     data = grpo_step.prepare_smollm2_workload(out, work, args.seed)
     # One update per rollout on every sample (train_batch = samples_per_step), so both sides train
     # on-policy and skip the old-log-prob forward; no reference model either (no KL).
-    lightrft_flags = (["--packing_samples"] if args.packing else []) + (["--no_prompt_sharing"] if args.unshared else [])
+    lightrft_flags = ((["--packing_samples"] if args.packing else [])
+                      + (["--no_prompt_sharing"] if args.unshared else []))
     config = {"model": str(data["model"]), "data": {"model": str(data["model"]), "train": str(data["train"]),
                                                     "eval": str(data["eval"])},
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,

@@ -85,8 +85,7 @@ def test_shared_prompt_forward_equals_the_plain_forward(arch):
     for name, grad in grads.items():
         scale = ref_grads[name].abs().max().clamp(min=1.0)
         torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=1e-5, rtol=0, msg=name)
-    # The prompt's weights get gradient from every sample of it: the embedding rows of prompt-only
-    # tokens are not zero (a forward that cut the prompt off would leave them at 0).
+    # Log-probs of a 100-token model that vary: the comparison above is not between constants.
     assert log_probs[actions].std() > 0.05
 
 
@@ -183,8 +182,8 @@ def test_a_model_without_a_cache_falls_back_to_the_plain_forward_for_good():
 
 def test_no_prompt_sharing_flag_reaches_every_policy_model():
     parser = PPORunConfig.build_parser("train_ppo")
-    flags = parser.parse_args(["--pretrain", "m", "--critic_pretrain", "m", "--prompt_data", "p", "--remote_rm_url", "math",
-                              "--no_prompt_sharing"])
+    flags = parser.parse_args(["--pretrain", "m", "--critic_pretrain", "m", "--prompt_data", "p",
+                               "--remote_rm_url", "math", "--no_prompt_sharing"])
     off = PPORunConfig.from_namespace(flags).model
     assert off.no_prompt_sharing is True and PPOModelConfig(pretrain="m").no_prompt_sharing is False
     distributed = DistributedConfig()
