@@ -15,6 +15,8 @@ micro-batch without repeats takes the plain forward.
 import torch
 from torch import nn
 
+from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, returned_cache
+
 
 class PromptSharingUnsupported(RuntimeError):
     """The model returned no KV cache that can be indexed by row (a custom module, a model
@@ -37,9 +39,9 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[
 
 
 def sharing_possible(model: nn.Module) -> bool:
-    """False where a KV cache would be dropped: transformers' gradient-checkpointed layers discard
-    `past_key_values` in training mode."""
-    return not (model.training and getattr(model, "is_gradient_checkpointing", False))
+    """False where a KV cache would be dropped: transformers' activation-checkpointed layers
+    discard the cache in training mode."""
+    return not (model.training and activation_checkpointing_on(model))
 
 
 def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
@@ -47,7 +49,9 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
     tokens of each row ((B, A, V), like a plain forward with `logits_to_keep=A + 1` minus its last
     position), computed with one prompt forward per distinct prompt; None when no rows share a
     prompt (the caller runs the plain forward). Raises `PromptSharingUnsupported` when the model
-    returns no cache it can index by row.
+    returns no cache it can index by row, or when the response forward did not continue the
+    prompt's cache (a forward that swallows a cache argument it does not know would otherwise
+    give the responses' log-probs without their prompts, with no error).
 
     `kwargs` are `padded_forward_kwargs`: input_ids (B, T), attention_mask, position_ids.
     """
@@ -65,16 +69,20 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
     if groups is None:
         return None
     first, inverse = groups
+    name = cache_argument(model)
     prompt = model(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
                    position_ids=position_ids[first, :prompt_len], use_cache=True, logits_to_keep=1)
-    cache = prompt.past_key_values
+    cache = returned_cache(prompt, name)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise PromptSharingUnsupported(f"{type(model).__name__} returned no KV cache that can be indexed by row")
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...); the backward sums over a prompt's rows
     output = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-                   position_ids=position_ids[:, prompt_len:], past_key_values=cache, use_cache=True,
-                   logits_to_keep=num_actions)
+                   position_ids=position_ids[:, prompt_len:], use_cache=True, logits_to_keep=num_actions,
+                   **{name: cache})
+    if returned_cache(output, name) is not cache:
+        raise PromptSharingUnsupported(f"{type(model).__name__}'s forward did not continue the prompt's KV cache "
+                                       f"passed as `{name}`")
     # The prompt's last position predicts the first action; the response's positions the rest.
     output.logits = torch.cat([prompt.logits[inverse], output.logits[:, :-1]], dim=1)  # (B, A, V)
-    output.past_key_values = None
+    setattr(output, name, None)
     return output

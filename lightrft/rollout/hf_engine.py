@@ -14,8 +14,7 @@ next-token logits are copied to every sample), outputs and the attention mask ar
 and written column by column, and the sample streams come from one reseeded generator.
 """
 
-import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,20 +23,7 @@ from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_f
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
-
-
-def forward_parameters(model: torch.nn.Module) -> Mapping[str, inspect.Parameter]:
-    """The parameters of the causal LM's `forward`, looked through a PEFT wrapper (whose own
-    forward takes `**kwargs` and passes them on)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inspect.signature(base.forward).parameters
-
-
-def cache_argument(parameters: Mapping[str, inspect.Parameter]) -> str:
-    """The name under which a forward with these parameters takes and returns its KV cache:
-    `cache` in transformers releases that renamed it (where `past_key_values` is deprecated),
-    `past_key_values` before. Decided once per model from its signature, not per call."""
-    return "cache" if "cache" in parameters else "past_key_values"
+from lightrft.utils.hf_api import cache_argument, forward_parameters, returned_cache
 
 
 class HFEngine:
@@ -174,7 +160,7 @@ class HFEngine:
                 out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
                                  position_ids=position_ids[:, -1:] + step, use_cache=True,
                                  **{self._cache_name: cache}, **extra)
-                logits, cache = out.logits[:, -1, :], getattr(out, self._cache_name)
+                logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
             banned = eos if step < params.min_new_tokens else None
             next_tokens, next_log_probs = sample_next_tokens(
                 logits, params.temperature, params.top_k, params.top_p,
@@ -202,7 +188,7 @@ class HFEngine:
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
                          use_cache=True, **extra)
-        logits, cache = out.logits[:, -1, :], getattr(out, self._cache_name)
+        logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
         if dedupe:
             expand = expand.to(logits.device)
             if not hasattr(cache, "batch_select_indices"):

@@ -8,6 +8,7 @@ without a KV cache take the plain forward.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -178,6 +179,64 @@ def test_a_model_without_a_cache_falls_back_to_the_plain_forward_for_good():
     prompt_cols = sequences.size(1) - num_actions
     assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.numel(), sequences.numel()]
     assert actor.share_prompts is False
+
+
+class CacheDroppingLM(nn.Module):
+    """A causal LM wrapper whose forward takes `**kwargs` and passes on only the names it knows: a
+    KV cache under the name the installed transformers uses is dropped, so a response forward
+    would run without its prompt (what a forward does with a cache name a release removed)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def forward(self, **kwargs):
+        known = ("input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep")
+        return self.inner(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def test_a_response_forward_that_dropped_the_prompt_cache_is_never_used():
+    sequences, mask, num_actions = grouped_batch()
+    model = build_tiny_arch("llama", seed=1)
+    actor = ActorLanguage(CacheDroppingLM(copy.deepcopy(model))).eval()
+    reference = ActorLanguage(model, share_prompts=False).eval()
+    seen = count_tokens(actor)
+    with torch.no_grad():
+        got = actor(sequences, num_actions, attention_mask=mask)
+        expected = reference(sequences, num_actions, attention_mask=mask)
+    actions = action_mask(mask, num_actions)
+    torch.testing.assert_close(got[actions], expected[actions], atol=ATOL, rtol=0)
+    # Prompt pass, response pass (its cache was not continued: discarded), then the plain forward.
+    prompt_cols = sequences.size(1) - num_actions
+    assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.size(0) * num_actions, sequences.numel()]
+    assert actor.share_prompts is False
+
+
+def test_a_forward_that_takes_the_cache_as_cache_shares_without_a_deprecated_name():
+    """The forward of newer transformers releases (`cache` in and out, `past_key_values` a
+    deprecated alias): the shared forward passes and reads `cache` and gives the plain log-probs."""
+    from tests.rollout.test_hf_engine import RenamedCacheLM
+
+    sequences, mask, num_actions = grouped_batch()
+    model = build_tiny_arch("llama", seed=1)
+    actor = ActorLanguage(RenamedCacheLM(copy.deepcopy(model)))
+    actor.model.get_input_embeddings = actor.model.lm.get_input_embeddings
+    actor.eval()
+    reference = ActorLanguage(model, share_prompts=False).eval()
+    seen = count_tokens(actor)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        got = actor(sequences, num_actions, attention_mask=mask)
+    with torch.no_grad():
+        expected = reference(sequences, num_actions, attention_mask=mask)
+    actions = action_mask(mask, num_actions)
+    torch.testing.assert_close(got[actions], expected[actions], atol=ATOL, rtol=0)
+    prompt_cols = sequences.size(1) - num_actions
+    assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.size(0) * num_actions]
+    assert actor.share_prompts is True
 
 
 def test_no_prompt_sharing_flag_reaches_every_policy_model():

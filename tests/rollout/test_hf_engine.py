@@ -11,9 +11,10 @@ from transformers.utils.deprecation import deprecate_kwarg
 from lightrft.models import ActorLanguage
 from lightrft.rollout import HFEngine, RolloutEngine, RolloutOutput, SamplingParams
 from lightrft.rollout.base import request_seeds_for
-from lightrft.rollout.hf_engine import cache_argument, distinct_rows, forward_parameters, left_pad
+from lightrft.rollout.hf_engine import distinct_rows, left_pad
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
+from lightrft.utils.hf_api import cache_argument, forward_parameters
 from lightrft.utils.tiny import build_tiny_arch, tiny_tokenizer
 from tests.conftest import read_json_lines, run_torchrun
 from tests.rollout.contract import (
