@@ -27,6 +27,7 @@ from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
                              check_invariance, check_memory, check_rewards, check_workflow)
+from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
 
@@ -180,7 +181,7 @@ def sample_batch(run):
     needed = -(-max(args.micro_rollout_batch_size, args.micro_train_batch_size, 2) // args.n_samples_per_prompt)
     prompts, labels = list(prompts)[:needed], list(labels)[:needed]
     prompt_ids = run.trainer.experience_maker.tokenize_prompts(prompts)
-    rollout = run.trainer.rollout.generate(prompt_ids, sampling_params(args, args.seed + strategy.rank))
+    rollout = arrive(run.trainer.rollout.generate(prompt_ids, sampling_params(args, args.seed + strategy.rank)))
     return prompts, labels, prompt_ids, rollout
 
 

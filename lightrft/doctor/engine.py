@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from lightrft.config.run import PPORunConfig
+from lightrft.experience.placement import arrive
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
@@ -118,7 +119,7 @@ def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> Ch
     params = sampling_params(config, seed + strategy.rank + 1)
     with moved_weights(run, scale, seed):
         manager.mark_stale()
-        moved_rollout = manager.generate(prompt_ids, params)
+        moved_rollout = arrive(manager.generate(prompt_ids, params))
         gap_moved = gap(moved_rollout.rollout_log_probs, actor_log_probs(run, moved_rollout), moved_rollout.action_mask)
     manager.mark_stale()
     manager.sync_weights()

@@ -16,6 +16,7 @@ import torch
 from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import SamplingParams
+from lightrft.experience.placement import arrive
 from lightrft.experience.scorer import RewardBatch
 
 GIB = 2.0**30
@@ -107,7 +108,7 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
     for model in (trainer.actor, trainer.critic, trainer.initial_model, *maker.reward_models):
         if model is not None:
             model.eval()
-    rollout = trainer.rollout.generate(prompts, params)
+    rollout = arrive(trainer.rollout.generate(prompts, params))
     peaks["generate"] = probe.peak_gib()
 
     probe.reset()

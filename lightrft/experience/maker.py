@@ -27,6 +27,7 @@ from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
+from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
 from lightrft.experience.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
 
@@ -127,6 +128,7 @@ class ExperienceBuilder:
 
     @torch.no_grad()
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
+        rollout, rewards = arrive(rollout, rewards)
         action_mask = rollout.action_mask.bool()
         mask_f = action_mask.float()
         # With one epoch (see PPOTrainer.reuse_old_log_probs) the trainer provides the "old"
@@ -333,13 +335,13 @@ class NaiveExperienceMaker(ExperienceBuilder):
         phases into `timings` (episodes count as generate)."""
         started = time.perf_counter()
         if self.workflow_runner is None:
-            rollout = self.generate(prompts, params, stream=stream, call=call)
+            rollout = arrive(self.generate(prompts, params, stream=stream, call=call))
             generated = time.perf_counter()
             rewards = self.compute_rewards(rollout, prompts, labels, params.n, params.max_new_tokens, shaping=shaping)
         else:
             batch = self.workflow_runner.run(self.engine, self.tokenize_prompts(prompts), prompts, labels, params,
                                              self.prompt_seeds(len(prompts), stream, call))
-            rollout, rewards = batch.rollout, batch.rewards
+            rollout, rewards = arrive(batch.rollout, batch.rewards)
             generated = time.perf_counter()
             if bool(batch.unscored.any()):
                 scored = self.compute_rewards(rollout, prompts, labels, params.n, shaping=False)

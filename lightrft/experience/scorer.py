@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightrft.experience.placement import arrive
 from lightrft.rewards.base import call_reward_source
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput
@@ -24,6 +25,12 @@ class RewardBatch:
     token_rewards: Optional[Tensor] = None
     # (B,) per-sample numbers logged as rollout/<key> means (an agent episode's turns, tool calls...)
     info: dict[str, Tensor] = field(default_factory=dict)
+
+    def to(self, device) -> "RewardBatch":
+        """This batch with every tensor on `device` (the tensors themselves where already there)."""
+        return RewardBatch(scores=self.scores.to(device), valid=self.valid.to(device),
+                           token_rewards=None if self.token_rewards is None else self.token_rewards.to(device),
+                           info={key: value.to(device) for key, value in self.info.items()})
 
 
 def truncated_rows(rollout: RolloutOutput, eos_token_ids: Sequence[int]) -> Tensor:
@@ -86,6 +93,7 @@ class Scorer:
         """Scores every sample with every reward source and combines them with `reward_fn`.
         `max_new_tokens` is the generation limit the overlong penalty measures against;
         `shaping=False` reports the task reward alone (evaluation)."""
+        rollout = arrive(rollout)
         batch = rollout.sequences.size(0)
         columns, valid = [], torch.ones(batch, dtype=torch.bool)
         for model in self.reward_models:

@@ -19,6 +19,7 @@ import torch
 from lightrft.config.run import planned_steps
 from lightrft.rollout.base import RolloutOutput
 from lightrft.rollout.seeds import request_seeds
+from lightrft.experience.placement import arrive
 from lightrft.experience.maker import encode_rollout_prompts, sampling_params
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
 from lightrft.explorers.weights import WeightSubscriber
@@ -172,6 +173,7 @@ class Explorer:
                         episodes=None) -> None:
         n = self.args.algorithm.n_samples_per_prompt
         started = time.perf_counter()
+        rollout = arrive(rollout)       # from the engine's device to where experience is made
         if episodes is None:
             rewards = self.scorer.score(rollout, prompts, labels, n, self.args.rollout.generate_max_len)
         else:

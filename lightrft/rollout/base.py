@@ -5,6 +5,7 @@ of the sampled tokens. The trainer only sees `RolloutOutput`, so the Hugging Fac
 vLLM engine are interchangeable behind the `RolloutEngine` protocol.
 """
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -96,6 +97,11 @@ class RolloutOutput:
     def responses(self) -> torch.Tensor:
         """The response part of `sequences`. Shape: (B, A)."""
         return self.sequences[:, self.prompt_len:]
+
+    def to(self, device: torch.device | str) -> "RolloutOutput":
+        """This rollout with every tensor on `device` (the tensors themselves where already there)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def select(self, rows: Sequence[int]) -> "RolloutOutput":
         """The given samples of this rollout, widths kept."""
