@@ -153,6 +153,34 @@ def _attend(module, query, key, value, attention_mask, window, softcap, **kwargs
     return softcapped_attention(module, query, key, value, attention_mask, softcap, **kwargs)[0]
 
 
+def fused_varlen_kernel(query: torch.Tensor):
+    """PyTorch's varlen attention kernel (`torch.nn.attention.varlen.varlen_attn`: flash attention
+    over every sequence of a packed row in one call) where it runs, or None: CUDA tensors in half
+    precision, on a torch that ships it. Elsewhere (the CPU, float32) packed rows take one SDPA
+    call per sequence."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def one_call_varlen(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                    max_length: int, window: int | None, scaling: float | None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row in one `kernel` call (the signature of
+    `torch.nn.attention.varlen.varlen_attn`). transformers' window W lets query i see key j when
+    i - W < j <= i, the kernel's window_size (W - 1, 0); grouped key/value heads are passed as they
+    are (`enable_gqa`).
+    Shape: query (1, H, P, D), key/value (1, H_kv, P, D), cu_seq_lens (N + 1,) int32 -> (1, P, H, D)"""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))        # (P, H, D): the projections' layout
+    window_size = (-1, 0) if window is None else (window - 1, 0)
+    out = kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scaling, window_size=window_size,
+                 enable_gqa=q.size(1) != k.size(1))
+    return out.unsqueeze(0)
+
+
 def varlen_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -182,10 +210,19 @@ def varlen_attention(
                 f"{type(module).__name__} passes {name!r} to its attention, which {VARLEN_ATTENTION} does not "
                 "implement for packed rows; train without --packing_samples, or pass --attn_implementation eager"
             )
+    packed_cu_seqlens = kwargs.pop("packed_cu_seqlens", None)
     if packed_seq_lens is None:
         return _attend(module, query, key, value, attention_mask, sliding_window, softcap, **kwargs), None
     if query.size(0) != 1:
         raise ValueError(f"a packed forward takes one row (1, P), got a batch of {query.size(0)}")
+    kernel = None
+    if softcap is None and attention_mask is None and not kwargs.get("dropout"):
+        kernel = fused_varlen_kernel(query)
+    if kernel is not None:
+        if packed_cu_seqlens is None:
+            packed_cu_seqlens = cu_seqlens(packed_seq_lens, query.device)
+        return one_call_varlen(kernel, query, key, value, packed_cu_seqlens, max(packed_seq_lens), sliding_window,
+                               kwargs.get("scaling")), None
     outputs, start = [], 0
     for length in packed_seq_lens:
         stop = start + length
@@ -275,6 +312,8 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
         kwargs.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(seq_lens), max_length_k=max(seq_lens))
     elif attn_implementation in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
         kwargs.update(attention_mask=torch.ones_like(input_ids), packed_seq_lens=seq_lens)
+        if input_ids.is_cuda:       # for the one-call kernel: built once per forward, not per layer
+            kwargs["packed_cu_seqlens"] = cu_seqlens(seq_lens, input_ids.device)
     return kwargs
 
 
