@@ -24,6 +24,7 @@ Which attention runs where (details in docs/packing.md):
 import importlib.util
 import os
 import re
+import weakref
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -234,6 +235,25 @@ def varlen_attention(
     return torch.cat(outputs, dim=1), None
 
 
+# The all-ones padding masks `packed_forward_kwargs` made, by id: the mask function then knows a
+# packed row is unpadded without reading the mask back from the device (a host sync per forward).
+_ALL_ONES_MASKS: dict[int, weakref.ref] = {}
+
+
+def all_ones_mask(like: torch.Tensor) -> torch.Tensor:
+    """A bool padding mask of ones shaped like `like`, known to `known_all_ones` while it lives.
+    Bool, so transformers' `attention_mask.to(dtype=torch.bool)` keeps the same tensor."""
+    mask = torch.ones_like(like, dtype=torch.bool)
+    key = id(mask)
+    _ALL_ONES_MASKS[key] = weakref.ref(mask, lambda _, key=key: _ALL_ONES_MASKS.pop(key, None))
+    return mask
+
+
+def known_all_ones(mask: torch.Tensor) -> bool:
+    ref = _ALL_ONES_MASKS.get(id(mask))
+    return ref is not None and ref() is mask
+
+
 def varlen_attention_mask(
     batch_size: int,
     q_length: int,
@@ -254,7 +274,8 @@ def varlen_attention_mask(
     Shape: attention_mask (B, S) 2-D padding mask -> (B, 1, L, S) bool, or None
     """
     no_offset = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
-    unpadded = attention_mask is None or (attention_mask.shape[-1] == kv_length and bool(attention_mask.all()))
+    unpadded = attention_mask is None or (attention_mask.shape[-1] == kv_length
+                                          and (known_all_ones(attention_mask) or bool(attention_mask.all())))
     if allow_is_causal_skip and no_offset and q_length == kv_length and unpadded:
         return None
     return sdpa_mask(
@@ -311,7 +332,7 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
         starts = cu_seqlens(seq_lens, input_ids.device)
         kwargs.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(seq_lens), max_length_k=max(seq_lens))
     elif attn_implementation in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
-        kwargs.update(attention_mask=torch.ones_like(input_ids), packed_seq_lens=seq_lens)
+        kwargs.update(attention_mask=all_ones_mask(input_ids), packed_seq_lens=seq_lens)
         if input_ids.is_cuda:       # for the one-call kernel: built once per forward, not per layer
             kwargs["packed_cu_seqlens"] = cu_seqlens(seq_lens, input_ids.device)
     return kwargs
