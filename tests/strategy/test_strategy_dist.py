@@ -222,7 +222,9 @@ def test_incomplete_launcher_environment_is_refused():
 def test_bf16_nccl_training_on_gpus(tmp_path):
     """The same script on CUDA with NCCL and bf16, on up to two GPUs."""
     nproc = min(2, torch.cuda.device_count())
-    run_torchrun([HERE / "dist_train.py", "--out", tmp_path / "gpu.jsonl", "--bf16", "--stages", "0,3"], nproc=nproc)
+    # gpu=True: the launched ranks see the GPUs (the CPU tests hide them, so a one-GPU machine ran gloo).
+    run_torchrun([HERE / "dist_train.py", "--out", tmp_path / "gpu.jsonl", "--bf16", "--stages", "0,3"], nproc=nproc,
+                 gpu=True)
     records = read_json_lines(tmp_path / "gpu.jsonl.rank0")
     assert by_check(records, "env")[0]["backend"] == "nccl"
     for stage in (0, 3):
