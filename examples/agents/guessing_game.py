@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--output_dir", default="guessing_game_output")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) for torchrun")
     parser.add_argument("--sft_steps", type=int, default=300)
-    parser.add_argument("--grpo_steps", type=int, default=30, help="GRPO steps of 32 games x 8 samples")
+    parser.add_argument("--grpo_steps", type=int, default=50, help="GRPO steps of 32 games x 8 samples")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

