@@ -2,6 +2,7 @@
 check that lightrft code raises no FutureWarning or DeprecationWarning (tests/deprecations.py)."""
 
 import json
+import importlib.util
 import os
 import socket
 import subprocess
@@ -49,6 +50,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def load_file_module(path, name: str | None = None):
+    """The Python file at `path` as a module (not put in sys.modules), for the pure functions of
+    scripts under benchmarks/ and tools/ and of files a test writes."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

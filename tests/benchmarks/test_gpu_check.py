@@ -2,13 +2,12 @@
 the verdict, and the table it prints. (Its suite half is `gpu_suite.py`, whose `--smoke` run
 tests/benchmarks/test_gpu_suite_smoke.py checks; the gpu tests themselves need a GPU.)"""
 
-import importlib.util
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, load_file_module, subprocess_env
 
 PLANTED = """
 import pytest
@@ -27,10 +26,7 @@ def test_skipped():
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO_ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO_ROOT / "benchmarks" / "gpu_check.py")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ every section end to end on the CPU (tiny shapes, float32, ZeRO-2/3 on one gloo 
 report finite, positive figures under the keys the GPU run fills in. Speed is never asserted.
 The FLOPs count behind MFU and the card table are checked on hand-computed numbers."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -12,7 +11,7 @@ import sys
 import pytest
 from transformers import Qwen2Config
 
-from tests.conftest import REPO_ROOT, subprocess_env
+from tests.conftest import REPO_ROOT, load_file_module, subprocess_env
 
 SUITE = REPO_ROOT / "benchmarks" / "gpu_suite.py"
 
@@ -20,10 +19,7 @@ SUITE = REPO_ROOT / "benchmarks" / "gpu_suite.py"
 @pytest.fixture(scope="module")
 def suite():
     """The suite's module, for its pure functions (importing it runs nothing)."""
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(SUITE)
 
 
 def positive(value) -> bool:

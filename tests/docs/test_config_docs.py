@@ -2,20 +2,19 @@
 
 import argparse
 import difflib
-import importlib.util
+import importlib
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_file_module
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOC = REPO_ROOT / "docs" / "configuration.md"
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", REPO_ROOT / "tools" / "gen_config_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO_ROOT / "tools" / "gen_config_docs.py")
 
 
 @pytest.fixture(scope="module")

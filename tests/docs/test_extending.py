@@ -4,7 +4,6 @@ The blocks also run together in a short training job: tests/docs/test_doc_comman
 page's `# cpu-test` block and checks what the callback logged.
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, get_advantage_estimator
 from lightrft.rewards import make_reward_source
+from tests.conftest import load_file_module
 from tests.docs.test_doc_commands import doc_test_files
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
@@ -28,10 +28,7 @@ def doc_files(tmp_path_factory) -> Path:
 
 
 def import_file(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(path, name)
 
 
 def test_reward_file_scores_as_documented(doc_files):

@@ -22,7 +22,7 @@ from lightrft.models import ActorLanguage, Critic, RewardModel
 from lightrft.models.hf_utils import VARLEN_ATTENTION, default_attn_implementation
 from lightrft.strategy.hf_export import export_hf_folder
 from lightrft.utils.tiny import TINY_ARCHS, TINY_WINDOW, build_tiny_arch, save_tiny_arch, tiny_tokenizer
-from tests.conftest import run_torchrun
+from tests.conftest import load_file_module, run_torchrun
 
 from .arch_zoo import (ATOL, MATRIX, PROMPT_LENS, RATIO_ATOL, RESPONSE_LENS, ROWS, VLLM_LOGPROB_ATOL, VLLM_MATCHES,
                        VLLM_MATCHES_UNTIL_SYNC)
@@ -283,10 +283,7 @@ def test_vllm_log_probs_match_the_trainer(arch, arch_dir):
 
 
 def load_doc_generator():
-    spec = importlib.util.spec_from_file_location("gen_models_doc", REPO_ROOT / "tools" / "gen_models_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO_ROOT / "tools" / "gen_models_doc.py")
 
 
 def test_models_doc_is_up_to_date():

@@ -145,8 +145,8 @@ def test_gradient_checkpointing_and_aux_losses_take_the_plain_forward():
     assert seen == [sequences.numel()] and output["aux_loss"] is not None
 
 
-class NoCacheLM(nn.Module):
-    """A causal LM with the Hugging Face forward signature that never returns a KV cache."""
+class WrappedLM(nn.Module):
+    """A causal LM around another, with the Hugging Face forward signature (subclasses' forward)."""
 
     def __init__(self, model):
         super().__init__()
@@ -154,6 +154,10 @@ class NoCacheLM(nn.Module):
 
     def get_input_embeddings(self):
         return self.inner.get_input_embeddings()
+
+
+class NoCacheLM(WrappedLM):
+    """A causal LM that never returns a KV cache."""
 
     def forward(self, **kwargs):
         kwargs.pop("past_key_values", None)
@@ -162,36 +166,39 @@ class NoCacheLM(nn.Module):
         return output
 
 
-def test_a_model_without_a_cache_falls_back_to_the_plain_forward_for_good():
+def wrapped_against_plain(wrap, calls: int = 1):
+    """An actor over `wrap(model)` called `calls` times (deprecation warnings raised as errors) and
+    a plain actor over the same weights without sharing: (actor, its outputs, the plain output,
+    the token counts of each of its model forwards, prompt columns, action mask)."""
     sequences, mask, num_actions = grouped_batch()
     model = build_tiny_arch("llama", seed=1)
-    actor = ActorLanguage(NoCacheLM(copy.deepcopy(model))).eval()
+    actor = ActorLanguage(wrap(copy.deepcopy(model))).eval()
     reference = ActorLanguage(model, share_prompts=False).eval()
     seen = count_tokens(actor)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        outputs = [actor(sequences, num_actions, attention_mask=mask) for _ in range(calls)]
     with torch.no_grad():
-        first = actor(sequences, num_actions, attention_mask=mask)
-        second = actor(sequences, num_actions, attention_mask=mask)
         expected = reference(sequences, num_actions, attention_mask=mask)
     actions = action_mask(mask, num_actions)
-    torch.testing.assert_close(first[actions], expected[actions], atol=ATOL, rtol=0)
+    for got in outputs:
+        torch.testing.assert_close(got[actions], expected[actions], atol=ATOL, rtol=0)
+    return actor, outputs, seen, sequences.size(1) - num_actions, (sequences.size(0), num_actions)
+
+
+def test_a_model_without_a_cache_falls_back_to_the_plain_forward_for_good():
+    actor, (first, second), seen, prompt_cols, (rows, num_actions) = wrapped_against_plain(NoCacheLM, calls=2)
     torch.testing.assert_close(second, first, atol=0, rtol=0)
     # The first call tried the prompt forward once, then the plain one; the second only the plain.
-    prompt_cols = sequences.size(1) - num_actions
-    assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.numel(), sequences.numel()]
+    total = rows * (prompt_cols + num_actions)
+    assert seen == [len(PROMPT_LENS) * prompt_cols, total, total]
     assert actor.share_prompts is False
 
 
-class CacheDroppingLM(nn.Module):
+class CacheDroppingLM(WrappedLM):
     """A causal LM wrapper whose forward takes `**kwargs` and passes on only the names it knows: a
     KV cache under the name the installed transformers uses is dropped, so a response forward
     would run without its prompt (what a forward does with a cache name a release removed)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def get_input_embeddings(self):
-        return self.inner.get_input_embeddings()
 
     def forward(self, **kwargs):
         known = ("input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep")
@@ -199,19 +206,9 @@ class CacheDroppingLM(nn.Module):
 
 
 def test_a_response_forward_that_dropped_the_prompt_cache_is_never_used():
-    sequences, mask, num_actions = grouped_batch()
-    model = build_tiny_arch("llama", seed=1)
-    actor = ActorLanguage(CacheDroppingLM(copy.deepcopy(model))).eval()
-    reference = ActorLanguage(model, share_prompts=False).eval()
-    seen = count_tokens(actor)
-    with torch.no_grad():
-        got = actor(sequences, num_actions, attention_mask=mask)
-        expected = reference(sequences, num_actions, attention_mask=mask)
-    actions = action_mask(mask, num_actions)
-    torch.testing.assert_close(got[actions], expected[actions], atol=ATOL, rtol=0)
+    actor, _, seen, prompt_cols, (rows, num_actions) = wrapped_against_plain(CacheDroppingLM)
     # Prompt pass, response pass (its cache was not continued: discarded), then the plain forward.
-    prompt_cols = sequences.size(1) - num_actions
-    assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.size(0) * num_actions, sequences.numel()]
+    assert seen == [len(PROMPT_LENS) * prompt_cols, rows * num_actions, rows * (prompt_cols + num_actions)]
     assert actor.share_prompts is False
 
 
@@ -220,22 +217,13 @@ def test_a_forward_that_takes_the_cache_as_cache_shares_without_a_deprecated_nam
     deprecated alias): the shared forward passes and reads `cache` and gives the plain log-probs."""
     from tests.rollout.test_hf_engine import RenamedCacheLM
 
-    sequences, mask, num_actions = grouped_batch()
-    model = build_tiny_arch("llama", seed=1)
-    actor = ActorLanguage(RenamedCacheLM(copy.deepcopy(model)))
-    actor.model.get_input_embeddings = actor.model.lm.get_input_embeddings
-    actor.eval()
-    reference = ActorLanguage(model, share_prompts=False).eval()
-    seen = count_tokens(actor)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("error", FutureWarning)
-        got = actor(sequences, num_actions, attention_mask=mask)
-    with torch.no_grad():
-        expected = reference(sequences, num_actions, attention_mask=mask)
-    actions = action_mask(mask, num_actions)
-    torch.testing.assert_close(got[actions], expected[actions], atol=ATOL, rtol=0)
-    prompt_cols = sequences.size(1) - num_actions
-    assert seen == [len(PROMPT_LENS) * prompt_cols, sequences.size(0) * num_actions]
+    def renamed(model):
+        lm = RenamedCacheLM(model)
+        lm.get_input_embeddings = model.get_input_embeddings
+        return lm
+
+    actor, _, seen, prompt_cols, (rows, num_actions) = wrapped_against_plain(renamed)
+    assert seen == [len(PROMPT_LENS) * prompt_cols, rows * num_actions]
     assert actor.share_prompts is True
 
 

@@ -2,13 +2,12 @@
 are SmolLM2's chat template rendered once, and the held-out reward scores the final number of a
 chat answer ("12 + 12 = 24") with the `math` rule where the toy workload wants the bare answer."""
 
-import importlib.util
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_file_module
 
 TEMPLATED_17_25 = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
                    "<|im_start|>user\nWhat is 17+25? Answer with the number only.<|im_end|>\n<|im_start|>assistant\n")
@@ -17,10 +16,7 @@ TEMPLATED_17_25 = ("<|im_start|>system\nYou are a helpful AI assistant named Smo
 @pytest.fixture(scope="module")
 def vs_trl():
     """The benchmark's module (importing it runs nothing; it puts benchmarks/ on sys.path)."""
-    spec = importlib.util.spec_from_file_location("vs_trl", REPO_ROOT / "benchmarks" / "vs_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(REPO_ROOT / "benchmarks" / "vs_trl.py")
 
 
 def test_chat_rows_render_each_question_once_through_smollm2s_template(vs_trl, smollm2):
