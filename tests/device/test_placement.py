@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from lightrft.models import RewardModel
 from lightrft.rollout.hf_engine import HFEngine
 from tests.device.elsewhere import elsewhere
 from tests.trainer.ppo_harness import make_task, run
@@ -27,7 +29,13 @@ def engine_output_elsewhere(monkeypatch):
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    return make_task(tmp_path_factory.mktemp("task"))
+    root = tmp_path_factory.mktemp("task")
+    task = make_task(root)
+    reward_model = RewardModel(task["model"], init_value_head=True)
+    with torch.no_grad():
+        reward_model.model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    reward_model.save_pretrained(root / "rm", tokenizer=AutoTokenizer.from_pretrained(task["model"]))
+    return {**task, "rm": root / "rm"}
 
 
 CASES = {
@@ -35,14 +43,17 @@ CASES = {
     "grpo packed": {"packing_samples": True},
     "ppo critic, kl, overlong": {"advantage_estimator": "gae", "critic_pretrain": "actor", "init_kl_coef": 0.05,
                                  "n_samples_per_prompt": 1, "rollout_batch_size": 16, "overlong_buffer_len": 2},
+    "reward model and distillation teacher": {"reward_pretrain": "rm", "teacher_pretrain": "actor",
+                                              "distill_mode": "loss", "packing_samples": True},
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_rollout_on_another_device_trains_exactly_like_one_on_the_trainer_device(task, tmp_path, monkeypatch, case):
-    overrides = dict(CASES[case])
-    if overrides.get("critic_pretrain") == "actor":
-        overrides["critic_pretrain"] = task["model"]
+    # "actor": the actor's folder (a critic or teacher starts from it); "rm": a reward model of its shape.
+    folders = {"actor": task["model"], "rm": task["rm"]}
+    overrides = {key: folders.get(value, value) if isinstance(value, str) else value
+                 for key, value in CASES[case].items()}
     logs, weights = run(task, tmp_path / "here", **overrides)
     engine_output_elsewhere(monkeypatch)
     logs_elsewhere, weights_elsewhere = run(task, tmp_path / "elsewhere", **overrides)
