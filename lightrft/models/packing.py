@@ -165,7 +165,7 @@ def packed_action_index(
     ends = lens.cumsum(0)  # (N,) one past the last token of each sequence
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), acts)  # (K,)
     first_action = torch.repeat_interleave(acts.cumsum(0) - acts, acts)  # (K,) index in the flat list where each row starts
-    cols = torch.arange(int(acts.sum())) - first_action  # (K,)
+    cols = torch.arange(sum(num_actions)) - first_action  # (K,) (the count from the host list: no tensor read)
     token_positions = (ends - acts)[rows] + cols  # (K,)
     return ActionIndex(
         predict_positions=(token_positions - 1).to(device),
