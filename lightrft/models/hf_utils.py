@@ -332,9 +332,9 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
         starts = cu_seqlens(seq_lens, input_ids.device)
         kwargs.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=max(seq_lens), max_length_k=max(seq_lens))
     elif attn_implementation in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
-        kwargs.update(attention_mask=all_ones_mask(input_ids), packed_seq_lens=seq_lens)
-        if input_ids.is_cuda:       # for the one-call kernel: built once per forward, not per layer
-            kwargs["packed_cu_seqlens"] = cu_seqlens(seq_lens, input_ids.device)
+        # The sequence starts for the one-call kernel (`one_call_varlen`), built once per forward, not per layer.
+        kwargs.update(attention_mask=all_ones_mask(input_ids), packed_seq_lens=seq_lens,
+                      packed_cu_seqlens=cu_seqlens(seq_lens, input_ids.device))
     return kwargs
 
 
