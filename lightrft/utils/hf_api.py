@@ -38,9 +38,20 @@ def cache_argument(model_or_parameters: nn.Module | Mapping[str, inspect.Paramet
     """The name under which a forward takes and returns its KV cache: the one its signature names
     (`cache` in transformers releases that renamed it, `past_key_values` before); for a forward
     that names neither and takes `**kwargs` (a wrapper passing them on), the installed
-    transformers' name. Callers decide it once per model, not per call."""
-    parameters = (forward_parameters(model_or_parameters) if isinstance(model_or_parameters, nn.Module)
-                  else model_or_parameters)
+    transformers' name. Read once per forward function (cached), so callers may ask per call."""
+    if isinstance(model_or_parameters, nn.Module):
+        forward = base_model(model_or_parameters).forward
+        # One signature read per forward function, not per call: the shared-prompt forward asks on every batch.
+        return _cache_argument_of(getattr(forward, "__func__", forward))
+    return _cache_argument_in(model_or_parameters)
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_argument_of(forward) -> str:
+    return _cache_argument_in(inspect.signature(forward).parameters)
+
+
+def _cache_argument_in(parameters: Mapping[str, inspect.Parameter]) -> str:
     for name in ("cache", "past_key_values"):
         if name in parameters:
             return name
