@@ -319,9 +319,10 @@ def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int) 
 
 
 def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dtype: torch.dtype,
-                 probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False):
+                 probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False, profile_steps: bool = False):
     """Optimizer steps of an `ActorLanguage` under ZeRO-`stage` on one rank: one warm-up step,
-    then `sizes.update_steps` timed ones. Returns (figures, phase memory, the engine and strategy
+    then `sizes.update_steps` timed ones, then (`profile_steps`, CUDA) one step under the profiler
+    and one with PyTorch's sync debug mode (`profiled_step`). Returns (figures, phase memory, the engine and strategy
     when `keep`, else None)."""
     strategy = DeepspeedStrategy(StrategyConfig(zero_stage=stage, bf16=dtype == torch.bfloat16, seed=seed,
                                                 micro_train_batch_size=1, train_batch_size=sizes.micro_batches))
@@ -334,21 +335,26 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
         optimizer = strategy.create_optimizer(actor, lr=1e-6)
         engine, optimizer, _ = strategy.prepare((actor, optimizer, None))
         batches = rl_micro_batches(sizes, shape["vocab_size"], device, seed)
-        step_seconds = []
-        for step in range(1 + sizes.update_steps):       # (gradient accumulation = micro_batches)
-            synchronize(device)
-            started = time.perf_counter()
+
+        def optimizer_step():        # (gradient accumulation = micro_batches)
             for batch in batches:
                 log_probs = engine(batch.input_ids, batch.num_actions, packed_seq_lens=batch.seq_lens)  # (N, A)
                 # Right-padding of log_probs is 0, so the sum is over the action tokens only.
                 loss = -log_probs.sum() / sum(batch.num_actions)
                 strategy.backward(loss, engine, optimizer)
                 strategy.optimizer_step(optimizer, engine)
+
+        step_seconds = []
+        for step in range(1 + sizes.update_steps):
+            synchronize(device)
+            started = time.perf_counter()
+            optimizer_step()
             synchronize(device)
             if step > 0:
                 step_seconds.append(time.perf_counter() - started)
+        seconds = statistics.median(step_seconds)
+        profile = profiled_step(optimizer_step, device, seconds, len(batches)) if profile_steps else None
     flops = sum(training_flops(model.config, b.seq_lens, b.num_actions) for b in batches)
-    seconds = statistics.median(step_seconds)
     tokens = sum(sum(b.seq_lens) for b in batches)
     figures = {"zero_stage": stage, **counts, "attn_implementation": actor.attn_implementation,
                "micro_batches_per_step": len(batches), "sequences_per_step": sum(len(b.seq_lens) for b in batches),
@@ -356,10 +362,78 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                "timed_steps": len(step_seconds), "step_seconds": seconds, "tokens_per_s": tokens / seconds,
                "model_tflop_per_step": flops / 1e12, "achieved_tflops": flops / seconds / 1e12,
                "mfu": None if peak is None else flops / seconds / (peak * 1e12)}
+    if profile is not None:
+        figures["profile"] = profile
     if keep:
         return figures, memory, (engine, strategy)
     destroy_engine(engine)
     return figures, memory, None
+
+
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|attn", re.IGNORECASE)
+
+
+def kernel_profile_figures(trace: dict, step_seconds: float, micro_batches: int, top: int = 12) -> dict:
+    """Figures of one optimizer step from a Chrome trace of it (`torch.profiler` export): the GPU's
+    busy time (the union of its kernels' intervals) against `step_seconds` (the unprofiled median
+    step: the profiler's own overhead is not the trainer's), device-to-host copies, attention kernel
+    launches per micro-batch, and the kernels that took the most time."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+    copies = [e for e in trace.get("traceEvents", []) if e.get("cat") == "gpu_memcpy"]
+    busy_us, end = 0.0, float("-inf")
+    for event in sorted(kernels, key=lambda e: e["ts"]):
+        start, stop = event["ts"], event["ts"] + event["dur"]
+        if stop > end:
+            busy_us += stop - max(start, end)
+            end = stop
+    by_name: dict[str, list] = {}
+    for event in kernels:
+        entry = by_name.setdefault(event["name"], [0, 0.0])
+        entry[0] += 1
+        entry[1] += event["dur"]
+    kernel_us = sum(e["dur"] for e in kernels)
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    attention = sum(calls for name, (calls, _) in by_name.items() if ATTENTION_KERNEL.search(name))
+    return {"gpu_busy_seconds": busy_us / 1e6, "gpu_busy_share": min(1.0, busy_us / 1e6 / step_seconds),
+            "kernel_launches": len(kernels), "device_to_host_copies": sum("DtoH" in e.get("name", "") for e in copies),
+            "attention_kernels_per_micro_batch": attention / micro_batches,
+            "top_kernels": [{"name": name[:90], "calls": calls, "ms": us / 1e3, "share": us / max(kernel_us, 1e-9)}
+                            for name, (calls, us) in ranked]}
+
+
+def profiled_step(run_step, device: torch.device, step_seconds: float, micro_batches: int) -> dict | None:
+    """One more optimizer step under `torch.profiler` (`kernel_profile_figures`), then one under
+    `torch.cuda.set_sync_debug_mode("warn")`: each operation that waits for the device warns, and
+    the warnings are counted by the line of Python that called it (the top 12 lines)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    import warnings
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_step()
+        synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.loads(Path(f"{tmp}/trace.json").read_text())
+    figures = kernel_profile_figures(trace, step_seconds, micro_batches)
+    sites: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step()
+            synchronize(device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            site = f"{os.path.relpath(warning.filename, REPO_ROOT) if 'lightrft' in warning.filename else warning.filename}:{warning.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    figures["host_syncs"] = sum(sites.values())
+    figures["host_sync_sites"] = dict(sorted(sites.items(), key=lambda item: -item[1])[:12])
+    return figures
 
 
 def destroy_engine(engine) -> None:
@@ -588,6 +662,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed rollout calls and weight syncs")
     parser.add_argument("--grpo_model", default=None, metavar="DIR",
                         help="Hugging Face folder for the GRPO step (default: SmolLM2-135M-Instruct, see above)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed update steps, one step under the CUDA profiler (GPU busy share, "
+                             "device-to-host copies, attention kernels, top kernels) and one under the sync debug "
+                             "mode (host syncs by the line that caused them)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grpo_worker", default=None, help=argparse.SUPPRESS)   # grpo_in_child's child
     args = parser.parse_args(argv)
@@ -733,7 +811,7 @@ def run_updates(args, shape, sizes, device, dtype, probe, peak, phases: dict, er
         if "update" not in args.sections and not keep:
             continue
         ok, out = attempt(f"update ZeRO-{stage}", errors, lambda: actor_update(
-            stage, shape, sizes, device, dtype, probe, peak, args.seed, keep=keep))
+            stage, shape, sizes, device, dtype, probe, peak, args.seed, keep=keep, profile_steps=args.profile))
         if ok:
             update[f"zero{stage}"], phases[f"update ZeRO-{stage}"], kept = out
             zero3 = kept if keep else None
@@ -826,6 +904,13 @@ def print_report(results: dict) -> None:
         split = ", ".join(f"{k} {v:.2f}" for k, v in grpo["phases_seconds"].items())
         rows.append(("GRPO step", f"{grpo['step_seconds']:.2f} s, {grpo['samples_per_s']:.1f} samples/s "
                                   f"({split} s)", "grpo train (step 2)"))
+    for stage in ("zero2", "zero3"):
+        prof = (results["actor_update"].get(stage) or {}).get("profile")
+        if prof:
+            rows.append((f"  profile ZeRO-{stage[-1]}", f"GPU busy {prof['gpu_busy_share']:.0%} of the step; "
+                         f"{prof['host_syncs']} host syncs, {prof['device_to_host_copies']} D2H copies, "
+                         f"{prof['attention_kernels_per_micro_batch']:.0f} attention kernels/micro-batch",
+                         f"update ZeRO-{stage[-1]}"))
     memory = results["memory"]
     width = max([len(value) for _, value, _ in rows] + [5])
     print(f"{'figure':<18} {'value':<{width}} {'peak GiB':>9}")
@@ -835,6 +920,15 @@ def print_report(results: dict) -> None:
     for phase, fig in memory.items():
         used = "" if fig["device_used_gib"] is None else f", device in use {fig['device_used_gib']:.2f} GiB"
         print(f"  {phase:<24} peak {fig['peak_gib']:.3f} GiB{used}, {fig['seconds']:.1f} s")
+    for stage in ("zero2", "zero3"):
+        prof = (results["actor_update"].get(stage) or {}).get("profile")
+        if prof:
+            print(f"ZeRO-{stage[-1]} step profile: {prof['kernel_launches']} kernels, "
+                  f"{prof['gpu_busy_seconds']:.3f} s busy; top kernels (calls, ms, share of kernel time):")
+            for kernel in prof["top_kernels"]:
+                print(f"    {kernel['calls']:6d} {kernel['ms']:9.1f} {kernel['share']:6.1%}  {kernel['name']}")
+            if prof["host_sync_sites"]:
+                print("  host syncs by line: " + ", ".join(f"{k} x{v}" for k, v in prof["host_sync_sites"].items()))
     if "model" in grpo:
         print(f"GRPO model: {grpo['model']}; engine {grpo['engine']}")
     for name, note in not_measured(results):

@@ -22,6 +22,7 @@ Which attention runs where (details in docs/packing.md):
 """
 
 import importlib.util
+import inspect
 import os
 import re
 import weakref
@@ -168,17 +169,40 @@ def fused_varlen_kernel(query: torch.Tensor):
     return varlen_attn
 
 
+@cache
+def _kernel_keywords(kernel) -> frozenset:
+    """The keyword arguments `kernel` accepts: torch 2.10's `varlen_attn` takes `is_causal`, later
+    ones `window_size` and `enable_gqa` instead (read once per kernel, not per layer)."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def varlen_kernel_runs(kernel, window: int | None) -> bool:
+    """Whether `kernel` can apply a layer's attention: a sliding window needs `window_size`."""
+    return window is None or "window_size" in _kernel_keywords(kernel)
+
+
 def one_call_varlen(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
                     max_length: int, window: int | None, scaling: float | None) -> torch.Tensor:
     """Causal attention within each sequence of a packed row in one `kernel` call (the signature of
     `torch.nn.attention.varlen.varlen_attn`). transformers' window W lets query i see key j when
     i - W < j <= i, the kernel's window_size (W - 1, 0); grouped key/value heads are passed as they
-    are (`enable_gqa`).
+    are (`enable_gqa`) where the kernel takes them, else repeated per query head. Callers check
+    `varlen_kernel_runs` first.
     Shape: query (1, H, P, D), key/value (1, H_kv, P, D), cu_seq_lens (N + 1,) int32 -> (1, P, H, D)"""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))        # (P, H, D): the projections' layout
-    window_size = (-1, 0) if window is None else (window - 1, 0)
-    out = kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scaling, window_size=window_size,
-                 enable_gqa=q.size(1) != k.size(1))
+    keywords = _kernel_keywords(kernel)
+    options = {"scale": scaling}
+    if "window_size" in keywords:
+        options["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    else:
+        options["is_causal"] = True
+    if q.size(1) != k.size(1):
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:
+            groups = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
     return out.unsqueeze(0)
 
 
@@ -219,7 +243,7 @@ def varlen_attention(
     kernel = None
     if softcap is None and attention_mask is None and not kwargs.get("dropout"):
         kernel = fused_varlen_kernel(query)
-    if kernel is not None:
+    if kernel is not None and varlen_kernel_runs(kernel, sliding_window):
         if packed_cu_seqlens is None:
             packed_cu_seqlens = cu_seqlens(packed_seq_lens, query.device)
         return one_call_varlen(kernel, query, key, value, packed_cu_seqlens, max(packed_seq_lens), sliding_window,

@@ -111,3 +111,24 @@ def test_training_flops_match_the_hand_count(suite):
 ])
 def test_peak_table_matches_device_names(suite, name, tflops):
     assert suite.peak_tflops(name) == tflops
+
+
+def test_kernel_profile_figures_from_a_hand_made_trace(suite):
+    """Busy time is the union of kernel intervals (overlaps counted once), against the unprofiled step."""
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "gemm_bf16", "ts": 0.0, "dur": 400.0},
+        {"cat": "kernel", "name": "pytorch_flash::flash_fwd_kernel", "ts": 300.0, "dur": 200.0},  # overlaps 100
+        {"cat": "kernel", "name": "gemm_bf16", "ts": 1000.0, "dur": 100.0},
+        {"cat": "kernel", "name": "fmha_bwd", "ts": 1050.0, "dur": 20.0},                        # inside the last
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 2000.0, "dur": 1.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 2100.0, "dur": 1.0},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5000.0},
+    ]}
+    figures = suite.kernel_profile_figures(trace, step_seconds=0.002, micro_batches=2)
+    assert figures["gpu_busy_seconds"] == pytest.approx(600e-6)       # [0, 500) + [1000, 1100)
+    assert figures["gpu_busy_share"] == pytest.approx(0.3)
+    assert figures["kernel_launches"] == 4 and figures["device_to_host_copies"] == 1
+    assert figures["attention_kernels_per_micro_batch"] == 1.0        # flash fwd + fmha bwd over 2
+    top = figures["top_kernels"][0]
+    assert (top["name"], top["calls"], top["ms"]) == ("gemm_bf16", 2, pytest.approx(0.5))
+    assert top["share"] == pytest.approx(500 / 720)

@@ -1,11 +1,13 @@
 """Packed sequences on CUDA: the same numbers as padded batches, and no (P x P) mask in memory."""
 
+import functools
 import importlib.util
 
 import pytest
 import torch
 
 from lightrft.models import ActorLanguage, Critic
+from lightrft.models import hf_utils
 from lightrft.models.hf_utils import VARLEN_SDPA, default_attn_implementation
 from lightrft.models.packing import pack_sequences
 
@@ -80,3 +82,40 @@ def test_packed_forward_builds_no_quadratic_mask(tiny_dirs, attn):
 
     control = ActorLanguage(tiny_dirs["qwen2"], bf16=True, attn_implementation="sdpa").cuda()
     assert peak_forward_bytes(control, packed, num_actions) >= quadratic
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_rows_take_one_varlen_kernel_call_per_layer(tiny_dirs, arch, monkeypatch):
+    """Without flash-attn, PyTorch's varlen kernel runs every sequence of a packed row in one call
+    per layer (qwen2's tiny config also has a sliding-window layer), with the per-sequence SDPA
+    path's log-probs and gradients."""
+    kernel = hf_utils.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
+    assert kernel is not None, "this torch has no torch.nn.attention.varlen.varlen_attn"
+    calls = []
+
+    @functools.wraps(kernel)
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    batch = to_cuda(make_batch([5, 9, 3, 7], [6, 2, 8, 4], seed=2))
+    mask = batch.action_mask().bool().cuda()
+
+    def forward_and_grads():
+        actor = ActorLanguage(tiny_dirs[arch], bf16=True, attn_implementation=VARLEN_SDPA).cuda()
+        log_probs = actor(batch.packed_ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens)
+        log_probs[mask].float().sum().backward()
+        return log_probs.detach(), {n: p.grad.float() for n, p in actor.named_parameters() if p.grad is not None}, actor
+
+    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: counting)
+    one_call, grads, actor = forward_and_grads()
+    layers = actor.model.config.num_hidden_layers
+    layer_types = getattr(actor.model.config, "layer_types", None) or []
+    windowed = 0 if hf_utils.varlen_kernel_runs(kernel, 8) else layer_types.count("sliding_attention")
+    assert len(calls) == layers - windowed, (len(calls), layers, windowed)   # one per layer the kernel can run
+    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: None)
+    per_sequence, ref_grads, _ = forward_and_grads()
+    torch.testing.assert_close(one_call[mask], per_sequence[mask], atol=5e-2, rtol=0)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=5e-2, rtol=0, msg=name)

@@ -100,3 +100,32 @@ def test_the_critic_and_padded_batches(kernel, tmp_path):
 def test_the_kernel_is_only_asked_for_on_cuda_in_half_precision():
     assert hf_utils.fused_varlen_kernel(torch.zeros(1, 2, 3, 4)) is None
     assert hf_utils.fused_varlen_kernel(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)) is None
+
+
+class OlderReferenceVarlen(ReferenceVarlen):
+    """torch 2.10's `varlen_attn`: `is_causal` instead of `window_size`, and no `enable_gqa` (key and
+    value heads must equal the query heads)."""
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, scale=None):
+        assert q.size(1) == k.size(1) == v.size(1)
+        return super().__call__(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale,
+                                window_size=(-1, 0) if is_causal else (-1, -1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_kernel_without_windows_or_grouped_heads_runs_the_layers_it_can(arch, monkeypatch):
+    """Grouped key/value heads are repeated for it; layers with a sliding window keep one SDPA call per
+    sequence (qwen2 here has one full and one windowed layer, mistral windows every layer)."""
+    older = OlderReferenceVarlen()
+    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: older)
+    batch = make_batch(PROMPT_LENS, RESPONSE_LENS, seed=0)
+    model = build_tiny_arch(arch, seed=1)
+    log_probs, grads = packed_forward_and_grads(ActorLanguage(copy.deepcopy(model)).train(), batch)
+    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: None)
+    ref_log_probs, ref_grads = packed_forward_and_grads(ActorLanguage(model).train(), batch)
+    layers = model.config.num_hidden_layers
+    assert older.calls == {"llama": layers, "qwen2": 1, "mistral": 0}[arch]
+    torch.testing.assert_close(log_probs, ref_log_probs, atol=ATOL, rtol=0)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp(min=1e-12)
+        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=ATOL, rtol=0, msg=name)
