@@ -42,9 +42,11 @@ def dp_loss_scale(world_size: int, grad_accum_steps: int) -> int:
 
 
 def _divide(total: Tensor, normaliser: Normaliser) -> Tensor:
-    """total / max(normaliser, 1): an empty batch gives 0, not NaN."""
-    normaliser = torch.as_tensor(normaliser, dtype=total.dtype, device=total.device)
-    return total / normaliser.clamp(min=1)
+    """total / max(normaliser, 1): an empty batch gives 0, not NaN. A Python number stays one (no
+    tensor made on the device from the host: on CUDA that copy would wait for the device)."""
+    if not isinstance(normaliser, Tensor):
+        return total / max(float(normaliser), 1.0)
+    return total / normaliser.to(total.dtype).clamp(min=1)
 
 
 def _token_sums(loss: Tensor, keep: Tensor, norm_len: float | None) -> Tensor:

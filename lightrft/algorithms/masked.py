@@ -93,8 +93,9 @@ def masked_whiten(
         mean = masked_mean(x, mask)
     if var is None:
         var = masked_var(x, mask, unbiased=False)
-    var = torch.as_tensor(var, dtype=x.dtype, device=x.device)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    # A Python variance stays a number: no tensor made on the device from the host (a CUDA sync).
+    scale = (float(var) + eps) ** -0.5 if not isinstance(var, torch.Tensor) else torch.rsqrt(var.to(x.dtype) + eps)
+    whitened = (x - mean) * scale
     if not shift_mean:
         whitened = whitened + mean
     return fill_masked(whitened, mask)

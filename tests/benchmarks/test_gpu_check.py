@@ -64,3 +64,12 @@ def test_a_failed_test_or_section_fails_the_check_and_the_table_names_it(gpu_che
     broken = {**suite, "exit": 1, "error": "grpo_step: RuntimeError: Expected all tensors on the same device"}
     assert gpu_check.verdict(passing, broken) == (False, ["suite: grpo_step: RuntimeError: Expected all tensors "
                                                           "on the same device"])
+
+
+def test_only_modules_with_gpu_tests_are_collected(gpu_check):
+    """A module that cannot be imported on the GPU machine (the OpenAI client is not there) must not
+    stop the gpu tests: only modules holding them are passed to pytest."""
+    files = gpu_check.gpu_test_files()
+    assert {"tests/strategy/test_strategy_dist.py", "tests/models/test_packing_gpu.py",
+            "tests/algorithms/test_logprobs_gpu.py"} <= set(files)
+    assert "tests/serving/test_http.py" not in files and "tests/cli/test_serve.py" not in files

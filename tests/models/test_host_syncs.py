@@ -1,10 +1,12 @@
 """Host syncs in a training micro-batch: lightrft's packed forward, losses and backward read no
-value back from the device, however many layers and sequences.
+value back from the device and make no blocking copy to it, however many layers and sequences.
 
 A value read from a GPU (`.item()`, `bool(t)`, `.tolist()`, a data-dependent shape) stalls the
 host until the device has caught up. On the "meta" device tensors have shapes and no values, so
 every such read goes through `aten._local_scalar_dense` (or `is_nonzero`) on a meta tensor:
-`DeviceReads` counts them (and answers them, so the run goes on). The optimizer step is
+`DeviceReads` counts them (and answers them, so the run goes on). A blocking copy of a host tensor
+to the device (`.to(device)` without `non_blocking`) synchronises the stream after it on CUDA (the
+first GPU profile found five per micro-batch, the packed row's positions and indices): counted too. The optimizer step is
 DeepSpeed's and is not part of this count."""
 
 import collections
@@ -30,19 +32,39 @@ READS_PER_FORWARD = {"gpt2": 1}
 MOE = {"qwen3_moe", "mixtral"}       # grouped expert matmuls take bf16 on the meta device
 
 
+def blocking_upload(func, args, kwargs) -> bool:
+    """A copy from host memory to the device that is not `non_blocking`: on CUDA, PyTorch waits for
+    the device's queued work after it (a stream synchronisation), as it does for a read."""
+    if func is torch.ops.aten._to_copy.default:
+        target = kwargs.get("device")
+        return args[0].device.type == "cpu" and target is not None and target.type == "meta" and \
+            not kwargs.get("non_blocking", False)
+    if func is torch.ops.aten.copy_.default:
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        return args[0].is_meta and args[1].device.type == "cpu" and not non_blocking
+    return False
+
+
 class DeviceReads(TorchDispatchMode):
-    """Counts, by the line of lightrft or model code that made it, each read of a meta tensor's value."""
+    """Counts, by the line of lightrft or model code that made it, each read of a meta tensor's
+    value and each blocking copy from the host to it (`blocking_upload`)."""
 
     def __init__(self):
         super().__init__()
         self.where = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in READS and any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-            self.where[f"{frames[-1].filename}:{frames[-1].lineno}"] += 1
+            self.count_here()
             return True if func is torch.ops.aten.is_nonzero.default else 1
-        return func(*args, **(kwargs or {}))
+        if blocking_upload(func, args, kwargs):
+            self.count_here()
+        return func(*args, **kwargs)
+
+    def count_here(self) -> None:
+        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
+        self.where[f"{frames[-1].filename}:{frames[-1].lineno}"] += 1
 
     @property
     def count(self) -> int:
@@ -66,7 +88,7 @@ def on_meta(module, arch):
 def actor_micro_batch(actor, batch) -> None:
     """A policy micro-batch as `PPOUpdate.training_step_actor` computes it: forward with entropy,
     policy loss with metrics, KL loss, entropy bonus, backward."""
-    ids = batch.packed_ids.to("meta")
+    ids = batch.packed_ids.to("meta", non_blocking=True)   # (the trainer uploads its batch so too)
     log_probs, output = actor(ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens, return_output=True,
                               return_entropy=True)
     mask = torch.ones_like(log_probs, dtype=torch.bool)
@@ -102,7 +124,7 @@ def test_a_packed_value_micro_batch_reads_nothing_back_from_the_device(tmp_path)
     batch = make_batch([5, 12, 3, 9], [10, 4, 14, 6], seed=0)
     critic = on_meta(Critic(save_tiny_arch(tmp_path / "qwen2", "qwen2", seed=1)), "qwen2").train()
     with DeviceReads() as reads:
-        values = critic(batch.packed_ids.to("meta"), batch.response_lens, packed_seq_lens=batch.packed_seq_lens)
+        values = critic(batch.packed_ids.to("meta", non_blocking=True), batch.response_lens, packed_seq_lens=batch.packed_seq_lens)
         mask = torch.ones_like(values, dtype=torch.bool)
         loss = ValueLoss(0.2)(values, values.detach() + 0.1, values.detach() - 0.1, action_mask=mask,
                               global_num_tokens=mask.sum().float())
@@ -110,8 +132,10 @@ def test_a_packed_value_micro_batch_reads_nothing_back_from_the_device(tmp_path)
     assert reads.count == 0, dict(reads.where)
 
 
-def test_a_read_of_a_device_value_is_counted():
+def test_a_read_of_a_device_value_and_a_blocking_upload_are_counted():
     with DeviceReads() as reads:
         t = torch.ones(3, device="meta")
         bool(t.all()), t.sum().item()
-    assert reads.count == 2
+        t.copy_(torch.arange(3)), torch.arange(3).to("meta")
+        t.copy_(torch.arange(3), non_blocking=True), torch.arange(3).to("meta", non_blocking=True)
+    assert reads.count == 4
