@@ -73,6 +73,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from lightrft.doctor.memory import reset_peak_rss  # noqa: E402
 from lightrft.models import ActorLanguage  # noqa: E402
+from lightrft.models.hf_utils import default_attn_implementation  # noqa: E402
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams  # noqa: E402
 from lightrft.rollout.manager import WeightStream  # noqa: E402
 from lightrft.rollout.seeds import request_seeds  # noqa: E402
@@ -356,7 +357,7 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
         profile = profiled_step(optimizer_step, device, seconds, len(batches)) if profile_steps else None
     flops = sum(training_flops(model.config, b.seq_lens, b.num_actions) for b in batches)
     tokens = sum(sum(b.seq_lens) for b in batches)
-    figures = {"zero_stage": stage, **counts, "attn_implementation": actor.attn_implementation,
+    figures = {"zero_stage": stage, "micro_tokens": sizes.micro_tokens, **counts, "attn_implementation": actor.attn_implementation,
                "micro_batches_per_step": len(batches), "sequences_per_step": sum(len(b.seq_lens) for b in batches),
                "tokens_per_step": tokens, "action_tokens_per_step": sum(sum(b.num_actions) for b in batches),
                "timed_steps": len(step_seconds), "step_seconds": seconds, "tokens_per_s": tokens / seconds,
@@ -662,6 +663,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help="timed rollout calls and weight syncs")
     parser.add_argument("--grpo_model", default=None, metavar="DIR",
                         help="Hugging Face folder for the GRPO step (default: SmolLM2-135M-Instruct, see above)")
+    parser.add_argument("--wide_micro_tokens", type=int, default=None,
+                        help="also run the ZeRO-2 update with the same tokens per step in micro-batches of this many "
+                             "tokens (fewer kernel launches per token)")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed update steps, one step under the CUDA profiler (GPU busy share, "
                              "device-to-host copies, attention kernels, top kernels) and one under the sync debug "
@@ -806,6 +810,19 @@ def run_updates(args, shape, sizes, device, dtype, probe, peak, phases: dict, er
     """The update section under ZeRO-2 and ZeRO-3: ({"zero2": figures, "zero3": figures}, the ZeRO-3
     engine and its strategy, kept for the sync section when it runs, else None)."""
     update, zero3 = {}, None
+    if "update" in args.sections and args.wide_micro_tokens:
+        # The same tokens per step in fewer, longer micro-batches: fewer kernel launches per token,
+        # which shows how much of the step the host's launches take.
+        tokens = sizes.micro_tokens * sizes.micro_batches
+        wide = dataclasses.replace(sizes, micro_tokens=args.wide_micro_tokens,
+                                   micro_batches=max(1, tokens // args.wide_micro_tokens))
+        ok, out = attempt("update ZeRO-2 wide", errors, lambda: actor_update(
+            2, shape, wide, device, dtype, probe, peak, args.seed, profile_steps=args.profile))
+        if ok:
+            update["zero2_wide"], phases["update ZeRO-2 wide"], _ = out
+        else:
+            update["zero2_wide"] = out
+        release_memory(device)
     for stage in (2, 3):
         keep = stage == 3 and "sync" in args.sections
         if "update" not in args.sections and not keep:
@@ -840,6 +857,8 @@ def run_rollouts(args, shape, sizes, device, dtype, probe, phases: dict, errors:
     def hf():
         with measured(probe, device) as phases["rollout HF"]:
             model = build_qwen2(shape, device, dtype, args.seed).eval()
+            # The actor's attention, which train_ppo's HF engine decodes with.
+            model.set_attn_implementation(default_attn_implementation())
             engine = HFEngine(model, 0, 2, micro_batch_size=sizes.rollout_micro_batch)
             return rollout_figures(engine, prompts, sizes, device, args.seed)
 
@@ -881,13 +900,14 @@ def print_report(results: dict) -> None:
           f"{results['model']}; peak {_fmt(results['peak_tflops'])} TFLOP/s ({results['peak_tflops_source']})")
     print(f"versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}")
     rows = []
-    for stage in ("zero2", "zero3"):
+    for stage, label in (("zero2", "update ZeRO-2"), ("zero3", "update ZeRO-3"), ("zero2_wide", "update ZeRO-2 wide")):
         fig = results["actor_update"].get(stage)
         if fig and "error" not in fig:
             achieved = f"{fig['achieved_tflops'] * 1e3:.2f} GFLOP/s" if cpu else f"{fig['achieved_tflops']:.1f} TFLOP/s"
             mfu = "" if fig["mfu"] is None else f", MFU {fig['mfu']:.1%}"
-            rows.append((f"update ZeRO-{stage[-1]}", f"{achieved}{mfu}; {fig['tokens_per_s']:,.0f} tokens/s, "
-                                                  f"{fig['step_seconds']:.3f} s/step", f"update ZeRO-{stage[-1]}"))
+            shape_note = f" ({fig['micro_batches_per_step']} x {fig['micro_tokens']} tokens)" if "wide" in stage else ""
+            rows.append((label, f"{achieved}{mfu}; {fig['tokens_per_s']:,.0f} tokens/s, "
+                                f"{fig['step_seconds']:.3f} s/step{shape_note}", label))
     for engine, phase in (("hf", "rollout HF"), ("vllm", "rollout vLLM")):
         fig = results.get("rollout", {}).get(engine)
         if fig and "tokens_per_s" in fig:
@@ -904,13 +924,13 @@ def print_report(results: dict) -> None:
         split = ", ".join(f"{k} {v:.2f}" for k, v in grpo["phases_seconds"].items())
         rows.append(("GRPO step", f"{grpo['step_seconds']:.2f} s, {grpo['samples_per_s']:.1f} samples/s "
                                   f"({split} s)", "grpo train (step 2)"))
-    for stage in ("zero2", "zero3"):
+    for stage in ("zero2", "zero3", "zero2_wide"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
-            rows.append((f"  profile ZeRO-{stage[-1]}", f"GPU busy {prof['gpu_busy_share']:.0%} of the step; "
+            rows.append((f"  profile {stage}", f"GPU busy {prof['gpu_busy_share']:.0%} of the step; "
                          f"{prof['host_syncs']} host syncs, {prof['device_to_host_copies']} D2H copies, "
                          f"{prof['attention_kernels_per_micro_batch']:.0f} attention kernels/micro-batch",
-                         f"update ZeRO-{stage[-1]}"))
+                         {"zero2": "update ZeRO-2", "zero3": "update ZeRO-3"}.get(stage, "update ZeRO-2 wide")))
     memory = results["memory"]
     width = max([len(value) for _, value, _ in rows] + [5])
     print(f"{'figure':<18} {'value':<{width}} {'peak GiB':>9}")
@@ -920,10 +940,10 @@ def print_report(results: dict) -> None:
     for phase, fig in memory.items():
         used = "" if fig["device_used_gib"] is None else f", device in use {fig['device_used_gib']:.2f} GiB"
         print(f"  {phase:<24} peak {fig['peak_gib']:.3f} GiB{used}, {fig['seconds']:.1f} s")
-    for stage in ("zero2", "zero3"):
+    for stage in ("zero2", "zero3", "zero2_wide"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
-            print(f"ZeRO-{stage[-1]} step profile: {prof['kernel_launches']} kernels, "
+            print(f"{stage} step profile: {prof['kernel_launches']} kernels, "
                   f"{prof['gpu_busy_seconds']:.3f} s busy; top kernels (calls, ms, share of kernel time):")
             for kernel in prof["top_kernels"]:
                 print(f"    {kernel['calls']:6d} {kernel['ms']:9.1f} {kernel['share']:6.1%}  {kernel['name']}")

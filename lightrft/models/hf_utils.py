@@ -298,9 +298,13 @@ def varlen_attention_mask(
     Shape: attention_mask (B, S) 2-D padding mask -> (B, 1, L, S) bool, or None
     """
     no_offset = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
-    unpadded = attention_mask is None or (attention_mask.shape[-1] == kv_length
-                                          and (known_all_ones(attention_mask) or bool(attention_mask.all())))
-    if allow_is_causal_skip and no_offset and q_length == kv_length and unpadded:
+    if not (no_offset and q_length == kv_length):
+        # A step with a KV cache (decoding): the mask is built without first reading the padding
+        # mask back to see whether it could be skipped, a host sync on every decoding step.
+        allow_is_causal_skip = False
+    elif allow_is_causal_skip and (attention_mask is None or (
+            attention_mask.shape[-1] == kv_length
+            and (known_all_ones(attention_mask) or bool(attention_mask.all())))):
         return None
     return sdpa_mask(
         batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,

@@ -25,6 +25,9 @@ from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
 from lightrft.utils.hf_api import cache_argument, forward_parameters, returned_cache
 
+# On CUDA, decoding reads "has every row ended?" back from the device once per this many steps.
+STOP_CHECK_STEPS = 8
+
 
 class HFEngine:
     """Batched sampling with a live Hugging Face causal LM.
@@ -40,6 +43,10 @@ class HFEngine:
             from all ranks, so a rank that stopped early would leave the others waiting forever.
         micro_batch_size: samples (prompts x n) decoded at once; `generate` takes any number of
             prompts and decodes them in chunks of this many samples. None decodes all at once.
+        stop_check_steps: read "has every row ended?" back from the device once per this many
+            decoding steps (a host sync each time). None: every STOP_CHECK_STEPS steps on CUDA, so
+            the host queues steps ahead of the device, and every step on the CPU. The output is the
+            same for any value; a larger one decodes up to that many steps of padding at the end.
 
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree.
@@ -49,13 +56,16 @@ class HFEngine:
     shares_live_weights = True
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 synced_gpus: bool = False, micro_batch_size: int | None = None):
+                 synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None):
         if eos_token_id is None:
             raise ValueError("HFEngine needs an eos_token_id: set tokenizer.eos_token_id or pass it explicitly")
         if pad_token_id is None:
             raise ValueError("HFEngine needs a pad_token_id: set tokenizer.pad_token_id (often to the EOS id)")
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"HFEngine micro_batch_size must be >= 1 (--micro_rollout_batch_size), got {micro_batch_size}")
+        if stop_check_steps is not None and stop_check_steps < 1:
+            raise ValueError(f"HFEngine stop_check_steps must be >= 1, got {stop_check_steps}")
+        self.stop_check_steps = stop_check_steps
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
@@ -152,6 +162,10 @@ class HFEngine:
         is_action = torch.zeros((batch, steps), dtype=torch.bool, device=device)
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         extra = {"logits_to_keep": 1} if self._keep_last_logits else {}
+        # Whether every row has ended is read back from the device (a host sync) every few steps on
+        # CUDA, so the host queues the next steps while the device runs; the steps decoded past the
+        # last EOS are padding, which the caller trims. On the CPU each step checks (no queue).
+        check_every = self.stop_check_steps or (STOP_CHECK_STEPS if device.type == "cuda" else 1)
 
         logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra)
         decoded = 0
@@ -172,7 +186,7 @@ class HFEngine:
             attention_mask[:, prompt_len + step] = unfinished
             unfinished &= ~torch.isin(tokens[:, step], eos)
             decoded = step + 1
-            if decoded == steps or not self._any_rank_unfinished(unfinished):
+            if decoded == steps or (decoded % check_every == 0 and not self._any_rank_unfinished(unfinished)):
                 break
         return tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished
 
