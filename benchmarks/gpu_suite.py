@@ -30,6 +30,7 @@ data loading imports (`datasets`, `pyarrow`); without them that section is skipp
 
     python benchmarks/gpu_suite.py --json gpu_suite.json                 # sized for < 20 minutes on one GPU
     python benchmarks/gpu_suite.py --sections update sync --peak_tflops 989
+    python benchmarks/gpu_suite.py --sections update --profile --wide_micro_tokens 32768
     python benchmarks/gpu_suite.py --smoke --json OUT                    # CPU, tiny shapes, fp32: checks
                                                                          # every code path (CI)
 
