@@ -15,8 +15,8 @@ Which attention runs where (details in docs/packing.md):
 | device, flash-attn        | default implementation | packed sequences                                  |
 |---------------------------|------------------------|---------------------------------------------------|
 | CUDA, flash-attn present  | "flash_attention_2"    | varlen kernel, `cu_seq_lens_*` passed              |
-| CUDA without flash-attn   | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
-| CPU                       | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
+| CUDA without flash-attn   | VARLEN_ATTENTION       | torch's varlen kernel, one call per layer (bf16)   |
+| CPU, float32, soft-caps   | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
 | user picks "sdpa"/"eager" | as given               | block-diagonal (P x P) mask from position ids      |
 | user picks flex_attention | as given               | block-sparse mask from position ids                |
 """
