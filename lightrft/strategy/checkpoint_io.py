@@ -2,7 +2,8 @@
 
 A checkpoint is the folder `save_dir/<tag>`. It counts only when it holds the completion marker
 (`MARKER_NAME`, JSON: tag, sequence number, and the size of every file), and every listed file is
-there with that size. Saving goes:
+there with that size. A marker that lacks a field its format requires (`marker_problem`) counts
+as no marker: the folder is damaged, and loading falls back to the previous complete checkpoint. Saving goes:
 
 1. the writer (rank 0) makes an empty temporary folder `save_dir/.tmp-<tag>`;
 2. every rank writes its shard into it and fsyncs the files;   -- all ranks agree it worked
@@ -259,11 +260,13 @@ def verify_checksums(ckpt_dir: Path, only: Callable[[str], bool] | None = None) 
     CheckpointCorruptError naming the first file that differs."""
     ckpt_dir = Path(ckpt_dir)
     marker = read_marker(ckpt_dir)
-    recorded = (marker or {}).get("checksums")
-    if not isinstance(recorded, dict) or recorded.get("algorithm") != CHECKSUM:
-        return False
+    if marker is None:
+        raise CheckpointCorruptError(f"checkpoint {ckpt_dir} has no valid {MARKER_NAME}")
+    if marker["format"] < 2:
+        return False            # saved before checksums (`marker_problem` refuses a format 2 without them)
+    recorded = marker["checksums"]
     todo = {}
-    for rel, expected in recorded.get("files", {}).items():
+    for rel, expected in recorded["files"].items():
         if only is not None and not only(rel):
             continue
         path = ckpt_dir / rel
@@ -284,15 +287,67 @@ def verify_checksums(ckpt_dir: Path, only: Callable[[str], bool] | None = None) 
     return True
 
 
+_CRC_HEX = re.compile(r"[0-9a-f]{8}")
+_noted_damaged_markers: set[str] = set()      # markers whose damage was logged
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def marker_problem(marker) -> str | None:
+    """What makes a parsed marker invalid for its format, or None. Every marker lightrft wrote
+    names its format. Format 1: `seq` (int >= 1) and `files` (relative path -> size in bytes).
+    Format 2 adds `checksums`: {"algorithm": CHECKSUM, "files": path -> 8 hex digits} for exactly
+    the files listed. A marker that lacks a field its format requires is damaged, never read as an
+    older format: a format-2 marker without its checksums does not switch the check off."""
+    if not isinstance(marker, dict):
+        return f"it holds a JSON {type(marker).__name__}, not an object"
+    version = marker.get("format")
+    if not _is_int(version) or version not in (1, MARKER_FORMAT):
+        return (f"its format is {version!r}; this lightrft reads formats 1 and {MARKER_FORMAT}"
+                + (" (saved by a newer lightrft?)" if _is_int(version) and version > MARKER_FORMAT else ""))
+    if not isinstance(marker.get("tag"), str):
+        return f"its tag is {marker.get('tag')!r}, not a folder name"
+    if not _is_int(marker.get("seq")) or marker["seq"] < 1:
+        return f"its seq is {marker.get('seq')!r}, not an integer >= 1"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and _is_int(v) and v >= 0 for k, v in files.items()):
+        return "its files table is not a mapping of relative paths to sizes"
+    if version >= 2:
+        checksums = marker.get("checksums")
+        if not isinstance(checksums, dict):
+            return f"format {version} records checksums, and the marker has none"
+        if checksums.get("algorithm") != CHECKSUM:
+            return f"its checksums use {checksums.get('algorithm')!r}; format {version} records {CHECKSUM}"
+        table = checksums.get("files")
+        if not isinstance(table, dict) or not all(isinstance(v, str) and _CRC_HEX.fullmatch(v) for v in table.values()):
+            return f"its checksum table is not a mapping of relative paths to {CHECKSUM} values"
+        if set(table) != set(files):
+            return "its checksum table does not list the same files as its size table"
+    return None
+
+
 def read_marker(ckpt_dir: Path) -> dict | None:
-    """The parsed completion marker of `ckpt_dir`, or None when it is missing or unreadable."""
+    """The parsed completion marker of `ckpt_dir`, or None when it is missing, unreadable or
+    damaged (`marker_problem`; logged once per folder): the folder then counts as incomplete, and a
+    resume falls back to the previous complete checkpoint."""
+    path = Path(ckpt_dir) / MARKER_NAME
     try:
-        marker = json.loads((Path(ckpt_dir) / MARKER_NAME).read_text())
+        text = path.read_text()
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict) or "seq" not in marker:
-        return None
-    return marker
+    try:
+        marker = json.loads(text)
+        problem = marker_problem(marker)
+    except (ValueError, RecursionError) as err:        # RecursionError: JSON nested thousands deep
+        problem = f"it is not valid JSON ({type(err).__name__})"
+    if problem is None:
+        return marker
+    if str(path) not in _noted_damaged_markers:
+        _noted_damaged_markers.add(str(path))
+        logger.warning(f"checkpoint {ckpt_dir} is not used: its marker {path} is damaged ({problem})")
+    return None
 
 
 def is_complete(ckpt_dir: Path) -> bool:

@@ -345,3 +345,61 @@ def test_stale_temporaries_are_removed_and_a_live_writers_kept(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def damage(marker: dict, how: str):
+    """A marker edited the way a careless or hostile hand might; returns the new JSON text."""
+    if how == "deep":
+        return "[" * 100_000 + "]" * 100_000
+    marker = json.loads(json.dumps(marker))
+    if how == "no checksums":
+        del marker["checksums"]
+    elif how == "other algorithm":
+        marker["checksums"]["algorithm"] = "none"
+    elif how == "seq null":
+        marker["seq"] = None
+    elif how == "seq true":
+        marker["seq"] = True
+    elif how == "checksum table a list":
+        marker["checksums"]["files"] = list(marker["checksums"]["files"])
+    elif how == "a file left out of the checksums":
+        marker["checksums"]["files"].pop("optim.bin")
+    elif how == "format from the future":
+        marker["format"] = 3
+    elif how == "no format":
+        del marker["format"]
+    elif how == "no tag":
+        del marker["tag"]
+    return json.dumps(marker)
+
+
+@pytest.mark.parametrize("how", ["no checksums", "other algorithm", "seq null", "seq true", "checksum table a list",
+                                 "a file left out of the checksums", "format from the future", "no format", "no tag",
+                                 "deep"])
+def test_a_damaged_marker_is_a_damaged_checkpoint(tmp_path, caplog, how):
+    """Editing the marker cannot switch the checksum check off: the corrupted checkpoint (its
+    weights overwritten with 3.4e38) is not loaded, and the resume falls back to the previous one,
+    with a warning that names the marker and what is wrong with it; no traceback."""
+    save(tmp_path, "one", max_num=5)
+    two = save(tmp_path, "two", max_num=5)
+    overwrite_middle(two / "model" / "shard_0.bin")
+    marker_path = two / cio.MARKER_NAME
+    marker_path.write_text(damage(json.loads(marker_path.read_text()), how))
+    with caplog.at_level(logging.WARNING, logger="lightrft"):
+        assert cio.resolve_checkpoint(tmp_path) == tmp_path / "one"
+    assert f"checkpoint {two} is not used: its marker {marker_path} is damaged (" in caplog.text
+    assert not cio.is_complete(two)
+    with pytest.raises(FileNotFoundError, match=f"checkpoint {two} is missing or incomplete"):
+        cio.resolve_checkpoint(tmp_path, "two")
+
+
+def test_marker_problems_name_the_field(tmp_path):
+    marker = cio.read_marker(save(tmp_path, "a"))
+    assert cio.marker_problem(marker) is None
+    assert "seq is None" in cio.marker_problem({**marker, "seq": None})
+    assert "checksums use 'md5'" in cio.marker_problem({**marker, "checksums": {**marker["checksums"],
+                                                                                 "algorithm": "md5"}})
+    assert "saved by a newer lightrft" in cio.marker_problem({**marker, "format": 3})
+    assert "JSON list" in cio.marker_problem([marker])
+    legacy = {k: v for k, v in marker.items() if k != "checksums"} | {"format": 1}
+    assert cio.marker_problem(legacy) is None                 # a pre-checksum marker stays readable
