@@ -65,10 +65,20 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         except (TypeError, ValueError):
             parser.error(f"--config {path}: key {key!r} has the value {value!r}, but --{dest} takes "
                          f"{_takes(action)} ({(action.help or '').replace('%%', '%')})")
+        if _redacted_secret(dest, defaults[dest]):
+            parser.error(f"--config {path}: key {key!r} holds a value lightrft redacted when it saved the run "
+                         f"({value!r}): secrets are never written; pass --{dest} on the command line (or its "
+                         "environment variable) with the real value")
         if action.choices is not None and defaults[dest] is not None and defaults[dest] not in action.choices:
             parser.error(f"--config {path}: key {key!r} must be one of {sorted(action.choices)}, got {value!r}")
         action.required = False       # the file provides it
     return defaults
+
+
+def _redacted_secret(dest: str, value) -> bool:
+    from lightrft.utils.secrets import holds_redacted, secret_flags
+
+    return dest in secret_flags() and holds_redacted(value)
 
 
 def _config_value(action: argparse.Action, value):
@@ -143,9 +153,11 @@ def announce_config(parser: argparse.ArgumentParser, args, strategy, ckpt_path: 
 
     if not strategy.is_rank_0():
         return
+    from lightrft.utils.secrets import redact_options
+
     config = resolved_config(args)
     changed = {k: v for k, v in config.items() if k != "config" and v != _plain(parser.get_default(k))}
-    print("options: " + json.dumps(changed, default=str, sort_keys=True), flush=True)
+    print("options: " + json.dumps(redact_options(changed), default=str, sort_keys=True), flush=True)
     if ckpt_path:
         # A refused resume must not rewrite the file: it would describe a run that never trained.
         from lightrft.trainer.run_services import check_resume_before_start
@@ -155,6 +167,7 @@ def announce_config(parser: argparse.ArgumentParser, args, strategy, ckpt_path: 
         target = os.path.join(ckpt_path, "run_config.yaml")
         tmp = target + ".tmp"
         nested = args.to_nested() if hasattr(args, "to_nested") else {k: v for k, v in config.items() if k != "config"}
+        nested = redact_options(nested)      # secrets are never written; --config asks for them again
         with open(tmp, "w") as f:
             yaml.safe_dump(nested, f, sort_keys=False)
         os.replace(tmp, target)

@@ -16,13 +16,17 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 def option(default: Any = MISSING, help: str = "", *, choices: Optional[Union[Iterable, Callable[[], Iterable]]] = None,
            nargs: Optional[Union[int, str]] = None, metavar=None, const: Any = None, required: bool = False,
-           flag: bool = True) -> Any:
+           flag: bool = True, secret: Optional[str] = None) -> Any:
     """A config field with its flag: `choices` may be a callable (a registry read when the parser
     is built, so variants registered before parsing are selectable); `required` makes the flag
     mandatory on the command line (the field then defaults to None); `flag=False` keeps a field
-    off the command line (a value derived from other options)."""
+    off the command line (a value derived from other options); `secret` marks a value that must
+    never be written as given ("key": all of it, "urls": credentials of URLs in it), redacted by
+    `lightrft.utils.secrets` wherever options become text or files."""
+    if secret is not None and secret not in ("key", "urls"):
+        raise ValueError(f"option secret kind must be 'key' or 'urls', got {secret!r}")
     metadata = {"help": help, "choices": choices, "nargs": nargs, "metavar": metavar, "const": const,
-                "required": required, "flag": flag}
+                "required": required, "flag": flag, "secret": secret}
     return field(default=None if required and default is MISSING else default, metadata=metadata)
 
 

@@ -136,7 +136,9 @@ class LoggingConfig:
 
     logging_steps: int = option(1, "log metrics every N steps")
     use_wandb: Optional[str] = option(None, "log to Weights & Biases: an API key, or 'offline' / 'online' to use the "
-                                            "environment's login (offline needs no network)")
+                                            "environment's login (offline needs no network; the key is never "
+                                            "written: $WANDB_API_KEY keeps it off the command line too)",
+                                      secret="key")
     wandb_project: str = option("lightrft", "W&B project")
     wandb_org: Optional[str] = option(None, "W&B entity (team or user)")
     wandb_run_name: Optional[str] = option(None, "W&B run name (default: generated)")
@@ -458,7 +460,7 @@ class RewardConfig:
     remote_rm_url: Optional[str] = option(None, "comma-separated reward sources: http(s) URLs of reward servers, .py "
                                                 "files defining reward_func(queries, prompts, labels), builtin "
                                                 "rules (math, format), or LLM judges: judge:MODEL_FOLDER or "
-                                                "judge:http(s)://OPENAI_COMPATIBLE_SERVER")
+                                                "judge:http(s)://OPENAI_COMPATIBLE_SERVER", secret="urls")
     reward_timeout: float = option(30.0, "seconds per reward request")
     reward_retries: int = option(3, "retries per reward request")
     reward_on_failure: str = option("error", "after the retries: stop the run, or drop the failed samples (counted)",

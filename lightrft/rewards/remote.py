@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from lightrft.utils.secrets import redact_url  # noqa: F401  (re-exported: lightrft.rewards.redact_url)
 from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, check_batch_lengths,
                                    is_finite_number)
 
@@ -55,16 +56,6 @@ DEFAULT_MAX_RESPONSE_BYTES = 64 * 2 ** 20  # a reward answer needs ~20 bytes per
 ERROR_BODY_BYTES = 1024  # read of an HTTP error's body, for the message only
 READ_BLOCK_BYTES = 2 ** 16
 FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def redact_url(url: str) -> str:
-    """The URL with user info and every query value replaced by `***`, and no fragment."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "&".join(f"{key}=***" for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def retry_wait(attempt: int, backoff: float, max_backoff: float, rng: random.Random) -> float:

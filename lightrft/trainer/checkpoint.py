@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from lightrft.config.run import plain_options
+from lightrft.utils.secrets import redact_options
 
 
 def capture_rng_state() -> dict:
@@ -58,5 +59,5 @@ def pinned_options(args: Any, names: tuple[str, ...]) -> dict:
     """The values of the named flags of `args` (a run config, or an argparse namespace of its
     flags; missing ones skipped; tuples as lists, as a checkpoint stores them), for
     `check_resume_options`."""
-    options = plain_options(args)
+    options = redact_options(plain_options(args))      # as written: a secret never reaches a checkpoint
     return {name: options[name] for name in names if name in options}

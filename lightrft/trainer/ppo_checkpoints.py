@@ -8,10 +8,10 @@ falling back are the run services' (`run_services.py`), shared with SFT and RM.
 
 from typing import Optional
 
-
 from lightrft.config.run import PPORunConfig, plain_options
 from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.run_services import CheckpointPart, RunServices
+from lightrft.utils.secrets import redact_options
 
 # Options that define the experiment: resuming with a different value is an error.
 PINNED_OPTIONS = ("pretrain", "advantage_estimator", "n_samples_per_prompt", "rollout_batch_size",
@@ -42,7 +42,8 @@ class PPOCheckpoints:
                     "kl_ctl": self.kl_ctl.state_dict(), **source_state,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
                     "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
-                    "config": plain_options(self.args)}   # the resolved run config travels with every checkpoint
+                    # the resolved run config travels with every checkpoint, its secrets redacted
+                    "config": redact_options(plain_options(self.args))}
         return RunServices.client_state(counters, self.pinned_options(self.args))
 
     def checkpoint_parts(self, args, client_state: Optional[dict] = None) -> list[CheckpointPart]:

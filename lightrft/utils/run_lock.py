@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from lightrft.utils.secrets import redact_argv
+
 LOCK_NAME = ".lock"
 
 
@@ -39,7 +41,7 @@ class RunLockError(RuntimeError):
 def holder_record() -> dict:
     """What this process writes into the lock file: who holds the folder."""
     return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": shlex.join(sys.argv)}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": shlex.join(redact_argv(sys.argv))}
 
 
 def describe(record: dict | None) -> str:

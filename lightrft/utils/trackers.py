@@ -7,34 +7,17 @@ network access; `wandb sync` uploads it later.
 
 import html
 import os
-import re
 from typing import Mapping, Sequence
 
-_SECRET_IN_URL = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.IGNORECASE)
-_SECRET_QUERY = re.compile(r"(?P<key>[?&](?:token|key|api_key|apikey|access_token|secret|password)=)[^&\s]+",
-                           re.IGNORECASE)
-_SECRET_FLAGS = {"use_wandb"}
+from lightrft.utils.secrets import redact_options, redact_text
 
-
-def redact(value):
-    """Removes credentials from a URL-like string (`user:pass@`, `?token=`); other values pass."""
-    if not isinstance(value, str):
-        return value
-    value = _SECRET_IN_URL.sub(r"\g<scheme>***@", value)
-    return _SECRET_QUERY.sub(r"\g<key>***", value)
+# Kept names: the redaction itself lives in lightrft.utils.secrets, shared by every writer of options.
+redact = redact_text
 
 
 def redacted_config(config: Mapping) -> dict:
     """A copy of a run config that is safe to log: secrets masked, URLs stripped of credentials."""
-    clean = {}
-    for key, value in config.items():
-        if key in _SECRET_FLAGS and value not in (None, "offline", "online"):
-            clean[key] = "***"
-        elif isinstance(value, (list, tuple)):
-            clean[key] = [redact(v) for v in value]
-        else:
-            clean[key] = redact(value)
-    return clean
+    return redact_options(config)
 
 
 def _markdown_cell(value) -> str:
