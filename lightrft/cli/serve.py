@@ -19,6 +19,7 @@ uses, so give it an API key before exposing it.
 
 import argparse
 import logging
+import math
 import signal
 import sys
 import threading
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("generate_max_len", "prompt_max_len"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
-    if args.watch_interval <= 0:
-        parser.error(f"--watch_interval must be positive, got {args.watch_interval}")
+    if not (args.watch_interval > 0 and math.isfinite(args.watch_interval)):
+        parser.error(f"--watch_interval must be a positive number of seconds, got {args.watch_interval}")
     if not (Path(args.pretrain) / "config.json").exists():
         parser.error(f"--pretrain {args.pretrain} is not a Hugging Face model folder (no config.json there)")
     try:

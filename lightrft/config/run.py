@@ -23,7 +23,7 @@ from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointCo
                                       EvalConfig, LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig,
                                       PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig,
                                       RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig,
-                                      check_distillation, check_finite)
+                                      check_bounds, check_distillation, check_finite)
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class RunConfig:
     def __post_init__(self):
         for section in self._sections():
             check_finite(section)
+            check_bounds(section)
             for f in flag_fields(type(section)):
                 if f.metadata.get("required") and getattr(section, f.name) is None:
                     raise ConfigError(f"--{f.name} is required: {f.metadata['help']}")

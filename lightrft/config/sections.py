@@ -16,7 +16,7 @@ from lightrft.algorithms.aggregation import LOSS_AGG_MODES
 from lightrft.algorithms.distill import DISTILL_MODES
 from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
-from lightrft.config.options import option
+from lightrft.config.options import bound_problem, option
 from lightrft.rewards.judge import answer_parser, read_template
 
 
@@ -44,6 +44,15 @@ def check_finite(section) -> None:
             raise ConfigError(f"--{f.name} must be a finite number, got {value}")
 
 
+def check_bounds(section) -> None:
+    """Refuses a number outside the bounds its option declares (`option(at_least=...)`), naming
+    the flag, the bounds and what the option is for."""
+    for f in dataclasses.fields(section):
+        problem = bound_problem(f, getattr(section, f.name))
+        if problem:
+            raise ConfigError(problem)
+
+
 def check_input_template(template: Optional[str], flag: str = "--input_template") -> None:
     """A prompt template takes the input through `template.format(text)`: it needs exactly one
     bare `{}` and no other field (literal braces are written `{{` and `}}`)."""
@@ -69,7 +78,7 @@ def check_input_template(template: Optional[str], flag: str = "--input_template"
 class DistributedConfig:
     """Processes, precision and DeepSpeed ZeRO."""
 
-    seed: int = option(42, "random seed shared by all ranks")
+    seed: int = option(42, "random seed shared by all ranks", at_least=0, at_most=2**32 - 1)
     local_rank: int = option(-1, "set by the launcher; leave it")
     zero_stage: int = option(2, "DeepSpeed ZeRO stage: 0, 1, 2 or 3")
     bf16: bool = option(False, "train in bfloat16 (fp32 master weights)")
@@ -80,7 +89,7 @@ class DistributedConfig:
     grad_accum_dtype: Optional[str] = option(None, "dtype gradients are accumulated in (default: DeepSpeed's choice "
                                                    "for the run dtype)", choices=("fp32", "bf16", "fp16"))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory")
-    dist_timeout: int = option(30, "collective timeout in minutes")
+    dist_timeout: int = option(30, "collective timeout in minutes", at_least=1)
 
 
 @dataclass(frozen=True)
@@ -92,9 +101,9 @@ class ModelConfig:
         None, "attention kernel: flash_attention_2, sdpa, eager or flex_attention (default: flash_attention_2 when "
               "installed on CUDA, else lightrft_varlen: exact packing, sliding windows and soft-caps per layer)")
     trust_remote_code: bool = option(False, "allow model code shipped inside the model folder to run")
-    lora_rank: int = option(0, "LoRA rank; 0 trains all weights")
-    lora_alpha: int = option(16, "LoRA scaling numerator")
-    lora_dropout: float = option(0.0, "LoRA dropout")
+    lora_rank: int = option(0, "LoRA rank; 0 trains all weights", at_least=0)
+    lora_alpha: int = option(16, "LoRA scaling numerator", at_least=1)
+    lora_dropout: float = option(0.0, "LoRA dropout", at_least=0, below=1)
     target_modules: Optional[tuple[str, ...]] = option(None, "module names that get LoRA adapters (default: all "
                                                              "linear layers)")
     packing_samples: bool = option(False, "pack variable-length samples into one row instead of padding")
@@ -106,7 +115,7 @@ class DataConfig:
 
     input_key: str = option("input", "field holding the prompt")
     apply_chat_template: bool = option(False, "wrap inputs with the tokenizer's chat template")
-    max_samples: Optional[int] = option(None, "use at most this many rows")
+    max_samples: Optional[int] = option(None, "use at most this many rows", at_least=1)
     on_bad_row: str = option("error", "a row with a missing, empty or non-string field stops the run (error) or is "
                                       "skipped and counted (skip)", choices=("error", "skip"))
 
@@ -118,13 +127,13 @@ class OptimConfig:
     micro_train_batch_size: int = option(4, "samples per rank per forward/backward")
     train_batch_size: int = option(128, "samples per optimizer step over all ranks; gradient accumulation is "
                                         "derived")
-    max_norm: float = option(1.0, "gradient clipping norm")
+    max_norm: float = option(1.0, "gradient clipping norm", at_least=0)
     max_epochs: int = option(1, "passes over the training set")
-    lr_warmup_ratio: float = option(0.03, "fraction of updates spent warming up")
+    lr_warmup_ratio: float = option(0.03, "fraction of updates spent warming up", at_least=0, at_most=1)
     lr_scheduler: str = option("cosine_with_min_lr", "a transformers scheduler name (cosine_with_min_lr decays to "
                                                      "10%% of the peak)")
     adam_betas: tuple[float, float] = option((0.9, 0.95), "Adam beta1 and beta2", nargs=2)
-    l2: float = option(0.0, "weight decay")
+    l2: float = option(0.0, "weight decay", at_least=0)
 
     def __post_init__(self):
         check_positive(self, "micro_train_batch_size", "train_batch_size", "max_epochs")
@@ -134,7 +143,7 @@ class OptimConfig:
 class LoggingConfig:
     """Progress and metrics."""
 
-    logging_steps: int = option(1, "log metrics every N steps")
+    logging_steps: int = option(1, "log metrics every N steps", at_least=1)
     use_wandb: Optional[str] = option(None, "log to Weights & Biases: an API key, or 'offline' / 'online' to use the "
                                             "environment's login (offline needs no network; the key is never "
                                             "written: $WANDB_API_KEY keeps it off the command line too)",
@@ -151,16 +160,16 @@ class CheckpointConfig:
 
     save_path: str = option("./ckpt/model", "folder for the final Hugging Face export")
     ckpt_path: str = option("./ckpt/checkpoints", "folder for resumable training checkpoints")
-    save_steps: int = option(-1, "save a resumable checkpoint every N steps (-1: only at the end)")
-    max_ckpt_num: int = option(3, "keep at most N checkpoints")
+    save_steps: int = option(-1, "save a resumable checkpoint every N steps (-1: only at the end)", off=-1, at_least=1)
+    max_ckpt_num: int = option(3, "keep at most N checkpoints", at_least=1)
     load_checkpoint: Optional[str] = option(
         None, "resume from the newest complete checkpoint in --ckpt_path; a bare flag makes a missing checkpoint an "
               "error, 'if_present' starts fresh", nargs="?", const="required", choices=("required", "if_present"))
     save_hf_ckpt: bool = option(False, "also export Hugging Face weights next to each checkpoint")
     disable_ds_ckpt: bool = option(False, "skip DeepSpeed optimizer state in checkpoints (not resumable exactly)")
-    preemption_grace: float = option(600.0, "seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit")
+    preemption_grace: float = option(600.0, "seconds a SIGTERM/SIGUSR1 gives the run to write a checkpoint and exit", above=0)
     max_nonfinite_steps: int = option(3, "consecutive optimizer steps skipped for a non-finite loss or gradient "
-                                         "before the run saves and stops")
+                                         "before the run saves and stops", at_least=1)
 
     def __post_init__(self):
         # An empty path would write into the working directory (checkpoints without the folder lock).
@@ -186,7 +195,7 @@ class PPOModelConfig(ModelConfig):
     enable_ema: bool = option(False, "keep an exponential moving average of the actor")
     keep_dropout: bool = option(False, "keep the models' dropout during RL (default: off in actor, critic, reference "
                                        "and reward models, so an on-policy update has importance ratio exactly 1)")
-    ema_beta: float = option(0.992, "EMA decay")
+    ema_beta: float = option(0.992, "EMA decay", at_least=0, below=1)
     no_prompt_sharing: bool = option(False, "give every sample its own prompt forward (default: in a padded "
                                              "micro-batch the samples of one prompt share one forward of it: the "
                                              "same log-probs and gradients, the prompt computed once)")
@@ -201,18 +210,18 @@ class RolloutConfig:
     rollout_batch_size: int = option(512, "prompts per rollout over all ranks")
     micro_rollout_batch_size: int = option(8, "samples per rank per forward")
     generate_max_len: int = option(1024, "most new tokens per response")
-    temperature: float = option(1.0, "sampling temperature")
-    top_p: float = option(1.0, "nucleus sampling mass")
-    top_k: int = option(0, "keep the k likeliest tokens (0: all)")
-    vllm_gpu_memory_utilization: float = option(0.5, "GPU memory fraction vLLM may take when awake")
+    temperature: float = option(1.0, "sampling temperature", at_least=0)
+    top_p: float = option(1.0, "nucleus sampling mass", above=0, at_most=1)
+    top_k: int = option(0, "keep the k likeliest tokens (0: all)", at_least=-1)
+    vllm_gpu_memory_utilization: float = option(0.5, "GPU memory fraction vLLM may take when awake", above=0, at_most=1)
     vllm_kv_cache_gb: Optional[float] = option(None, "vLLM KV cache per rank in GiB (default: from "
-                                                     "--vllm_gpu_memory_utilization on CUDA, 1 GiB on CPU)")
+                                                     "--vllm_gpu_memory_utilization on CUDA, 1 GiB on CPU)", above=0)
     vllm_enable_sleep: str = option("auto", "free vLLM's memory during training (auto: where vLLM has sleep mode, "
                                             "i.e. CUDA)", choices=("auto", "on", "off"))
     vllm_tensor_parallel_size: int = option(1, "ranks per colocated vLLM engine replica (tensor parallel); prompts "
                                                "are split per replica and every sample still trains exactly once")
     vllm_sync_bucket_mb: float = option(512.0, "MB of gathered weights per vLLM weight-sync call (whole decoder "
-                                               "layers per bucket)")
+                                               "layers per bucket)", above=0)
     weight_sync: str = option("auto", "what a weight sync sends: delta (vLLM: only the decoder layers where a bit "
                                       "changed; explorers over broadcast: only the changed elements; both keep a "
                                       "host copy of the synced weights), full (everything, no copy) or auto (delta "
@@ -330,18 +339,18 @@ class AlgorithmConfig:
     loss_agg_mode: Optional[str] = option(None, "how per-token losses become one number, normalised by global counts "
                                                 "(default: token-mean; gspo needs and defaults to "
                                                 "seq-mean-token-mean)", choices=lambda: list(LOSS_AGG_MODES))
-    eps_clip: float = option(0.2, "PPO ratio clip (both sides)")
+    eps_clip: float = option(0.2, "PPO ratio clip (both sides)", above=0)
     eps_clip_low_high: Optional[tuple[float, float]] = option(
         None, "separate low/high ratio clip (DAPO clip-higher), overriding --eps_clip", nargs=2,
         metavar=("LOW", "HIGH"))
     dual_clip: Optional[float] = option(None, "dual-clip bound c > 1 for negative advantages")
-    value_clip: float = option(0.2, "critic value clip (PPO)")
+    value_clip: float = option(0.2, "critic value clip (PPO)", above=0)
     tis_cap: Optional[float] = option(None, "truncated importance sampling cap for rollout-engine vs trainer "
-                                            "log-probs")
+                                            "log-probs", above=0)
     init_kl_coef: float = option(0.01, "KL coefficient: per-token penalty in the advantages (every estimator), or "
-                                       "the weight of --use_kl_loss; 0 disables the reference model")
-    kl_target: Optional[float] = option(None, "adaptive KL target (default: fixed KL)")
-    kl_horizon: int = option(10000, "adaptive KL horizon")
+                                       "the weight of --use_kl_loss; 0 disables the reference model", at_least=0)
+    kl_target: Optional[float] = option(None, "adaptive KL target (default: fixed KL)", above=0)
+    kl_horizon: int = option(10000, "adaptive KL horizon", at_least=1)
     use_kl_loss: bool = option(False, "KL as a loss term (GRPO) instead of in the reward")
     kl_estimator: Optional[str] = option(None, "k1 = d, k2 = d^2/2, k3 = exp(-d) - 1 + d with d the log-ratio to the "
                                                "reference (default: k1 in the reward, k3 as --use_kl_loss). As a "
@@ -352,19 +361,19 @@ class AlgorithmConfig:
                                     "shrinks its gradient by the same factor; estimate clamps the value and "
                                     "zeroes the gradient beyond it (verl, OpenRLHF); log_ratio clamps d to "
                                     "[-10, 10] (k3 up to 2.2e4)", choices=KL_CLAMPS)
-    gamma: float = option(1.0, "discount factor")
-    lambd: float = option(0.95, "GAE lambda")
+    gamma: float = option(1.0, "discount factor", at_least=0, at_most=1)
+    lambd: float = option(0.95, "GAE lambda", at_least=0, at_most=1)
     entropy_coef: float = option(0.0, "entropy bonus weight")
-    aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight")
-    ptx_coef: float = option(0.0, "pretraining loss weight (needs --pretrain_data)")
+    aux_loss_coef: float = option(0.0, "MoE load-balancing loss weight", at_least=0)
+    ptx_coef: float = option(0.0, "pretraining loss weight (needs --pretrain_data)", at_least=0)
     dynamic_sampling: bool = option(False, "drop groups with identical rewards and draw more prompts (DAPO); the run "
                                            "still takes its planned optimizer steps")
-    max_sampling_rounds: int = option(4, "most prompt batches per step with --dynamic_sampling")
-    overlong_buffer_len: int = option(0, "DAPO overlong shaping buffer (0: off)")
-    overlong_penalty_factor: float = option(1.0, "DAPO overlong penalty at the limit")
+    max_sampling_rounds: int = option(4, "most prompt batches per step with --dynamic_sampling", at_least=1)
+    overlong_buffer_len: int = option(0, "DAPO overlong shaping buffer (0: off)", at_least=0)
+    overlong_penalty_factor: float = option(1.0, "DAPO overlong penalty at the limit", at_least=0)
     mask_truncated_samples: bool = option(False, "responses cut at --generate_max_len (no EOS) train on nothing "
                                                  "(DAPO overlong filtering)")
-    freezing_actor_steps: int = option(-1, "train only the critic for N steps")
+    freezing_actor_steps: int = option(-1, "train only the critic for N steps", at_least=-1)
     distill_coef: float = option(1.0, "weight of the teacher's per-token signal (--teacher_pretrain): the reward "
                                       "coef * (log p_teacher - log p_student) per token, or the weight of the "
                                       "reverse-KL loss")
@@ -421,9 +430,9 @@ def check_distillation(teacher_pretrain: Optional[str], algo: AlgorithmConfig) -
 class PPOOptimConfig(OptimConfig):
     max_epochs: int = option(1, "passes over each rollout batch")
     num_episodes: int = option(1, "passes over the prompt set")
-    max_steps: int = option(-1, "stop after N rollout steps with a checkpoint and the export (-1: run all episodes)")
-    actor_learning_rate: float = option(1e-6, "peak learning rate of the actor")
-    critic_learning_rate: float = option(9e-6, "peak learning rate of the critic")
+    max_steps: int = option(-1, "stop after N rollout steps with a checkpoint and the export (-1: run all episodes)", off=-1, at_least=1)
+    actor_learning_rate: float = option(1e-6, "peak learning rate of the actor", at_least=0)
+    critic_learning_rate: float = option(9e-6, "peak learning rate of the critic", at_least=0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -440,9 +449,9 @@ class PPODataConfig(DataConfig):
     truncate_long_prompts: bool = option(False, "keep the last --prompt_max_len tokens of longer prompts instead of "
                                                 "rejecting the row")
     eval_data: Optional[str] = option(None, "held-out prompts for eval/* metrics")
-    eval_steps: int = option(-1, "evaluate every N steps (-1: never during training)")
+    eval_steps: int = option(-1, "evaluate every N steps (-1: never during training)", off=-1, at_least=1)
     eval_on_startup: bool = option(False, "evaluate once before the first step (logged at step 0) with --eval_data")
-    eval_n_samples: int = option(1, "k of pass@k in evaluation")
+    eval_n_samples: int = option(1, "k of pass@k in evaluation", at_least=1)
     pretrain_data: Optional[str] = option(None, "SFT-style data for the PTX loss")
     pretrain_output_key: str = option("output", "response field of --pretrain_data")
 
@@ -461,8 +470,8 @@ class RewardConfig:
                                                 "files defining reward_func(queries, prompts, labels), builtin "
                                                 "rules (math, format), or LLM judges: judge:MODEL_FOLDER or "
                                                 "judge:http(s)://OPENAI_COMPATIBLE_SERVER", secret="urls")
-    reward_timeout: float = option(30.0, "seconds per reward request")
-    reward_retries: int = option(3, "retries per reward request")
+    reward_timeout: float = option(30.0, "seconds per reward request", above=0)
+    reward_retries: int = option(3, "retries per reward request", at_least=0)
     reward_on_failure: str = option("error", "after the retries: stop the run, or drop the failed samples (counted)",
                                     choices=("error", "drop"))
     judge_template: Optional[str] = option(None, "text file with an LLM judge's prompt, {prompt}, {response} and "
@@ -498,14 +507,14 @@ class RewardConfig:
 @dataclass(frozen=True)
 class PPOLoggingConfig(LoggingConfig):
     preview_steps: int = option(0, "every N steps log a table of a few rollout samples (prompt, response, reward, "
-                                   "policy version) to W&B / TensorBoard (0: never)")
+                                   "policy version) to W&B / TensorBoard (0: never)", at_least=0)
 
 
 # =================================================================================== SFT / RM
 @dataclass(frozen=True)
 class SupervisedOptimConfig(OptimConfig):
-    learning_rate: float = option(5e-6, "peak learning rate")
-    max_steps: int = option(-1, "stop after N optimizer steps with a checkpoint and the export (-1: run all epochs)")
+    learning_rate: float = option(5e-6, "peak learning rate", at_least=0)
+    max_steps: int = option(-1, "stop after N optimizer steps with a checkpoint and the export (-1: run all epochs)", off=-1, at_least=1)
 
     def __post_init__(self):
         super().__post_init__()
@@ -514,7 +523,7 @@ class SupervisedOptimConfig(OptimConfig):
 
 @dataclass(frozen=True)
 class RMOptimConfig(SupervisedOptimConfig):
-    learning_rate: float = option(9e-6, "peak learning rate")
+    learning_rate: float = option(9e-6, "peak learning rate", at_least=0)
 
 
 @dataclass(frozen=True)
@@ -523,7 +532,7 @@ class EvalConfig:
 
     eval_dataset: Optional[str] = option(None, "held-out rows in the training format")
     eval_split: float = option(0.0, "hold out this fraction of --dataset for evaluation instead (0: none)")
-    eval_steps: int = option(-1, "evaluate every N steps (-1: only at the end)")
+    eval_steps: int = option(-1, "evaluate every N steps (-1: only at the end)", off=-1, at_least=1)
 
     def __post_init__(self):
         if not 0.0 <= self.eval_split < 1.0:

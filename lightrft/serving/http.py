@@ -77,8 +77,8 @@ class HTTPSettings:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError(f"--api_key is empty; give a key, or leave the flag and ${API_KEY_ENV} unset")
-        if not self.request_timeout > 0:
-            raise ValueError(f"--request_timeout must be positive, got {self.request_timeout}")
+        if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
+            raise ValueError(f"--request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.max_connections < 1:
             raise ValueError(f"--max_connections must be at least 1, got {self.max_connections}")
         if self.backlog < 1 or self.max_body_bytes < 1:
