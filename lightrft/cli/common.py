@@ -36,10 +36,13 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     import yaml
 
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             values = yaml.safe_load(f) or {}
     except OSError as err:
         parser.error(f"--config {path}: cannot read it ({err.strerror})")
+    except UnicodeDecodeError as err:
+        parser.error(f"--config {path}: byte {err.start} (0x{err.object[err.start]:02x}) is not UTF-8 text; save "
+                     "the file as UTF-8")
     except yaml.YAMLError as err:
         parser.error(f"--config {path}: not valid YAML ({err})")
     if not isinstance(values, dict):

@@ -90,7 +90,18 @@ def _read_jsonl(path: Path) -> list[dict]:
                 raise DatasetRowError(str(path), len(rows), "<json>",
                                       f"line {line_no} is not valid JSON ({e.msg} at column {e.colno})",
                                       "fix or delete that line", kind="bad JSON") from None
+            except (ValueError, RecursionError) as e:
+                raise DatasetRowError(str(path), len(rows), "<json>", f"line {line_no} cannot be read: "
+                                      f"{_unreadable_json(e)}", "fix or delete that line", kind="bad JSON") from None
     return rows
+
+
+def _unreadable_json(err: Exception) -> str:
+    """What makes valid-looking JSON unreadable: nesting past Python's recursion limit, or an
+    integer longer than Python converts (4,300 digits by default)."""
+    if isinstance(err, RecursionError):
+        return "its values are nested too deep to read"
+    return f"it holds a number Python will not convert ({err})"
 
 
 def _read_json(path: Path) -> list[dict]:
@@ -102,6 +113,8 @@ def _read_json(path: Path) -> list[dict]:
             # One object per line saved under a .json name: read it as JSON lines.
             return _read_jsonl(path)
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: cannot be read: {_unreadable_json(e)}") from None
     if isinstance(data, dict):
         raise ValueError(f"{path}: the top level is an object with keys {sorted(data)[:5]}; a .json dataset "
                          "must be a list of row objects (or one object per line)")
@@ -124,7 +137,14 @@ def _load_saved_dataset(path: Path, flag: str, split: str | None) -> list[dict]:
     if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         raise ValueError(f"{flag} {path}: a folder, but not one written by datasets' save_to_disk (it has no "
                          "dataset_dict.json or state.json); pass a data file or a saved dataset folder")
-    loaded = hf_datasets.load_from_disk(str(path))
+    try:
+        loaded = hf_datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises many types for a damaged folder; all are this user error
+        metadata = next((name for name in ("dataset_dict.json", "state.json", "dataset_info.json")
+                         if (path / name).exists()), "its metadata")
+        raise ValueError(f"{flag} {path}: the saved dataset cannot be loaded ({type(err).__name__}: "
+                         f"{str(err)[:200]}); check {path / metadata} and the files it lists, or save the "
+                         "dataset again with save_to_disk") from None
     if isinstance(loaded, hf_datasets.DatasetDict):
         names = sorted(loaded)
         if split is None:

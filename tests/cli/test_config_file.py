@@ -57,6 +57,15 @@ def test_a_missing_file_is_named(tmp_path, capsys):
     assert "nope.yaml: cannot read it" in capsys.readouterr().err
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("pretrain: mod\xe8le\n".encode("latin-1"))
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert f"--config {path}: byte 13 (0xe8) is not UTF-8 text" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("module, required", [
     (train_ppo, {"pretrain": "m", "prompt_data": "p.jsonl", "remote_rm_url": "math",
                  "advantage_estimator": "group_norm", "n_samples_per_prompt": 2}),

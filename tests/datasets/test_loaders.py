@@ -154,3 +154,27 @@ def test_each_dataset_names_its_own_flag(tmp_path):
             dataset(empty, tokenizer)
         with pytest.raises(ValueError, match=rf"^--eval_data {empty}: the dataset has no rows"):
             dataset(empty, tokenizer, flag="--eval_data")
+
+
+@pytest.mark.parametrize("hostile, words", [("[" * 50_000 + "]" * 50_000, "nested too deep to read"),
+                                            ('{"input": ' + "7" * 5000 + "}", "a number Python will not convert")])
+def test_unreadable_json_names_the_file_and_line_in_both_formats(tmp_path, hostile, words):
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text(json.dumps(ROWS[0]) + "\n" + hostile + "\n")
+    with pytest.raises(DatasetRowError, match=f"line 2 cannot be read: its values are|line 2 cannot be read: it holds"
+                       ) as info:
+        load_rows(jsonl)
+    assert words in str(info.value) and str(jsonl) in str(info.value)
+    single = tmp_path / "d.json"
+    single.write_text("[" + hostile + "]")
+    with pytest.raises(ValueError, match=f"{single}: cannot be read: .*{words}"):
+        load_rows(single)
+
+
+def test_a_damaged_saved_dataset_names_its_folder_and_metadata(tmp_path):
+    folder = tmp_path / "dict"
+    hf_datasets.DatasetDict({"train": hf_datasets.Dataset.from_list(ROWS)}).save_to_disk(str(folder))
+    (folder / "dataset_dict.json").write_text('{"splits": ["train", "missing"]')       # cut short
+    with pytest.raises(ValueError, match=f"--prompt_data {folder}: the saved dataset cannot be loaded .*check "
+                                         f"{folder / 'dataset_dict.json'}"):
+        load_rows(folder, flag="--prompt_data")
