@@ -118,7 +118,7 @@ def check_teacher(model) -> None:
 
     student = build_tokenizer(model.pretrain, model.trust_remote_code)
     try:
-        teacher = build_tokenizer(model.teacher_pretrain, model.trust_remote_code)
+        teacher = build_tokenizer(model.teacher_pretrain, model.trust_remote_code, flag="--teacher_pretrain")
     except (OSError, ValueError) as err:
         raise ValueError(f"--teacher_pretrain {model.teacher_pretrain}: no tokenizer could be loaded from it ({err}); "
                          "pass a Hugging Face model folder with its tokenizer files") from None

@@ -18,17 +18,23 @@ def declared_tokenizer_class(path: str) -> Optional[str]:
         return None
 
 
-def build_tokenizer(path: str, trust_remote_code: bool = False, padding_side: Optional[str] = None):
+def build_tokenizer(path: str, trust_remote_code: bool = False, padding_side: Optional[str] = None,
+                    flag: str = "--pretrain"):
     """`AutoTokenizer` of `path` with a pad token (the EOS token when the tokenizer has none).
     `padding_side="left"` for prompts that a rollout engine continues (the PPO run).
 
     A folder whose tokenizer_config.json declares the generic backend (a tokenizer built in code,
     such as `lightrft.utils.tiny`'s) loads as that: transformers 5 would otherwise pick the model
     type's tokenizer class (Qwen2's for a qwen2 config), whose own pre-tokenizer drops the spaces
-    and newlines the saved tokenizer.json keeps."""
+    and newlines the saved tokenizer.json keeps. A missing folder or a Hub id that cannot be
+    reached is an error naming `flag` and the path (`resolve_pretrained`, `explain_load_errors`)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from lightrft.models.hf_utils import explain_load_errors, resolve_pretrained
+
+    path = resolve_pretrained(path, flag)
+    with explain_load_errors(path, flag):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if declared_tokenizer_class(path) in GENERIC_TOKENIZERS and type(tokenizer).__name__ not in GENERIC_TOKENIZERS:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     if padding_side is not None:

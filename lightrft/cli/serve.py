@@ -25,7 +25,8 @@ import sys
 import threading
 from pathlib import Path
 
-from lightrft.serving.http import add_http_flags, settings_from_flags, warn_if_exposed
+from lightrft.serving.http import (add_http_flags, address_problem, bind_error, settings_from_flags,
+                                   warn_if_exposed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from_flags(args)
     except ValueError as err:
         parser.error(str(err))
+    problem = address_problem(args.host, args.port)
+    if problem:
+        parser.error(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
@@ -88,18 +92,24 @@ def main(argv: list[str] | None = None) -> None:
         recorder = ExperienceRecorder(args.record) if args.record else None
     except RunLockError as e:
         parser.error(str(e))
-    tokenizer = build_tokenizer(args.pretrain, args.trust_remote_code)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
-                          device=device, attn_implementation=args.attn_implementation,
-                          trust_remote_code=args.trust_remote_code)
+    try:
+        tokenizer = build_tokenizer(args.pretrain, args.trust_remote_code)
+        policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
+                              device=device, attn_implementation=args.attn_implementation,
+                              trust_remote_code=args.trust_remote_code)
+    except (OSError, ValueError) as err:       # a folder that is not a loadable model: named by the loaders
+        parser.error(str(err))
     limits = ServeLimits(args.generate_max_len, args.prompt_max_len, context_len=policy.context_len,
                          token_chars=longest_token_chars(tokenizer))
     api = OpenAIServer(policy, limits,
                        args.served_model_name or Path(args.pretrain).resolve().name, seed=args.seed,
                        recorder=recorder)
     watcher = WeightWatcher(policy, args.watch, args.watch_interval).start() if args.watch else None
-    server = build_server(api, args.host, args.port, settings)
+    try:
+        server = build_server(api, args.host, args.port, settings)
+    except OSError as err:                     # taken since address_problem looked
+        parser.error(bind_error(args.host, args.port, err))
     host, port = server.server_address[:2]
     warn_if_exposed(args.host, settings, "generate with the policy and send rewards that training on --record "
                                          "data will use")

@@ -30,8 +30,8 @@ import torch
 from lightrft.datasets import encode_for_reward
 from lightrft.datasets.padding import right_pad
 from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
-                                   add_http_flags, longest_token_chars, prompt_char_limit, settings_from_flags,
-                                   shown, warn_if_exposed)
+                                   add_http_flags, address_problem, bind_error, longest_token_chars,
+                                   prompt_char_limit, settings_from_flags, shown, warn_if_exposed)
 
 logger = logging.getLogger("lightrft.serve_rm")
 
@@ -174,23 +174,32 @@ def main(argv: list[str] | None = None) -> None:
         settings = settings_from_flags(args)
     except ValueError as err:
         parser.error(str(err))
+    problem = address_problem(args.host, args.port)
+    if problem:
+        parser.error(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     from lightrft.builders.tokenizer import build_tokenizer
     from lightrft.models import RewardModel
     from lightrft.models.vocabulary import check_vocabulary
 
-    model = RewardModel(args.reward_pretrain, value_head_prefix=args.value_head_prefix,
-                        normalize_reward=args.normalize_reward, bf16=args.bf16,
-                        attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
-    tokenizer = build_tokenizer(args.reward_pretrain, args.trust_remote_code)
+    try:
+        model = RewardModel(args.reward_pretrain, value_head_prefix=args.value_head_prefix,
+                            normalize_reward=args.normalize_reward, bf16=args.bf16,
+                            attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code)
+        tokenizer = build_tokenizer(args.reward_pretrain, args.trust_remote_code, flag="--reward_pretrain")
+    except (OSError, ValueError) as err:       # missing folder, no value head: named by the loaders
+        parser.error(str(err))
     try:
         check_vocabulary(model, tokenizer, f"--reward_pretrain {args.reward_pretrain}")
     except ValueError as err:
         parser.error(str(err))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardScorer(model, tokenizer, batch_size=args.batch_size, max_len=args.max_len, device=device)
-    server = build_server(scorer, args.host, args.port, settings)
+    try:
+        server = build_server(scorer, args.host, args.port, settings)
+    except OSError as err:                     # taken since address_problem looked
+        parser.error(bind_error(args.host, args.port, err))
     host, port = server.server_address[:2]
     warn_if_exposed(args.host, settings, "score texts with the reward model")
     # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.

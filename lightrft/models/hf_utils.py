@@ -66,6 +66,12 @@ def resolve_pretrained(path: str | os.PathLike, flag: str) -> str:
     )
 
 
+class ModelLoadError(OSError):
+    """A model or tokenizer could not be loaded from the path a flag gave (missing or invalid
+    files, an unreachable Hub): the message names the flag and the path. Commands report it as a
+    one-line error, as they do a missing file."""
+
+
 @contextmanager
 def explain_load_errors(path: str, flag: str):
     """Re-raises transformers' loading errors (missing or invalid files, an unreachable Hub) with
@@ -73,7 +79,7 @@ def explain_load_errors(path: str, flag: str):
     try:
         yield
     except (OSError, ValueError) as err:
-        error_type = OSError if isinstance(err, OSError) else ValueError
+        error_type = ModelLoadError if isinstance(err, OSError) else ValueError
         raise error_type(
             f"{flag} {path!r} could not be loaded: {err} Pass a Hugging Face model folder (config.json and "
             "weights), or a Hub id that is in the local cache or reachable."

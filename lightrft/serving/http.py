@@ -275,6 +275,25 @@ class _DeadlineReader(io.RawIOBase):
         return self.sock.recv_into(buffer)
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on (host, port) right now (the port is taken, the address is not
+    this machine's), or None. The commands check it before loading a model, so a busy port costs
+    no load; binding can still fail in the moment between, which they report the same way."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)      # as the server binds
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return bind_error(host, port, err)
+    return None
+
+
+def bind_error(host: str, port: int, err: OSError) -> str:
+    return (f"cannot listen on --host {host} --port {port}: {err.strerror or err}; stop the process that holds "
+            "the port or pick another --port (0 takes any free port, printed at start)")
+
+
 class BoundedHTTPServer(ThreadingHTTPServer):
     """`ThreadingHTTPServer` with `settings.backlog` as its listen backlog and at most
     `settings.max_connections` connections handled at once: the accept loop waits for a free

@@ -7,6 +7,7 @@ states of every rank, and the options the run was started with (resuming with a 
 the strategy writes them crash-consistently as the checkpoint's client state.
 """
 
+import os
 import random
 from typing import Any, Mapping
 
@@ -48,11 +49,24 @@ def check_resume_options(saved: Mapping[str, Any], current: Mapping[str, Any], s
 
     `saved` and `current` map flag names to values; the error names every flag that changed."""
     changed = [f"--{key}: checkpoint has {saved[key]!r}, this run has {current.get(key)!r}"
-               for key in sorted(saved) if key in current and saved[key] != current[key]]
+               for key in sorted(saved) if key in current and not same_option(saved[key], current[key])]
     if changed:
         raise ValueError(f"cannot resume from {source}: options that must not change between a run and its "
                          "resume differ:\n  " + "\n  ".join(changed) +
                          "\nrestore them, or start a new run with a fresh --ckpt_path")
+
+
+def same_option(saved: Any, current: Any) -> bool:
+    """Equal values, or two spellings of one existing file or folder (`model` and `./model`, or
+    its absolute path: a resume from another working directory names the same model)."""
+    if saved == current:
+        return True
+    if isinstance(saved, str) and isinstance(current, str):
+        try:
+            return os.path.samefile(os.path.expanduser(saved), os.path.expanduser(current))
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 def pinned_options(args: Any, names: tuple[str, ...]) -> dict:

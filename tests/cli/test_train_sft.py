@@ -121,3 +121,14 @@ def test_a_missing_eval_dataset_names_its_own_flag(tmp_path):
     args = parse_args(["--pretrain", "m", "--dataset", str(train), "--eval_dataset", str(missing)])
     with pytest.raises(FileNotFoundError, match=rf"^--eval_dataset {missing}: no such file"):
         build_datasets(args, build_char_tokenizer())
+
+
+def test_a_missing_model_folder_is_named_with_its_flag_not_a_hub_download(tmp_path):
+    """The tokenizer is the first thing loaded from --pretrain: a folder name that does not exist
+    (and is no org/name Hub id) is named with its flag, instead of a Hub download traceback."""
+    from lightrft.builders.tokenizer import build_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="^--pretrain 'my_model': no such model folder"):
+        build_tokenizer("my_model")
+    with pytest.raises(FileNotFoundError, match="^--teacher_pretrain 'my_model'"):
+        build_tokenizer("my_model", flag="--teacher_pretrain")

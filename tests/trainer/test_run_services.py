@@ -80,3 +80,19 @@ def test_a_refused_resume_leaves_run_config_yaml_alone(tmp_path, capsys):
         args = parse_args([*PPO_FLAGS, *flags, "--ckpt_path", str(ckpt)])
         announce_config(build_parser(), args, strategy, str(ckpt))
         assert f"n_samples_per_prompt: {flags[1]}" in (ckpt / "run_config.yaml").read_text()
+
+
+def test_a_resume_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
+    """`--pretrain model` saved, `--pretrain ./model` or its absolute path given on resume: the same
+    folder, so the resume goes on; another folder is still refused, naming both."""
+    from lightrft.trainer.checkpoint import check_resume_options
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    check_resume_options({"pretrain": "model", "seed": 1}, {"pretrain": "./model", "seed": 1}, "ckpt")
+    check_resume_options({"pretrain": "model"}, {"pretrain": str(tmp_path / "model")}, "ckpt")
+    with pytest.raises(ValueError, match="--pretrain: checkpoint has 'model', this run has 'other'"):
+        check_resume_options({"pretrain": "model"}, {"pretrain": "other"}, "ckpt")
+    with pytest.raises(ValueError, match="--seed: checkpoint has 1, this run has 2"):
+        check_resume_options({"pretrain": "model", "seed": 1}, {"pretrain": "model", "seed": 2}, "ckpt")
