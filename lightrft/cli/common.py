@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from lightrft.utils import json_out
+
 
 def parse_command_line(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     """Parses `argv` on top of the `--config` file, if one is given: the file's values replace the
@@ -185,7 +187,7 @@ def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, 
     model went, and the last logged metrics."""
     if strategy.is_rank_0():
         summary = {k: round(v, digits) for k, v in logs.items() if isinstance(v, float)}
-        print(json.dumps({"stop_reason": stop_reason or "finished", "step": step,
+        print(json_out.dumps({"stop_reason": stop_reason or "finished", "step": step,
                           "save_path": os.path.abspath(save_path), **summary}), flush=True)
 
 

@@ -8,6 +8,9 @@ can act on. The report's verdict is the worst finding; the exit code is 1 on any
 import json
 from dataclasses import asdict, dataclass, field
 
+from lightrft.utils import json_out
+from lightrft.utils.secrets import redact_options
+
 LEVELS = ("PASS", "WARN", "FAIL")
 
 
@@ -73,8 +76,8 @@ class DoctorReport:
         return "\n".join(lines + [summary])
 
     def to_json(self) -> str:
-        return json.dumps({"verdict": self.verdict, "checks": [
-            {**asdict(c), "status": c.status} for c in self.checks], "config": self.config},
+        return json_out.dumps({"verdict": self.verdict, "checks": [
+            {**asdict(c), "status": c.status} for c in self.checks], "config": redact_options(self.config)},
             indent=2, default=str, sort_keys=False)
 
 

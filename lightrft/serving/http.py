@@ -34,6 +34,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from lightrft.utils import json_out
+
 logger = logging.getLogger("lightrft.serving.http")
 
 API_KEY_ENV = "LIGHTRFT_API_KEY"
@@ -462,7 +464,7 @@ class JSONRequestHandler(BaseHTTPRequestHandler):
     def reply_json(self, status: HTTPStatus, payload: dict, headers: dict[str, str] | None = None) -> None:
         """`payload` as a JSON response with its length. An error reply also closes the
         connection: an unread or half-read body would corrupt the next request on it."""
-        body = json.dumps(payload).encode()
+        body = json_out.dumps(payload).encode()       # a NaN or inf (a log-prob of -inf) as null
         self.send_response(status)
         if status >= 400:
             self.close_connection = True

@@ -29,6 +29,7 @@ from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestH
                                    prompt_char_limit, shown)
 from lightrft.serving.policy import Sample, ServedPolicy
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, RecordWriteError
+from lightrft.utils import json_out
 
 logger = logging.getLogger("lightrft.serve")
 MAX_CHOICES = 16
@@ -423,7 +424,7 @@ def make_handler(api: OpenAIServer) -> type[JSONRequestHandler]:
             self.send_header("Connection", "close")
             self.end_headers()
             for chunk in chunks:
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.write(f"data: {json_out.dumps(chunk)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 

@@ -224,7 +224,7 @@ def test_settings_key_from_env_and_the_exposure_warning(monkeypatch):
     assert settings_from_flags(Flags).api_key == "from-env"
     monkeypatch.setenv("LIGHTRFT_API_KEY", "")
     assert settings_from_flags(Flags).api_key is None
-    with pytest.raises(ValueError, match="--request_timeout must be positive"):
+    with pytest.raises(ValueError, match="--request_timeout must be a positive number of seconds"):
         HTTPSettings(request_timeout=0)
     open_settings = HTTPSettings()
     for host in ("127.0.0.1", "localhost", "::1"):
