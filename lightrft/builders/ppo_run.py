@@ -85,7 +85,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
 
     model = config.model
     if model.teacher_pretrain:
-        check_teacher(model)
+        check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len)
     policy_kwargs = policy_model_kwargs(model, config.distributed)
     scorer_kwargs = model_kwargs(model, config.distributed)
     temperature = config.rollout.temperature
@@ -111,10 +111,13 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
 
 
-def check_teacher(model) -> None:
+def check_teacher(model, max_tokens: int | None = None) -> None:
     """Refuses a --teacher_pretrain folder without a tokenizer, or with another tokenizer than
-    --pretrain's (`lightrft.models.teacher.check_teacher_tokenizer`). `model` is the model section."""
-    from lightrft.models.teacher import check_teacher_tokenizer
+    --pretrain's (`lightrft.models.teacher.check_teacher_tokenizer`); a reward model folder (a value
+    head where the LM head should be: distilling from it would use a random LM head); and a teacher
+    whose context is shorter than the `max_tokens` (prompt + response) it must score (learned
+    positions fail past it, rotary ones score silently out of range). `model` is the model section."""
+    from lightrft.models.teacher import check_teacher_folder, check_teacher_tokenizer
 
     student = build_tokenizer(model.pretrain, model.trust_remote_code)
     try:
@@ -124,6 +127,7 @@ def check_teacher(model) -> None:
                          "pass a Hugging Face model folder with its tokenizer files") from None
     check_teacher_tokenizer(student, teacher, f"--pretrain {model.pretrain}",
                             f"--teacher_pretrain {model.teacher_pretrain}")
+    check_teacher_folder(model.teacher_pretrain, model.value_head_prefix, max_tokens, model.trust_remote_code)
 
 
 def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_updates: int) -> PPOModels:

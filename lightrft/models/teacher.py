@@ -1,11 +1,17 @@
-"""The one requirement a distillation teacher has beyond being a causal LM: the student's tokenizer.
+"""What a distillation teacher must be: a causal LM (not a reward model folder), with the student's
+tokenizer, and a context that holds what it scores.
 
 On-policy distillation (`--teacher_pretrain`, docs/distillation.md) hands the teacher the
 student's own token ids and reads its log-prob of each sampled id. That is only the teacher's
 judgement of the student's text when every id means the same token to both: the same vocabulary
 (every token at the same id) and the same special tokens. A teacher with another tokenizer would
-score a different text, silently; it is refused before any weight is loaded.
+score a different text, silently; it is refused before any weight is loaded. So are a reward
+model folder (its value head sits where the LM head should be: the teacher's log-probs would come
+from a randomly initialised head) and a teacher whose context is shorter than prompt + response.
 """
+
+import json
+from pathlib import Path
 
 # The special tokens whose ids a run writes or reads (padding, the end of a response, the start).
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -52,3 +58,49 @@ def check_teacher_tokenizer(student, teacher, student_what: str, teacher_what: s
                          f"scores the student's own token ids, but {'; '.join(differences)}. Use a teacher of the "
                          "same model family and tokenizer (e.g. a larger or further-trained model of the student's "
                          "family)")
+
+
+def weight_names(folder: str | Path) -> set[str] | None:
+    """The tensor names of a model folder's safetensors weights (read from the file headers or the
+    index, nothing loaded), or None when the folder has none to read (a Hub id, .bin weights)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text())["weight_map"])
+        single = folder / "model.safetensors"
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                return set(f.keys())
+    except (OSError, ValueError, KeyError):
+        return None
+    return None
+
+
+def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | None,
+                         trust_remote_code: bool = False) -> None:
+    """Refuses, naming --teacher_pretrain and the fix: a reward model folder (lightrft's reward
+    config, or a `value_head_prefix` head among its weights and no LM head), and a context
+    (`max_position_embeddings`) shorter than `max_tokens`, the prompt + response it must score."""
+    from transformers import AutoConfig
+
+    from lightrft.serving.policy import context_length
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return              # the model load names what is wrong with the folder
+    names = weight_names(folder) or set()
+    head = f"{value_head_prefix}.weight"
+    if hasattr(config, "normalize_reward") or (head in names and not any(n.endswith("lm_head.weight") for n in names)):
+        raise ValueError(f"--teacher_pretrain {folder} is a reward model folder (a value head {head!r} in place of an "
+                         "LM head): a teacher's log-probs would come from a randomly initialised LM head. Pass the "
+                         "causal LM the reward model was trained from, or another causal LM with the student's "
+                         "tokenizer")
+    context = context_length(config)
+    if max_tokens is not None and context is not None and context < max_tokens:
+        raise ValueError(f"--teacher_pretrain {folder} takes {context} positions (max_position_embeddings), but it "
+                         f"scores prompt + response of up to {max_tokens} tokens (--prompt_max_len + "
+                         "--generate_max_len): lower those, or use a teacher with a longer context")

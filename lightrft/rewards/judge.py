@@ -78,6 +78,7 @@ How correct and helpful is the answer? Give a score from 0 (wrong or useless) to
 and helpful). Reply with the score only, one integer from 0 to 10."""
 DEFAULT_PARSER = "number:10"
 
+REGEX_SECONDS = 1.0     # time bound of one regex:PATTERN search
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 _VERDICT = re.compile(r"\b(yes|no|correct|incorrect|true|false|pass|fail)\b", re.IGNORECASE)
@@ -183,19 +184,33 @@ def verdict_parser(argument: str | None) -> AnswerParser:
 @register_judge_parser("regex")
 def regex_parser(argument: str | None) -> AnswerParser:
     """`regex:PATTERN`: the number that the pattern's one group captures at its first match
-    (`re.search`; inline flags such as `(?i)` work), as written."""
+    (`re.search` syntax; inline flags such as `(?i)` work), as written. The search runs in the
+    `regex` engine (a dependency of transformers) with a time bound, REGEX_SECONDS per answer: a
+    pattern that backtracks without end on some answer (`(a+)+$`) scores that answer None, with a
+    warning naming the pattern, instead of holding the run (and the interpreter lock) for minutes."""
+    import regex
+
     if not argument:
         raise ValueError("regex:PATTERN needs a pattern with one group around the score, e.g. 'regex:Score: (\\d+)'")
     try:
-        pattern = re.compile(argument)
-    except re.error as err:
+        pattern = regex.compile(argument, flags=regex.VERSION0)
+    except regex.error as err:
         raise ValueError(f"the pattern {argument!r} does not compile ({err})") from None
     if pattern.groups != 1:
         raise ValueError(f"the pattern {argument!r} has {pattern.groups} groups; it needs exactly one, around the "
                          "score (write other groups as (?:...))")
+    timed_out: list[int] = []         # lengths of the answers whose search was stopped
 
     def parse(answer: str) -> float | None:
-        match = pattern.search(answer)
+        try:
+            match = pattern.search(answer, timeout=REGEX_SECONDS)
+        except TimeoutError:
+            if not timed_out:
+                logger.warning(f"--judge_parser regex:{argument}: the search took over {REGEX_SECONDS} s on an answer "
+                               f"of {len(answer)} characters and was stopped; such answers score None. Write a "
+                               "pattern without nested repetition (e.g. 'Score: (\\d+)')")
+            timed_out.append(len(answer))
+            return None
         if match is None or match.group(1) is None:
             return None
         try:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightrft.algorithms.distill import distill_loss_per_token, distill_token_rewards
 from lightrft.algorithms.kl import FixedKLController
@@ -231,3 +231,25 @@ def test_the_teacher_options_come_alike_from_flags_a_yaml_file_and_the_typed_con
         assert (config.model.teacher_pretrain, config.algorithm.distill_coef, config.algorithm.distill_mode) == (
             str(task["teacher"]), 0.5, "loss")
     assert from_yaml.to_dict() == from_flags.to_dict()
+
+
+def test_a_reward_model_or_a_short_context_teacher_is_refused(task, tmp_path):
+    """A reward model folder as teacher would distil from a random LM head; a teacher whose context
+    is shorter than prompt + response either fails mid-run or scores out of range. Both are refused
+    before any weight loads, naming the flag and the fix."""
+    from lightrft.builders.ppo_run import check_teacher
+    from lightrft.models import RewardModel
+
+    reward_folder = tmp_path / "rm"
+    rm = RewardModel(str(task["teacher"]), init_value_head=True)
+    rm.model.save_pretrained(reward_folder)
+    build_char_tokenizer().save_pretrained(reward_folder)
+    model = parse_args(flags(task, tmp_path, teacher_pretrain=reward_folder, advantage_estimator="reinforce")).model
+    with pytest.raises(ValueError, match=f"--teacher_pretrain {reward_folder} is a reward model folder"):
+        check_teacher(model, 64)
+
+    teacher = parse_args(flags(task, tmp_path, teacher_pretrain=task["teacher"], advantage_estimator="reinforce"))
+    context = AutoConfig.from_pretrained(task["teacher"]).max_position_embeddings
+    check_teacher(teacher.model, context)                                   # exactly its context: accepted
+    with pytest.raises(ValueError, match=f"takes {context} positions .* up to {context + 1} tokens"):
+        check_teacher(teacher.model, context + 1)

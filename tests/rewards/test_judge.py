@@ -4,6 +4,7 @@ the typed config and the doctor; answers do not depend on the batch, the run or 
 hanging judge URL is timed out and counted; repeated inputs are judged once."""
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -100,6 +101,26 @@ def test_parsers_turn_answers_into_scores():
         [1.0, 0.0, 1.0, 0.0, 1.0, None]
     regex = answer_parser("regex:(?i)score:\\s*(\\d+(?:\\.\\d+)?)")
     assert [regex(a) for a in ["SCORE: 4.5 of 5", "score: x", "7"]] == [4.5, None, None]
+
+
+def test_a_backtracking_pattern_is_stopped_and_the_answer_scores_none(caplog, monkeypatch):
+    """`^(?:1|11)+x(\\d+)$` on forty 1s backtracks through every way to split them (Fibonacci(40),
+    about 10^8): minutes, with the interpreter lock held. The search is bounded (REGEX_SECONDS, set small here): that
+    answer scores None with one warning naming the pattern, and answers it matches still score."""
+    from lightrft.rewards import judge
+
+    monkeypatch.setattr(judge, "REGEX_SECONDS", 0.2)
+    parse = answer_parser("regex:^(?:1|11)+x(\\d+)$")
+    assert parse("11x12") == 12.0
+    with caplog.at_level(logging.WARNING, logger="lightrft.rewards.judge"):
+        started = time.monotonic()
+        assert parse("1" * 40 + "y") is None
+        assert parse("1" * 41 + "z") is None
+        elapsed = time.monotonic() - started
+    assert caplog.text.count("regex:^(?:1|11)+x(\\d+)$: the search took over 0.2 s on an answer of 41 "
+                             "characters") == 1
+    assert elapsed < 60          # not a speed check: without the bound this takes many minutes
+    assert parse("1x7") == 7.0
 
 
 def test_template_is_filled_in_one_pass():
