@@ -13,9 +13,13 @@ rewards as token rewards, and per-episode numbers (turns, tool calls, ...) for t
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
+import sys
+import threading
+import time
 import traceback
 from collections import Counter
 from typing import Optional, Sequence
@@ -46,16 +50,112 @@ class AgentBatch:
     unscored: torch.Tensor          # (B,) bool: the workflow returned None, the run's reward sources score these
 
 
+class EpisodeDeadline:
+    """An episode's --episode_timeout: seconds it may spend outside generation (its workflow code,
+    tools and environment), paused while it waits for the policy, whose time is bounded by the
+    token limits and shared by the whole batch. Expiry cancels the episode's task (`hit` says why);
+    None: no deadline."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.left, self.hit = seconds, False
+        self._handle = self._started = None
+
+    def resume(self) -> None:
+        if self.left is None or self._handle is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._started = loop.time()
+        self._handle = loop.call_later(max(self.left, 0.0), self._expire, asyncio.current_task())
+
+    def pause(self) -> None:
+        if self._handle is None:
+            return
+        self._handle.cancel()
+        self._handle = None
+        self.left -= asyncio.get_running_loop().time() - self._started
+
+    def _expire(self, task) -> None:
+        self._handle = None
+        self.hit = True
+        task.cancel()
+
+
+class LoopWatchdog:
+    """While its block runs, a daemon thread checks that the event loop turns (a callback it
+    schedules every second runs); when it has not for `blocked_seconds`, it logs a warning once per
+    stall naming the workflow, its file and the main thread's innermost frames: a workflow that
+    calls blocking code (time.sleep, a synchronous request) in `run` stalls every episode, and no
+    deadline can end it until the call returns."""
+
+    def __init__(self, workflow, blocked_seconds: float):
+        self.workflow, self.blocked_seconds = workflow, blocked_seconds
+        self.stalls = 0
+        self._generating = False
+        self._beat = time.monotonic()
+        self._stop = threading.Event()
+
+    def _tick(self) -> None:
+        self._beat = time.monotonic()
+        if not self._stop.is_set():
+            self._handle = self._loop.call_later(1.0, self._tick)
+
+    @contextlib.contextmanager
+    def generating(self):
+        """The policy's generation runs in the loop's thread on purpose: not a stall."""
+        self._generating = True
+        try:
+            yield
+        finally:
+            self._beat = time.monotonic()
+            self._generating = False
+
+    def _watch(self, main_id: int) -> None:
+        reported = False
+        while not self._stop.wait(1.0):
+            stalled = 0.0 if self._generating else time.monotonic() - self._beat
+            if stalled < self.blocked_seconds:
+                reported = False
+            elif not reported:
+                reported = True
+                self.stalls += 1
+                frame = sys._current_frames().get(main_id)
+                where = "".join(traceback.format_stack(frame, limit=4)) if frame is not None else "(unknown)\n"
+                source = getattr(self.workflow, "source_file", None) or type(self.workflow).__module__
+                logger.warning(f"--workflow {type(self.workflow).__name__} ({source}) has blocked the event loop for "
+                               f"{stalled:.0f} s: every episode waits, and no deadline can end them. A workflow's "
+                               "run() must await (asyncio.sleep, an async client, episode.call_tool), not block. "
+                               f"The main thread is at:\n{where}")
+
+    def __enter__(self) -> "LoopWatchdog":
+        self._loop = asyncio.get_running_loop()
+        self._beat = time.monotonic()
+        self._handle = self._loop.call_later(1.0, self._tick)
+        self._thread = threading.Thread(target=self._watch, args=(threading.get_ident(),), daemon=True,
+                                        name="lightrft-loop-watchdog")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._handle.cancel()
+        self._thread.join(timeout=5)
+
+
 class WorkflowRunner:
     """Runs `workflow` over rollout batches with a rollout engine (see the module docstring).
 
     `max_episode_tokens` bounds an episode's response tokens (turns and environment together);
-    `tools` is the `ToolRunner` of the workflow's tools, or None."""
+    `episode_timeout` its wall-clock seconds (None: no deadline); `tools` is the `ToolRunner` of the
+    workflow's tools, or None. While episodes run, a watchdog thread reports an event loop that has
+    not turned for `blocked_seconds` (a workflow calling blocking code in `run`), naming the
+    workflow and where it is stuck: no deadline can end an episode while the loop is blocked."""
 
     def __init__(self, workflow, tokenizer, *, max_turns: int, max_episode_tokens: Optional[int],
-                 eos_token_ids: Sequence[int], tools=None):
+                 eos_token_ids: Sequence[int], tools=None, episode_timeout: Optional[float] = None,
+                 blocked_seconds: float = 60.0):
         self.workflow, self.tokenizer, self.tools = workflow, tokenizer, tools
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.episode_timeout, self.blocked_seconds = episode_timeout, blocked_seconds
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self.renderer = ChatRenderer(tokenizer, self.eos_token_ids) if getattr(tokenizer, "chat_template", None) \
@@ -90,12 +190,16 @@ class WorkflowRunner:
         wake = asyncio.Event()
         unfinished = len(episodes)
 
-        def make_request(episode_seed: int):
+        def make_request(episode: Episode, episode_seed: int):
             async def request(ids: list[int], limit: int, turn: int):
                 future = loop.create_future()
                 pending.append((ids, limit, mix_seed(episode_seed, turn), future))
                 wake.set()
-                return await future
+                episode._deadline.pause()          # waiting for the policy does not count
+                try:
+                    return await future
+                finally:
+                    episode._deadline.resume()
             return request
 
         async def run(episode: Episode):
@@ -107,37 +211,60 @@ class WorkflowRunner:
                 wake.set()
 
         for episode, seed in zip(episodes, seeds):
-            episode._request = make_request(seed)
+            episode._request = make_request(episode, seed)
+            episode._deadline = EpisodeDeadline(self.episode_timeout)
         tasks = [asyncio.ensure_future(run(episode)) for episode in episodes]
-        while unfinished:
-            await wake.wait()
-            wake.clear()
-            if pending and len(pending) == unfinished:
-                batch = list(pending)
-                pending.clear()
-                try:
-                    self._generate(engine, batch, params)
-                except BaseException as err:
-                    for *_, future in batch:
-                        future.set_exception(err)
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    raise
-        return await asyncio.gather(*tasks)
+        with LoopWatchdog(self.workflow, self.blocked_seconds) as watchdog:
+            while unfinished:
+                await wake.wait()
+                wake.clear()
+                # A request whose episode hit its deadline while waiting was cancelled: not generated.
+                pending[:] = [request for request in pending if not request[3].done()]
+                if pending and len(pending) == unfinished:
+                    batch = list(pending)
+                    pending.clear()
+                    try:
+                        with watchdog.generating():
+                            self._generate(engine, batch, params)
+                    except BaseException as err:
+                        for *_, future in batch:
+                            future.set_exception(err)
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        raise
+            return await asyncio.gather(*tasks)
 
     # ------------------------------------------------------------------------------------ episode
     async def _run_episode(self, episode: Episode) -> EpisodeRecord:
         stop, valid, reward = "done", True, None
+        name = type(self.workflow).__name__
+        deadline = episode._deadline
+        deadline.resume()
         try:
             reward = await self.workflow.run(episode)
         except EpisodeEnd as end:
             stop, reward = end.reason, self.workflow.reward_on_end
+        except asyncio.CancelledError:
+            if not deadline.hit:
+                raise
+            stop, reward = "episode_timeout", self.workflow.reward_on_end
+        except SystemExit as exit_:       # would end the whole run with its code, nothing saved
+            stop, valid, reward = "workflow_error", False, 0.0
+            episode.extra["error"] = (f"{name}.run called sys.exit({exit_.code!r}); end an episode by returning its "
+                                      "reward or raising lightrft.agents.EpisodeEnd, never by exiting the process")
         except Exception:                                       # a bug in the workflow: this episode only
             stop, valid, reward = "workflow_error", False, 0.0
             episode.extra["error"] = traceback.format_exc()
-        if reward is not None and not isinstance(reward, (int, float)):
+        finally:
+            deadline.pause()
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))):
             stop, valid = "workflow_error", False
-            episode.extra["error"] = (f"{type(self.workflow).__name__}.run returned {type(reward).__name__}; it must "
-                                      "return a number (the episode's reward) or None (scored by --remote_rm_url)")
+            episode.extra["error"] = (f"{name}.run returned {type(reward).__name__}; it must return a number (the "
+                                      "episode's reward) or None (scored by --remote_rm_url)")
+            reward = 0.0
+        elif reward is not None and not math.isfinite(reward):
+            stop, valid = "workflow_error", False
+            episode.extra["error"] = (f"{name}.run returned the reward {reward}; return a finite number, or None to "
+                                      "have --remote_rm_url score the episode")
             reward = 0.0
         # The environment's tokens after the last turn neither train nor condition anything: drop them.
         kept = max((i + 1 for i, trains in enumerate(episode.loss_mask) if trains), default=0)
@@ -199,6 +326,7 @@ class WorkflowRunner:
             "tool_errors": [r.stats.tool_errors for r in records],
             "env_seconds": [r.stats.env_seconds for r in records],
             "ended_early": [r.stop_reason not in ("done", "workflow_error") for r in records],
+            "episode_timeout": [r.stop_reason == "episode_timeout" for r in records],
             "tool_failure": [r.stop_reason in ("tool_timeout", "tool_crash") for r in records],
             "workflow_error": [r.stop_reason == "workflow_error" for r in records],
             **{key: [_number(r.extra.get(key, 0.0)) for r in records] for key in self.workflow.metrics},

@@ -18,4 +18,5 @@ def build_workflow_runner(agent, tokenizer, eos_token_ids: Sequence[int]) -> Opt
         tools = ToolRunner({fn.__name__: fn for fn in workflow.tools}, timeout=agent.tool_timeout,
                            max_output_chars=agent.tool_max_output_chars, workers=agent.tool_workers)
     return WorkflowRunner(workflow, tokenizer, max_turns=agent.max_turns, max_episode_tokens=agent.max_episode_tokens,
+                          episode_timeout=agent.episode_timeout,
                           eos_token_ids=eos_token_ids, tools=tools)

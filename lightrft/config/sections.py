@@ -299,6 +299,10 @@ class AgentConfig:
                                                      "--generate_max_len)")
     tool_timeout: float = option(10.0, "seconds a tool call may run before its worker is killed and the episode "
                                        "ends")
+    episode_timeout: Optional[float] = option(None, "seconds an episode may spend outside generation (its workflow "
+                                                    "code, tools and environment) before it ends with the "
+                                                    "workflow's reward_on_end, counted as rollout/episode_timeout; "
+                                                    "default: no deadline", above=0)
     tool_max_output_chars: int = option(4096, "characters of a tool's output fed back to the policy (the rest is "
                                               "cut, with a marker)")
     tool_workers: int = option(2, "worker processes that run tool calls")

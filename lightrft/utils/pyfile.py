@@ -30,6 +30,10 @@ def import_python_file(path: Path, prefix: str, kind: str = "file") -> ModuleTyp
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as err:      # sys.exit() at import would end the run with its code and nothing saved
+        sys.modules.pop(name, None)
+        raise PythonFileError(f"importing {kind} {path} called sys.exit({err.code!r}); a file lightrft imports must "
+                              "not exit the process (raise an exception to refuse, or remove the call)") from None
     except Exception as err:
         sys.modules.pop(name, None)
         raise PythonFileError(f"importing {kind} {path} failed: {type(err).__name__}: {err}") from err
