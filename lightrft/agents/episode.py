@@ -14,6 +14,7 @@ conversation, but with the sampled ids of every assistant turn kept as they were
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
@@ -29,6 +30,17 @@ class EpisodeEnd(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+_TOKEN_CHARS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, as
+    `lightrft.serving.http.longest_token_chars` counts), computed once per tokenizer."""
+    if tokenizer not in _TOKEN_CHARS:
+        _TOKEN_CHARS[tokenizer] = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+    return _TOKEN_CHARS[tokenizer]
 
 
 @dataclass
@@ -169,13 +181,24 @@ class Episode:
         appended with the next assistant header; they are attended to, never trained."""
         if self._renderer is None:
             raise ValueError("add_messages() needs the tokenizer's chat template; add raw text with add_text()")
+        self._check_length(sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict)))
         self._append_environment(self._renderer.environment_ids(messages))
         self.messages.extend(messages)
 
     def add_text(self, text: str) -> None:
         """Raw environment text, encoded as is and appended; attended to, never trained."""
+        self._check_length(len(text))
         self._append_environment(self.tokenizer.encode(text, add_special_tokens=False))
         self.messages.append({"role": "user", "content": text})
+
+    def _check_length(self, chars: int) -> None:
+        """Ends the episode (token budget) before tokenising a text that cannot fit: one token
+        stands for at most `longest_token_chars` characters, so more characters than that times
+        the tokens left is over budget whatever the tokenizer makes of it (a tool that returns
+        10 MB is not tokenised into gigabytes first)."""
+        if chars > self.tokens_left * _longest_token_chars(self.tokenizer):
+            self.truncated = True
+            raise EpisodeEnd("token_budget")
 
     def _append_environment(self, ids: list[int]) -> None:
         if len(ids) > self.tokens_left:

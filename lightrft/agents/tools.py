@@ -126,11 +126,21 @@ def _find_calls(text: str, bare_json: bool) -> list[tuple[int, int, ToolCall]]:
 def _call_from_json(body: str, raw: str, unclosed: bool = False) -> ToolCall:
     try:
         value = json.loads(body)
-    except json.JSONDecodeError as err:
+    except (ValueError, RecursionError) as err:
         hint = " and has no closing </tool_call>" if unclosed else ""
-        return ToolCall("", {}, raw, f"the tool call is not valid JSON{hint} ({err.msg} at line {err.lineno} "
-                                     f'column {err.colno}); write {{"name": ..., "arguments": {{...}}}}')
+        return ToolCall("", {}, raw, f"the tool call is not valid JSON{hint} ({_json_problem(err)}); write "
+                                     '{"name": ..., "arguments": {...}}')
     return _call_from_value(value, raw)
+
+
+def _json_problem(err: Exception) -> str:
+    """What stopped a JSON decode, for a call's `error`: the decoder's message and position, or the
+    limits Python sets (nesting deeper than its recursion limit, integers past 4,300 digits)."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"{err.msg} at line {err.lineno} column {err.colno}"
+    if isinstance(err, RecursionError):
+        return "its values are nested too deep to read"
+    return f"it holds a number too long to read: {str(err)[:120]}"
 
 
 def _call_from_value(value: Any, raw: str) -> ToolCall:
@@ -145,9 +155,11 @@ def _call_from_value(value: Any, raw: str) -> ToolCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:
+            problem = (f"{err.msg} at column {err.colno}" if isinstance(err, json.JSONDecodeError)
+                       else _json_problem(err))
             return ToolCall(name, {}, raw, f'"arguments" of the call to {name!r} is a string that is not JSON '
-                                           f"({err.msg} at column {err.colno}); give a JSON object")
+                                           f"({problem}); give a JSON object")
     if not isinstance(arguments, dict):
         return ToolCall(name, {}, raw, f'"arguments" of the call to {name!r} must be a JSON object, '
                                        f"got {_json_type(arguments)}")
@@ -171,8 +183,9 @@ def _mistral_calls(text: str, pos: int) -> tuple[int, list[ToolCall]]:
             return pos + 1, calls
         try:
             value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as err:
-            return len(text), calls + [ToolCall("", {}, text[pos:], f"the tool call is not valid JSON ({err.msg}); "
+        except (ValueError, RecursionError) as err:
+            problem = err.msg if isinstance(err, json.JSONDecodeError) else _json_problem(err)
+            return len(text), calls + [ToolCall("", {}, text[pos:], f"the tool call is not valid JSON ({problem}); "
                                                                     'write {"name": ..., "arguments": {...}}')]
         calls.append(_call_from_value(value, text[pos:end]))
         pos = _skip_space(text, end)
@@ -186,7 +199,7 @@ def _bare_json_calls(text: str) -> list[ToolCall]:
     body = body[len(LLAMA_PYTHON_TAG):].strip() if body.startswith(LLAMA_PYTHON_TAG) else body
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return []
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, dict) and "name" in v and ("parameters" in v or "arguments" in v)
@@ -285,6 +298,11 @@ class _Worker:
             try:
                 self.process.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
+                pass
+        for pid in _descendants(self.process.pid):      # those that left the session too (setsid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # the session the worker leads: it and its children
@@ -492,7 +510,10 @@ class ToolRunner:
             process = subprocess.Popen(
                 [sys.executable, "-c", _WORKER_BOOT, __file__, json.dumps(sys.path), str(theirs.fileno()),
                  str(os.getpid()), "1" if arm_death_signal else "0"],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
+                # A tool's print() goes to the trainer's stderr, not into its stdout (which ends with
+                # the run's JSON summary line).
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                start_new_session=True)
         conn = Connection(ours.detach())
         tools = [[self._tools[name].path, self._tools[name].function] for name in self.names]
         conn.send_bytes(json.dumps(tools).encode())
@@ -547,6 +568,39 @@ def _import_file(path: Path, prefix: str):
         raise ToolRunnerError(str(err)) from err.__cause__
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of `pid`, read from /proc (children lists); [] where /proc has none."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            frontier += children
+    return found
+
+
+def _become_subreaper() -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): orphaned descendants are reparented to this process rather
+    than to init. Linux only; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)       # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        pass
+
+
 # ------------------------------------------------------------------------------------- worker
 # The worker's whole program: sets sys.path to the trainer's, imports this file by path under its
 # own name (not as lightrft.agents.tools, whose package imports torch) and serves.
@@ -563,8 +617,11 @@ module.serve_tools(*sys.argv[3:])
 
 def serve_tools(fd: str, parent_pid: str, arm_death_signal: str) -> None:
     """The worker loop: imports the tool files, answers "ready" (or why not), then runs one call
-    at a time until the connection closes. Requests and answers are JSON."""
+    at a time until the connection closes. Requests and answers are JSON. The worker is a child
+    subreaper (Linux): a process a tool starts, even one that leaves the worker's session with
+    setsid and whose parent exits, stays its descendant, so stopping the worker ends it too."""
     exit_with_parent(int(parent_pid), arm_death_signal == "1", "lightrft-tool-parent-watch")
+    _become_subreaper()
     conn = Connection(int(fd))
     functions = []
     try:

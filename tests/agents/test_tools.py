@@ -361,3 +361,72 @@ def test_tools_a_worker_could_not_find_are_refused(tool_file, tmp_path):
     """)
     with pytest.raises(ToolRunnerError, match=r"importing tool file .*worker_only\.py failed: ImportError: not in"):
         ToolRunner.from_file(worker_only)
+
+
+# ------------------------------------------------------------------------ hostile calls and tools
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + '}}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": ' + "[" * 100_000 + "]" * 100_000 + '}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": ' + "9" * 5000 + '}"}</tool_call>',
+    '[TOOL_CALLS] [{"name": "add", "arguments": {"a": ' + "9" * 5000 + '}}]',
+])
+def test_parsing_never_raises_on_huge_numbers_or_deep_nesting(text):
+    (call,) = parse_tool_calls(text)
+    assert call.error is not None and ("too long to read" in call.error or "nested too deep" in call.error)
+    assert text_without_tool_calls(text) == ""
+    assert parse_tool_calls("[" * 100_000 + "]" * 100_000, bare_json=True) == []
+
+
+ESCAPING_TOOLS = '''
+import subprocess
+
+def escape(pid_file):
+    # The tool's shell leaves the worker's session (setsid), starts a sleeper and exits at once:
+    # the sleeper is orphaned, outside the process group the worker leads.
+    subprocess.run(["setsid", "sh", "-c", f"sleep 120 & echo $! > {pid_file}"], check=True)
+    return "started"
+
+def chatty():
+    print("TOOL-PRINTED-THIS", flush=True)
+    return "ok"
+'''
+
+
+def test_a_process_a_tool_detaches_with_setsid_ends_with_the_worker(tmp_path):
+    tools = write(tmp_path, "escaping.py", ESCAPING_TOOLS)
+    pid_file = tmp_path / "sleeper.pid"
+    with ToolRunner.from_file(tools, names=["escape"], timeout=10.0, workers=1) as runner:
+        assert run(runner, "escape", pid_file=str(pid_file)).output == "started"
+        deadline = time.monotonic() + 10
+        while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sleeper = int(pid_file.read_text())
+        assert alive(sleeper)
+    deadline = time.monotonic() + 10
+    while alive(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(sleeper), "the detached sleeper outlived close()"
+
+
+def test_a_tools_print_goes_to_stderr_not_the_trainers_stdout(tmp_path, capfd):
+    tools = write(tmp_path, "chatty.py", ESCAPING_TOOLS)
+    with ToolRunner.from_file(tools, names=["chatty"], timeout=10.0, workers=1) as runner:
+        assert run(runner, "chatty").output == "ok"
+    captured = capfd.readouterr()
+    assert "TOOL-PRINTED-THIS" not in captured.out and "TOOL-PRINTED-THIS" in captured.err
+
+
+def test_a_huge_environment_text_ends_the_episode_before_it_is_tokenised():
+    from lightrft.agents.episode import Episode, EpisodeEnd
+
+    tokenizer = build_char_tokenizer()
+    calls = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    episode = Episode(prompt="p", label=None, prompt_ids=[5, 6], tokenizer=tokenizer, request=None, max_turns=4,
+                      max_tokens=64, max_new_tokens=8, renderer=None, tools=None, index=0, sample=0)
+    episode.add_text("fits")
+    with pytest.raises(EpisodeEnd) as end:
+        episode.add_text("x" * 10_000_000)
+    assert end.value.reason == "token_budget" and episode.truncated
+    assert calls == [4]                      # the 10 MB text was never tokenised
