@@ -37,7 +37,7 @@ class ScriptedServer:
 
     def __init__(self):
         self.script: list[str] = ["ok"]
-        self.requests: list[dict] = []  # {"body": parsed JSON, "headers": dict}
+        self.requests: list[dict] = []  # {"body": parsed JSON, "headers": dict, "path": request path and query}
         self._lock = threading.Lock()
         server = self
 
@@ -48,7 +48,7 @@ class ScriptedServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server._lock:
-                    server.requests.append({"body": body, "headers": dict(self.headers)})
+                    server.requests.append({"body": body, "headers": dict(self.headers), "path": self.path})
                     behaviour = server.script.pop(0) if len(server.script) > 1 else server.script[0]
                 server.respond(self, behaviour, body["query"])
 

@@ -7,9 +7,6 @@ import base64
 import json
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +16,7 @@ from lightrft.utils.secrets import (REDACTED, holds_redacted, redact_argv, redac
                                     secret_flags)
 from lightrft.utils.trackers import redacted_config
 from tests.conftest import REPO_ROOT, subprocess_env, to_flags
+from tests.rewards.test_remote import ScriptedServer
 from tests.trainer.ppo_harness import flags, make_task
 
 KEY = "PLANTEDsecret7f3a9"
@@ -55,43 +53,10 @@ def test_a_command_line_is_recorded_without_its_secrets(monkeypatch):
     assert KEY not in run_lock.describe(record)                      # the "in use" error shows this
 
 
-class RewardServer:
-    """A reward server on 127.0.0.1 that requires basic auth and a query token, like a real one."""
-
-    def __init__(self):
-        self.seen_auth, self.seen_paths = [], []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.seen_auth.append(self.headers.get("Authorization"))
-                server.seen_paths.append(self.path)
-                scores = [sum(c.isdigit() for c in q) / max(len(q), 1) for q in body["query"]]
-                data = json.dumps({"rewards": scores}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_no_file_a_run_writes_holds_a_planted_key(tmp_path):
     (tmp_path / "task").mkdir()
     task = make_task(tmp_path / "task")
-    server = RewardServer()
+    server = ScriptedServer()          # answers every request with scores (tests/rewards/test_remote.py)
     out = tmp_path / "run"
     url = f"http://lightrft:{KEY}@127.0.0.1:{server.port}/score?token={QUERY_KEY}"
     try:
@@ -102,8 +67,9 @@ def test_no_file_a_run_writes_holds_a_planted_key(tmp_path):
         server.close()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the credentials did reach the server
-    assert server.seen_auth[0] == "Basic " + base64.b64encode(f"lightrft:{KEY}".encode()).decode()
-    assert f"token={QUERY_KEY}" in server.seen_paths[0]
+    first = server.requests[0]
+    assert first["headers"]["Authorization"] == "Basic " + base64.b64encode(f"lightrft:{KEY}".encode()).decode()
+    assert f"token={QUERY_KEY}" in first["path"]
     written = [p for p in out.rglob("*") if p.is_file()]
     assert any(p.name == "run_config.yaml" for p in written) and any("events.out.tfevents" in p.name for p in written)
     assert any(p.match("*/client_state/rank_0.pt") for p in written)
