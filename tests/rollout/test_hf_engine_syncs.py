@@ -6,7 +6,6 @@ ended?" is read once per `stop_check_steps`. On the CPU every such read still di
 `aten._local_scalar_dense`, which is what is counted here; the output is the same for any value of
 `stop_check_steps`."""
 
-import collections
 
 import pytest
 import torch

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.conftest import REPO_ROOT, subprocess_env
 
 STUCK = """

@@ -4,8 +4,6 @@ diverged loss, a log-prob of -inf) is written as null, never as the bare words N
 import json
 import math
 
-import pytest
-
 from lightrft.cli.common import print_summary
 from lightrft.doctor.report import CheckResult, DoctorReport
 from lightrft.utils.json_out import dumps, finite

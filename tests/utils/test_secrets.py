@@ -15,7 +15,7 @@ from lightrft.utils import run_lock
 from lightrft.utils.secrets import (REDACTED, holds_redacted, redact_argv, redact_options, redact_value,
                                     secret_flags)
 from lightrft.utils.trackers import redacted_config
-from tests.conftest import REPO_ROOT, subprocess_env, to_flags
+from tests.conftest import REPO_ROOT, subprocess_env
 from tests.rewards.test_remote import ScriptedServer
 from tests.trainer.ppo_harness import flags, make_task
 
