@@ -18,6 +18,7 @@ from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
 from lightrft.config.options import bound_problem, option
 from lightrft.rewards.judge import answer_parser, read_template
+from lightrft.utils.secrets import register_secret_flags
 
 
 class ConfigError(ValueError):
@@ -588,3 +589,8 @@ class RMDataConfig(DataConfig):
 
     def __post_init__(self):
         check_positive(self, "max_len")
+
+
+for _section in [value for value in list(globals().values())
+                 if isinstance(value, type) and dataclasses.is_dataclass(value) and value.__module__ == __name__]:
+    register_secret_flags(_section)

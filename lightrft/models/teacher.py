@@ -89,17 +89,17 @@ def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | 
     from lightrft.serving.policy import context_length
 
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return              # the model load names what is wrong with the folder
     names = weight_names(folder) or set()
     head = f"{value_head_prefix}.weight"
-    if hasattr(config, "normalize_reward") or (head in names and not any(n.endswith("lm_head.weight") for n in names)):
+    if hasattr(hf_config, "normalize_reward") or (head in names and not any(n.endswith("lm_head.weight") for n in names)):
         raise ValueError(f"--teacher_pretrain {folder} is a reward model folder (a value head {head!r} in place of an "
                          "LM head): a teacher's log-probs would come from a randomly initialised LM head. Pass the "
                          "causal LM the reward model was trained from, or another causal LM with the student's "
                          "tokenizer")
-    context = context_length(config)
+    context = context_length(hf_config)
     if max_tokens is not None and context is not None and context < max_tokens:
         raise ValueError(f"--teacher_pretrain {folder} takes {context} positions (max_position_embeddings), but it "
                          f"scores prompt + response of up to {max_tokens} tokens (--prompt_max_len + "

@@ -17,7 +17,6 @@ the command line a lock file records (`redact_argv`). A redacted value is writte
 import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from functools import cache
 
 REDACTED = "***"
 # The flags of `serve` and `serve_rm` (plain argparse, not a run config) that hold secrets.
@@ -47,21 +46,22 @@ def redact_text(value):
     return _URL.sub(lambda match: redact_url(match.group(0)), value)
 
 
-@cache
-def secret_flags() -> dict[str, str]:
-    """Flag name -> secret kind, read from the run configs' fields (their `secret` marker) and
-    `SERVING_SECRET_FLAGS`."""
+_SECRET_FLAGS: dict[str, str] = dict(SERVING_SECRET_FLAGS)
+
+
+def register_secret_flags(section: type) -> None:
+    """Records the fields of a config section whose `option` has a `secret` kind (the run
+    configs' sections call this as they are defined, lightrft.config.sections)."""
     import dataclasses
 
-    from lightrft.config import sections
+    for f in dataclasses.fields(section):
+        if f.metadata.get("secret"):
+            _SECRET_FLAGS[f.name] = f.metadata["secret"]
 
-    found = dict(SERVING_SECRET_FLAGS)
-    for section in vars(sections).values():
-        if isinstance(section, type) and dataclasses.is_dataclass(section):
-            for f in dataclasses.fields(section):
-                if f.metadata.get("secret"):
-                    found[f.name] = f.metadata["secret"]
-    return found
+
+def secret_flags() -> dict[str, str]:
+    """Flag name -> secret kind: the registered config fields and `SERVING_SECRET_FLAGS`."""
+    return dict(_SECRET_FLAGS)
 
 
 def redact_value(flag: str, value):

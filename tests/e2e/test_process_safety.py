@@ -61,6 +61,7 @@ class Launch:
         with open(self.stdout_path, "w") as stdout, open(self.stderr_path, "w") as stderr:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=subprocess_env(), stdout=stdout, stderr=stderr)
         self.workers: list[int] = []
+        self.helpers: list[int] = []        # the ranks' own children (each rank's preemption watcher)
 
     def output(self) -> str:
         return self.stdout_path.read_text() + "\n" + self.stderr_path.read_text()
@@ -76,19 +77,21 @@ class Launch:
         pytest.fail(f"no {what} within {timeout} s:\n{self.output()[-6000:]}")
 
     def find_workers(self) -> list[int]:
-        self.workers = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+        ranks = psutil.Process(self.proc.pid).children()
+        self.workers = [p.pid for p in ranks]
         assert len(self.workers) == 2, f"expected 2 rank processes under torchrun, found {self.workers}"
+        self.helpers = [child.pid for rank in ranks for child in rank.children(recursive=True)]
         return self.workers
 
     def kill_all(self) -> None:
-        for pid in [self.proc.pid, *self.workers]:
+        for pid in [self.proc.pid, *self.workers, *self.helpers]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait()
         deadline = time.monotonic() + LIVENESS_BOUND_S
-        while any(alive(pid) for pid in self.workers) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in self.workers + self.helpers) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -134,6 +137,9 @@ def test_killing_torchrun_stops_every_rank(task, tmp_path, launches):
     took = time.monotonic() - killed_at
     left = [pid for pid in workers if alive(pid)]
     assert not left, f"rank processes {left} still running {LIVENESS_BOUND_S} s after torchrun was killed"
+    while any(alive(pid) for pid in run.helpers) and time.monotonic() - killed_at < LIVENESS_BOUND_S:
+        time.sleep(0.1)
+    assert run.helpers and not [pid for pid in run.helpers if alive(pid)], "a rank's helper process outlived it"
     print(f"\nboth ranks exited {took:.1f} s after torchrun was killed")
 
     text = run.output()
@@ -171,12 +177,14 @@ def test_rank_left_alone_when_torchrun_and_its_peer_die_still_exits(task, tmp_pa
 
 def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, tmp_path, launches):
     out = tmp_path / "two_writers"
-    first = Launch(sft_command(task, out, epochs=4), out, "first")  # 20 steps
+    # 60 steps: the first run must still hold the folder when the second has started (on an idle
+    # machine 20 tiny steps ended before the second run's imports did, and it then trained).
+    first = Launch(sft_command(task, out, epochs=12), out, "first")
     launches.append(first)
     first.wait_for(lambda: (read_record(out / "ckpt" / LOCK_NAME) or {}).get("pid"), "lock taken by rank 0")
     holder = read_record(out / "ckpt" / LOCK_NAME)
 
-    second = subprocess.run(sft_command(task, out, epochs=4), cwd=REPO_ROOT, env=subprocess_env(),
+    second = subprocess.run(sft_command(task, out, epochs=12), cwd=REPO_ROOT, env=subprocess_env(),
                             capture_output=True, text=True, timeout=300)
     assert second.returncode != 0
     message = f"{out / 'ckpt'} (--ckpt_path) is in use by another run: pid {holder['pid']} on host"
@@ -186,7 +194,7 @@ def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, t
     assert first.proc.poll() is None or first.proc.returncode == 0  # the first run goes on
     assert first.proc.wait(timeout=600) == 0, first.output()[-6000:]
     assert summary(first.output())["stop_reason"] == "finished"
-    assert summary(first.output())["step"] == 20
+    assert summary(first.output())["step"] == 60
     assert read_record(out / "ckpt" / LOCK_NAME) is None  # released at exit
 
 
