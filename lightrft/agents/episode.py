@@ -36,10 +36,11 @@ _TOKEN_CHARS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _longest_token_chars(tokenizer) -> int:
-    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, as
-    `lightrft.serving.http.longest_token_chars` counts), computed once per tokenizer."""
+    """`lightrft.serving.http.longest_token_chars` of `tokenizer`, computed once per tokenizer."""
     if tokenizer not in _TOKEN_CHARS:
-        _TOKEN_CHARS[tokenizer] = max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+        from lightrft.serving.http import longest_token_chars
+
+        _TOKEN_CHARS[tokenizer] = longest_token_chars(tokenizer)
     return _TOKEN_CHARS[tokenizer]
 
 

@@ -13,6 +13,8 @@ import typing
 from dataclasses import MISSING, field
 from typing import Any, Callable, Iterable, Optional, Union
 
+from lightrft.utils.secrets import KINDS as SECRET_KINDS
+
 
 def option(default: Any = MISSING, help: str = "", *, choices: Optional[Union[Iterable, Callable[[], Iterable]]] = None,
            nargs: Optional[Union[int, str]] = None, metavar=None, const: Any = None, required: bool = False,
@@ -26,7 +28,7 @@ def option(default: Any = MISSING, help: str = "", *, choices: Optional[Union[It
     `lightrft.utils.secrets` wherever options become text or files. `at_least`/`above` and
     `at_most`/`below` bound a number (inclusive/exclusive); `off` is a value allowed outside them
     that switches the option off (-1 for "never"); None always passes (`check_bounds`)."""
-    if secret is not None and secret not in ("key", "urls"):
+    if secret is not None and secret not in SECRET_KINDS:
         raise ValueError(f"option secret kind must be 'key' or 'urls', got {secret!r}")
     metadata = {"help": help, "choices": choices, "nargs": nargs, "metavar": metavar, "const": const,
                 "required": required, "flag": flag, "secret": secret,
