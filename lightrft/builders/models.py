@@ -5,17 +5,18 @@ from lightrft.config.sections import DistributedConfig, PPOModelConfig
 
 def model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
     """Keyword arguments of every model of a run (policies, critic, reward models) besides its
-    path: precision, attention, remote code, dropout and packing."""
+    path: precision, attention, remote code, dropout, packing and whether the samples of one
+    prompt share its forward."""
     # Dropout off by default: with it on, even the first on-policy update has ratios != 1.
     return dict(bf16=distributed.bf16, attn_implementation=model.attn_implementation,
                 trust_remote_code=model.trust_remote_code, disable_dropout=not model.keep_dropout,
-                packing_samples=model.packing_samples)
+                packing_samples=model.packing_samples, share_prompts=not model.no_prompt_sharing)
 
 
 def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
     """Keyword arguments of every policy-shaped model of a run (actor, reference, EMA, explorer
-    copies) besides its path: `model_kwargs` and whether samples share their prompt's forward."""
-    return dict(model_kwargs(model, distributed), share_prompts=not model.no_prompt_sharing)
+    copies) besides its path: the same as `model_kwargs` (critic and reward models share prompts too)."""
+    return model_kwargs(model, distributed)
 
 
 def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float):

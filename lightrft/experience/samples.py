@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightrft.models.packing import prompt_group_ids
+
 PER_ACTION_FIELDS = ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "values",
                      "returns", "advantages", "kl", "teacher_log_probs")
 
@@ -41,6 +43,8 @@ class Experience:
     kl: Optional[Tensor] = None                      # (B, A) per-token KL estimate
     teacher_log_probs: Optional[Tensor] = None       # (B, A) distillation teacher (--teacher_pretrain)
     info: dict[str, Tensor] = field(default_factory=dict)  # each (B,): reward, response_length, ...
+    prompt_groups: Optional[list[int]] = None        # packed: B host-side ids, equal for equal prompts
+                                                     # (`packing.prompt_group_ids`): the forwards share them
 
     @property
     def batch_size(self) -> int:
@@ -142,8 +146,10 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     seq_lens = [s.sequence.numel() for s in samples]
     if packing:
         sequences = torch.cat([s.sequence for s in samples]).unsqueeze(0)      # (1, P)
+        groups = prompt_group_ids([s.sequence for s in samples], num_actions)
         return Experience(sequences=sequences, attention_mask=None, action_mask=action_mask,
-                          num_actions=num_actions, packed_seq_lens=seq_lens, info=info, **per_action)
+                          num_actions=num_actions, packed_seq_lens=seq_lens, info=info, prompt_groups=groups,
+                          **per_action)
     # Prompts left-padded and responses right-padded, so the last `width` positions are the action
     # slots: row i's real tokens are the positions [P - prompt_i, P + actions_i).
     prompt_lens = torch.tensor(seq_lens, device=device) - actions

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightrft.experience.placement import arrive
+from lightrft.models.utils import accepts_keyword
 from lightrft.rewards.base import call_reward_source
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput
@@ -98,10 +99,12 @@ class Scorer:
         columns, valid = [], torch.ones(batch, dtype=torch.bool)
         for model in self.reward_models:
             scores = []
+            # The prompt columns, so that the samples of one prompt share its forward (RewardModel).
+            shared = {"prompt_len": rollout.prompt_len} if accepts_keyword(model, "prompt_len") else {}
             for i in range(0, batch, self.micro_batch_size):
                 rows = slice(i, i + self.micro_batch_size)
                 seq, mask = rollout.sequences[rows].to(self.device), rollout.attention_mask[rows].to(self.device)
-                scores.append(model(seq, attention_mask=mask).float().cpu())
+                scores.append(model(seq, attention_mask=mask, **shared).float().cpu())
             columns.append(torch.cat(scores))
         if self.reward_sources:
             queries, sample_prompts = self.decode(rollout, prompts, n)

@@ -21,7 +21,12 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
-from lightrft.models.shared_prompts import PromptSharingUnsupported, sharing_possible, shared_prompt_forward
+from lightrft.models.shared_prompts import (
+    PackedPromptSharing,
+    PromptSharingUnsupported,
+    sharing_possible,
+    shared_prompt_forward,
+)
 
 
 class ActorLanguage(nn.Module):
@@ -52,6 +57,7 @@ class ActorLanguage(nn.Module):
             forward (`lightrft.models.shared_prompts`): the same log-probs and gradients, with a
             prompt's matrix work done once for its G samples. Off under gradient checkpointing
             (its layers drop the KV cache) and for mixture-of-experts load-balancing losses.
+            Packed rows given `prompt_groups` share too, gradient checkpointing included.
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`.
     """
@@ -113,6 +119,7 @@ class ActorLanguage(nn.Module):
             )
             model = get_peft_model(model, lora_config)
         self.model = model
+        self.prompt_sharing = PackedPromptSharing(model, "--pretrain")
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
@@ -142,6 +149,7 @@ class ActorLanguage(nn.Module):
         packed_seq_lens: list[int] | None = None,
         return_entropy: bool = False,
         return_aux_loss: bool = False,
+        prompt_groups: list[int] | None = None,
     ):
         """Log-probabilities of the action tokens (the last `num_actions` tokens of each sequence).
 
@@ -161,6 +169,11 @@ class ActorLanguage(nn.Module):
         `return_entropy=True`. With `num_actions=None` returns the full model output (logits over
         every position, e.g. for a pretraining/SFT loss).
 
+        Packed rows share prompts given `prompt_groups` (N ids, equal ids for sequences whose
+        prompts, their first L_i - num_actions[i] tokens, are equal, as `packing.prompt_group_ids`
+        finds them): each distinct prompt is computed once and its responses attend to it
+        (`packing.SharedPromptLayout`), the same log-probs and gradients as the unshared row.
+
         With `return_aux_loss=True` a mixture-of-experts model is asked for its router logits and
         `output["aux_loss"]` holds its load-balancing loss (Switch Transformer eq. 4, as transformers
         computes it: over the real tokens of the batch, pads excluded, unscaled by
@@ -176,7 +189,8 @@ class ActorLanguage(nn.Module):
         else:
             self.check_packing()
             kwargs = {**packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation), **extra}
-            result = self._forward_packed(kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy)
+            result = self._forward_packed(kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
+                                          prompt_groups)
         if return_aux_loss:
             output = result[1] if isinstance(result, tuple) else result
             aux_loss = output.get("aux_loss") if extra else None
@@ -208,12 +222,18 @@ class ActorLanguage(nn.Module):
             self.share_prompts = False  # this model cannot; the plain forward from now on
             return None
 
-    def _forward_packed(self, kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy):
+    def _forward_packed(self, kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
+                        prompt_groups=None):
         if num_actions is None:
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
-        output = self.model(**kwargs, logits_to_keep=index.predict_positions)  # logits (1, K, V)
+        output = None
+        if self.share_prompts and prompt_groups is not None and "output_router_logits" not in kwargs:
+            output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
+                                                 lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
+        if output is None:
+            output = self.model(**kwargs, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
         if return_output and return_entropy:

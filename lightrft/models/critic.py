@@ -14,6 +14,7 @@ from lightrft.models.hf_utils import (
     zero_dropout,
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
+from lightrft.models.shared_prompts import PackedPromptSharing, padded_as_shared
 
 
 class Critic(nn.Module):
@@ -27,6 +28,9 @@ class Critic(nn.Module):
             `nn.Linear(hidden_size, 1, bias=False)`; saved in config.json.
         bf16, attn_implementation, trust_remote_code, gradient_checkpointing, disable_dropout,
             packing_samples: as for ActorLanguage.
+        share_prompts: samples of one prompt share its forward (`shared_prompts.PackedPromptSharing`),
+            in packed rows given `prompt_groups` and in padded batches (which are packed for it);
+            values equal the unshared forward's.
 
     `.model` is the `PreTrainedModel` (backbone under its usual prefix, head under
     `value_head_prefix`); `.head_loaded` says whether the head came from the folder.
@@ -43,6 +47,7 @@ class Critic(nn.Module):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         packing_samples: bool = False,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__()
         self.value_head_prefix = value_head_prefix
@@ -57,6 +62,8 @@ class Critic(nn.Module):
         )
         if disable_dropout:
             zero_dropout(self.model)
+        self.share_prompts = share_prompts
+        self.prompt_sharing = PackedPromptSharing(self.model, "--critic_pretrain")
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
@@ -77,6 +84,7 @@ class Critic(nn.Module):
         num_actions: int | list[int],
         attention_mask: torch.Tensor | None = None,
         packed_seq_lens: list[int] | None = None,
+        prompt_groups: list[int] | None = None,
     ) -> torch.Tensor:
         """Values of the states from which each action token is generated, in float32.
 
@@ -84,17 +92,48 @@ class Critic(nn.Module):
         is the head's output at position t - 1: `values[:, -A-1:-1]` of the per-position values.
         Padded: sequences (B, T), num_actions int A -> (B, A).
         Packed: sequences (1, P), packed_seq_lens N lengths, num_actions N ints -> (N, max A),
-        actions left-aligned, right-padded with 0 (the actor's layout).
+        actions left-aligned, right-padded with 0 (the actor's layout). With `prompt_groups` a
+        packed row computes each distinct prompt once, as `ActorLanguage.forward` does; a padded
+        batch whose rows repeat a prompt is packed that way too (its pad slots then hold 0).
         """
         check_num_actions(num_actions, sequences, packed_seq_lens)
         if packed_seq_lens is not None:
             self.check_packing()
-        kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
-        values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is None:
-            return values[:, -int(num_actions) - 1 : -1].float()  # (B, A)
+            num_actions = int(num_actions)
+            shared = self._shared_padded(sequences, attention_mask, num_actions)
+            if shared is not None:
+                return shared
+            values = self.model(**value_forward_kwargs(self.model, sequences, attention_mask, None))  # (B, T)
+            return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
+        shared = self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)
+        if shared is not None:
+            return index.to_rows(shared)  # (N, A)
+        values = self.model(**value_forward_kwargs(self.model, sequences, None, packed_seq_lens))  # (1, P)
         return index.to_rows(values[0, index.predict_positions].float())  # (N, A)
+
+    def _shared_values(self, sequences, seq_lens, num_actions, groups) -> torch.Tensor | None:
+        """The values predicting each action of a packed row, its prompts computed once. Shape: (K,)"""
+        if not self.share_prompts or groups is None:
+            return None
+        values = self.prompt_sharing.forward(sequences, seq_lens, num_actions, groups,
+                                             lambda kwargs, layout: self.model(**kwargs)[0, layout.predict_positions])
+        return None if values is None else values.float()
+
+    def _shared_padded(self, sequences, attention_mask, num_actions: int) -> torch.Tensor | None:
+        """Padded rows that repeat a prompt, valued as a shared packed row. Shape: (B, A)"""
+        if not self.share_prompts or self.prompt_sharing.reason is not None:
+            return None
+        found = padded_as_shared(sequences, attention_mask, sequences.size(1) - num_actions)
+        if found is None:
+            return None
+        ids, seq_lens, actions, groups = found
+        values = self._shared_values(ids, seq_lens, actions, groups)
+        if values is None:
+            return None
+        rows = packed_action_index(seq_lens, actions, sequences.device).to_rows(values)  # (B, max response)
+        return nn.functional.pad(rows, (0, num_actions - rows.size(1)))  # (B, A)
 
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)

@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from lightrft.models.packing import check_seq_lens, cu_seqlens, packed_position_ids
+from lightrft.models.packing import SharedPromptLayout, check_seq_lens, cu_seqlens, packed_position_ids
 
 VARLEN_ATTENTION = "lightrft_varlen"
 # Earlier name, still registered. Names containing "sdpa" make transformers demand SDPA support
@@ -98,13 +98,17 @@ def default_attn_implementation() -> str:
     return VARLEN_ATTENTION
 
 
-def causal_band_mask(q_length: int, kv_length: int, window: int | None, device: torch.device) -> torch.Tensor:
+def causal_band_mask(q_length: int, kv_length: int, window: int | None, device: torch.device,
+                     end_aligned: bool = False) -> torch.Tensor:
     """Query i may see key j iff j <= i and i - j < window (no window: j <= i); upper-left aligned,
     as for a sequence that starts at position 0. The window convention is transformers'
     (`sliding_window_overlay`: kv_idx > q_idx - window) and flash-attention's (window_size=(window-1, 0)).
+    `end_aligned`: the queries are the last q_length of the kv_length tokens (query i sits at
+    position kv_length - q_length + i), flash-attention's alignment for unequal lengths.
     Shape: (1, 1, q_length, kv_length) bool
     """
-    q = torch.arange(q_length, device=device).unsqueeze(1)  # (q, 1)
+    offset = kv_length - q_length if end_aligned else 0
+    q = torch.arange(offset, offset + q_length, device=device).unsqueeze(1)  # (q, 1)
     k = torch.arange(kv_length, device=device).unsqueeze(0)  # (1, kv)
     allowed = k <= q
     if window is not None:
@@ -187,14 +191,17 @@ def varlen_kernel_runs(kernel, window: int | None) -> bool:
     return window is None or "window_size" in _kernel_keywords(kernel)
 
 
-def one_call_varlen(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
-                    max_length: int, window: int | None, scaling: float | None) -> torch.Tensor:
-    """Causal attention within each sequence of a packed row in one `kernel` call (the signature of
-    `torch.nn.attention.varlen.varlen_attn`). transformers' window W lets query i see key j when
-    i - W < j <= i, the kernel's window_size (W - 1, 0); grouped key/value heads are passed as they
-    are (`enable_gqa`) where the kernel takes them, else repeated per query head. Callers check
-    `varlen_kernel_runs` first.
-    Shape: query (1, H, P, D), key/value (1, H_kv, P, D), cu_seq_lens (N + 1,) int32 -> (1, P, H, D)"""
+def one_call_varlen(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                    cu_seq_k: torch.Tensor, max_q: int, max_k: int, window: int | None,
+                    scaling: float | None) -> torch.Tensor:
+    """Causal attention within each segment of a packed row in one `kernel` call (the signature of
+    `torch.nn.attention.varlen.varlen_attn`): segment i's queries `cu_seq_q[i]:cu_seq_q[i+1]`
+    attend to its keys `cu_seq_k[i]:cu_seq_k[i+1]`, aligned to the end where the keys are more
+    (the kernel's flash-attention convention; a shared prompt's response sees the prompt).
+    transformers' window W lets query i see key j when i - W < j <= i, the kernel's window_size
+    (W - 1, 0); grouped key/value heads are passed as they are (`enable_gqa`) where the kernel
+    takes them, else repeated per query head. Callers check `varlen_kernel_runs` first.
+    Shape: query (1, H, P, D), key/value (1, H_kv, P_k, D), cu_seq_q/k (M + 1,) int32 -> (1, P, H, D)"""
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))        # (P, H, D): the projections' layout
     keywords = _kernel_keywords(kernel)
     options = {"scale": scaling}
@@ -208,7 +215,7 @@ def one_call_varlen(kernel, query: torch.Tensor, key: torch.Tensor, value: torch
         else:
             groups = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = kernel(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
+    out = kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **options)
     return out.unsqueeze(0)
 
 
@@ -242,6 +249,9 @@ def varlen_attention(
                 "implement for packed rows; train without --packing_samples, or pass --attn_implementation eager"
             )
     packed_cu_seqlens = kwargs.pop("packed_cu_seqlens", None)
+    layout = kwargs.pop("shared_prompt_layout", None)
+    if layout is not None:
+        return shared_prompt_attention(module, query, key, value, layout, sliding_window, softcap, **kwargs), None
     if packed_seq_lens is None:
         return _attend(module, query, key, value, attention_mask, sliding_window, softcap, **kwargs), None
     if query.size(0) != 1:
@@ -252,8 +262,9 @@ def varlen_attention(
     if kernel is not None and varlen_kernel_runs(kernel, sliding_window):
         if packed_cu_seqlens is None:
             packed_cu_seqlens = cu_seqlens(packed_seq_lens, query.device)
-        return one_call_varlen(kernel, query, key, value, packed_cu_seqlens, max(packed_seq_lens), sliding_window,
-                               kwargs.get("scaling")), None
+        longest = max(packed_seq_lens)
+        return one_call_varlen(kernel, query, key, value, packed_cu_seqlens, packed_cu_seqlens, longest, longest,
+                               sliding_window, kwargs.get("scaling")), None
     outputs, start = [], 0
     for length in packed_seq_lens:
         stop = start + length
@@ -263,6 +274,36 @@ def varlen_attention(
                                sliding_window, softcap, **kwargs))  # (1, L_i, H, D)
         start = stop
     return torch.cat(outputs, dim=1), None
+
+
+def shared_prompt_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            layout: SharedPromptLayout, window: int | None, softcap: float | None,
+                            **kwargs) -> torch.Tensor:
+    """Attention over a `SharedPromptLayout` row: each prompt causally over itself, each response
+    over its prompt and causally over itself, with the layer's window and soft-cap. One varlen
+    kernel call where it runs (keys gathered per segment); else one call per segment, a response's
+    keys being its prompt's and its own, with an end-aligned band mask.
+    Shape: query (1, H, S, D), key/value (1, H_kv, S, D) -> (1, S, H, D)"""
+    if query.size(0) != 1:
+        raise ValueError(f"a packed forward takes one row (1, S), got a batch of {query.size(0)}")
+    layout.calls += 1
+    kernel = fused_varlen_kernel(query) if softcap is None and not kwargs.get("dropout") else None
+    if kernel is not None and varlen_kernel_runs(kernel, window):
+        keys, values = key[:, :, layout.kv_index], value[:, :, layout.kv_index]  # (1, H_kv, sum of key lengths, D)
+        return one_call_varlen(kernel, query, keys, values, layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_q,
+                               layout.max_k, window, kwargs.get("scaling"))
+    outputs, start = [], 0
+    for q_length, spans in zip(layout.q_lens, layout.kv_spans):
+        keys = torch.cat([key[:, :, a:b] for a, b in spans], dim=2) if len(spans) > 1 else key[:, :, spans[0][0]:spans[0][1]]
+        values = (torch.cat([value[:, :, a:b] for a, b in spans], dim=2) if len(spans) > 1
+                  else value[:, :, spans[0][0]:spans[0][1]])
+        kv_length = keys.size(2)
+        mask = None if kv_length == q_length else causal_band_mask(q_length, kv_length, window, query.device,
+                                                                   end_aligned=True)
+        outputs.append(_attend(module, query[:, :, start:start + q_length], keys, values, mask, window, softcap,
+                               **kwargs))  # (1, q_length, H, D)
+        start += q_length
+    return torch.cat(outputs, dim=1)
 
 
 # The all-ones padding masks `packed_forward_kwargs` made, by id: the mask function then knows a
@@ -370,6 +411,15 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
         kwargs.update(attention_mask=all_ones_mask(input_ids), packed_seq_lens=seq_lens,
                       packed_cu_seqlens=cu_seqlens(seq_lens, input_ids.device))
     return kwargs
+
+
+def shared_prompt_forward_kwargs(input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
+    """Keyword arguments for a forward over the shared row of `layout`, built from the packed row
+    `input_ids` (1, P); only VARLEN_ATTENTION applies the layout (`varlen_attention`)."""
+    shared_ids = input_ids[:, layout.source]  # (1, S)
+    layout.calls = 0
+    return {"input_ids": shared_ids, "position_ids": layout.position_ids, "use_cache": False,
+            "attention_mask": all_ones_mask(shared_ids), "shared_prompt_layout": layout}
 
 
 def packing_problem(model: nn.Module) -> tuple[str, bool] | None:

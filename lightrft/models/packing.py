@@ -182,3 +182,120 @@ def packed_action_index(
         num_rows=len(seq_lens),
         num_cols=max(num_actions),
     )
+
+
+@dataclass
+class SharedPromptLayout:
+    """A packed row in which the sequences that share a prompt hold it once.
+
+    Sequences with the same prompt (their first L_i - a_i tokens) form a group. The shared row
+    holds, group after group, the prompt's tokens once and then each member's response tokens;
+    positions continue the prompt's in every response, so each token gets the position it has
+    alone. Attention runs over segments: a prompt attends causally to itself, a response to its
+    prompt and causally to itself (keys `prompt + response`, queries aligned to the end, as
+    flash-attention aligns unequal lengths). The segments' queries are the shared row in order;
+    their keys are gathered with `kv_index`, so the backward of that gather sums each prompt's
+    key and value gradients over its responses.
+
+    Host-side lists (`q_lens`, `kv_spans`) serve the per-segment loop on the CPU; the uploaded
+    tensors serve the one-call varlen kernel. `calls` counts the attention layers that applied
+    the layout in the last forward: a model that dropped it would silently attend across the row.
+    """
+
+    source: torch.Tensor  # (S,) position in the original packed row of each shared-row token
+    position_ids: torch.Tensor  # (1, S)
+    predict_positions: torch.Tensor  # (K,) shared-row positions whose outputs predict each action (original order)
+    last_positions: torch.Tensor  # (N,) shared-row position of each sequence's last token
+    kv_index: torch.Tensor  # (sum of key lengths,) shared-row positions of every segment's keys
+    cu_seqlens_q: torch.Tensor  # (M + 1,) int32 segment starts in the shared row
+    cu_seqlens_k: torch.Tensor  # (M + 1,) int32 segment starts in `kv_index`
+    max_q: int
+    max_k: int
+    q_lens: list[int]  # M segment lengths (queries)
+    kv_spans: list[list[tuple[int, int]]]  # per segment, the (start, stop) spans of the shared row it attends to
+    length: int  # S
+    groups: int  # distinct prompts
+    calls: int = 0
+
+
+def shared_prompt_layout(seq_lens: Sequence[int], num_actions: Sequence[int], groups: Sequence[int],
+                         device: torch.device | str | None = None) -> SharedPromptLayout | None:
+    """The `SharedPromptLayout` of a packed row whose sequence i belongs to prompt group
+    `groups[i]` (equal ids: equal prompt tokens), or None when no two sequences share a prompt.
+    Pure index arithmetic on host lists; the tensors are uploaded without waiting.
+
+    Example: lengths [5, 4], actions [2, 1], groups [0, 0] (prompt of 3 tokens) -> shared row
+    = original positions [0, 1, 2, 3, 4, 8] with positions [0, 1, 2, 3, 4, 3]; segments: prompt
+    (queries 0-2, keys 0-2), response 1 (queries 3-4, keys 0-4), response 2 (query 5, keys 0-2, 5).
+    """
+    seq_lens, num_actions, groups = list(seq_lens), [int(a) for a in num_actions], list(groups)
+    if not len(seq_lens) == len(num_actions) == len(groups):
+        raise ValueError(f"{len(seq_lens)} packed sequences need as many action counts and prompt groups, got "
+                         f"{len(num_actions)} and {len(groups)}")
+    members: dict = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    if len(members) == len(seq_lens):
+        return None
+    starts = [0]
+    for length in seq_lens[:-1]:
+        starts.append(starts[-1] + length)
+    source, positions, q_lens, kv_spans = [], [], [], []
+    predict = [0] * len(seq_lens)  # per sequence, the shared-row position predicting its first action
+    response_start = [0] * len(seq_lens)
+    for rows in members.values():
+        prompt = seq_lens[rows[0]] - num_actions[rows[0]]
+        if prompt < 1:
+            raise ValueError(f"packed sequence {rows[0]} has no prompt token before its {num_actions[rows[0]]} actions")
+        if any(seq_lens[i] - num_actions[i] != prompt for i in rows):
+            raise ValueError(f"packed sequences {rows} are in one prompt group but their prompts have different lengths")
+        prompt_start = len(source)
+        source.extend(range(starts[rows[0]], starts[rows[0]] + prompt))
+        positions.extend(range(prompt))
+        q_lens.append(prompt)
+        kv_spans.append([(prompt_start, prompt_start + prompt)])
+        for i in rows:
+            predict[i] = prompt_start + prompt - 1
+            response_start[i] = len(source)
+            if num_actions[i] == 0:
+                continue
+            source.extend(range(starts[i] + prompt, starts[i] + seq_lens[i]))
+            positions.extend(range(prompt, seq_lens[i]))
+            q_lens.append(num_actions[i])
+            kv_spans.append([(prompt_start, prompt_start + prompt), (response_start[i], len(source))])
+    last_positions = [response_start[i] + num_actions[i] - 1 if num_actions[i] else predict[i]
+                      for i in range(len(seq_lens))]
+    predict_positions = [p for i in range(len(seq_lens)) for p in
+                         [predict[i]] + list(range(response_start[i], response_start[i] + num_actions[i] - 1))
+                         if num_actions[i] > 0]
+    kv_index = [p for spans in kv_spans for start, stop in spans for p in range(start, stop)]
+    k_lens = [sum(stop - start for start, stop in spans) for spans in kv_spans]
+    return SharedPromptLayout(
+        source=upload(torch.tensor(source), device),
+        position_ids=upload(torch.tensor(positions).unsqueeze(0), device),
+        predict_positions=upload(torch.tensor(predict_positions, dtype=torch.long), device),
+        last_positions=upload(torch.tensor(last_positions, dtype=torch.long), device),
+        kv_index=upload(torch.tensor(kv_index), device),
+        cu_seqlens_q=cu_seqlens(q_lens, device),
+        cu_seqlens_k=cu_seqlens(k_lens, device),
+        max_q=max(q_lens),
+        max_k=max(k_lens),
+        q_lens=q_lens,
+        kv_spans=kv_spans,
+        length=len(source),
+        groups=len(members),
+    )
+
+
+def prompt_group_ids(sequences: Sequence[torch.Tensor], num_actions: Sequence[int]) -> list[int]:
+    """For each 1-D token sequence, the index of the first sequence with the same prompt (its first
+    len - num_actions tokens, compared by value): equal ids, equal prompts. Reads the tokens on
+    the host (a device copy for sequences that live on an accelerator).
+
+    Example: prompts [1, 2], [3], [1, 2] -> [0, 1, 0]."""
+    first: dict[bytes, int] = {}
+    ids = []
+    for i, (seq, actions) in enumerate(zip(sequences, num_actions)):
+        prompt = seq[:seq.numel() - int(actions)].cpu().numpy()
+        ids.append(first.setdefault(prompt.tobytes() + str(prompt.dtype).encode(), i))
+    return ids

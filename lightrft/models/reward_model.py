@@ -15,6 +15,7 @@ from lightrft.models.hf_utils import (
     zero_dropout,
 )
 from lightrft.models.packing import check_seq_lens
+from lightrft.models.shared_prompts import PackedPromptSharing, padded_as_shared
 
 
 class RewardModel(nn.Module):
@@ -32,6 +33,8 @@ class RewardModel(nn.Module):
             since scoring with an untrained head would silently give noise.
         bf16, attn_implementation, trust_remote_code, gradient_checkpointing, disable_dropout,
             packing_samples: as for ActorLanguage.
+        share_prompts: a padded batch scored with `prompt_len` computes each distinct prompt once
+            (`shared_prompts.PackedPromptSharing`), with the unshared forward's scores.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class RewardModel(nn.Module):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         packing_samples: bool = False,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__()
         self.value_head_prefix = value_head_prefix
@@ -61,6 +65,8 @@ class RewardModel(nn.Module):
         )
         if disable_dropout:
             zero_dropout(self.model)
+        self.share_prompts = share_prompts
+        self.prompt_sharing = PackedPromptSharing(self.model, "--reward_pretrain")
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
@@ -97,6 +103,7 @@ class RewardModel(nn.Module):
         sequences: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         packed_seq_lens: list[int] | None = None,
+        prompt_len: int | None = None,
     ) -> torch.Tensor:
         """Scores in float32, read from the head at the last real token of each sequence.
 
@@ -104,9 +111,14 @@ class RewardModel(nn.Module):
         and right padding both work), or position T - 1 without a mask -> (B,).
         Packed: sequences (1, P), packed_seq_lens N lengths -> (N,).
         With `config.normalize_reward`: (r - config.mean) / config.std.
+        `prompt_len` (padded): the first columns that are the left-padded prompts; rows that repeat
+        a prompt then share its forward.
         """
         if packed_seq_lens is not None:
             self.check_packing()
+        scores = self._shared_scores(sequences, attention_mask, prompt_len) if packed_seq_lens is None else None
+        if scores is not None:
+            return self._normalized(scores)
         kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is not None:
@@ -118,11 +130,25 @@ class RewardModel(nn.Module):
             scores = values.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)
         else:
             scores = values[:, -1]  # (B,)
-        scores = scores.float()
+        return self._normalized(scores.float())
+
+    def _normalized(self, scores: torch.Tensor) -> torch.Tensor:
         hf_config = self.model.config
         if hf_config.normalize_reward:
             scores = (scores - hf_config.mean) / hf_config.std
         return scores
+
+    def _shared_scores(self, sequences, attention_mask, prompt_len: int | None) -> torch.Tensor | None:
+        """Scores of padded rows that repeat a prompt, from a shared packed row. Shape: (B,)"""
+        if not self.share_prompts or prompt_len is None or self.prompt_sharing.reason is not None:
+            return None
+        found = padded_as_shared(sequences, attention_mask, prompt_len)
+        if found is None:
+            return None
+        ids, seq_lens, actions, groups = found
+        scores = self.prompt_sharing.forward(ids, seq_lens, actions, groups,
+                                             lambda kwargs, layout: self.model(**kwargs)[0, layout.last_positions])
+        return None if scores is None else scores.float()
 
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)

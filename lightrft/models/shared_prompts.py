@@ -1,4 +1,4 @@
-"""One prompt forward for the samples that share it.
+"""One prompt forward for the samples that share it, in padded batches and in packed rows.
 
 GRPO-style runs sample G responses per prompt, and a padded micro-batch holds the G rows of a
 prompt with identical prompt columns. `shared_prompt_forward` computes each distinct prompt once
@@ -10,12 +10,24 @@ scoring forwards alike.
 Rows are grouped by content, not by bookkeeping: rows whose first T - A columns (ids and
 attention mask) are equal share, whatever order a shuffled replay buffer put them in, and a
 micro-batch without repeats takes the plain forward.
+
+Packed rows (`PackedPromptSharing`) need no cache: the row is rebuilt with each distinct prompt
+once (`packing.SharedPromptLayout`) and the attention (`hf_utils.varlen_attention`) lets every
+response see its prompt, so it works with gradient checkpointing too. The groups come from the
+sequences' contents on the host (`packing.prompt_group_ids`, at collate time).
 """
+
+import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, shared_prompt_forward_kwargs
+from lightrft.models.packing import SharedPromptLayout, pack_padded, shared_prompt_layout
 from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, returned_cache
+
+logger = logging.getLogger(__name__)
 
 
 class PromptSharingUnsupported(RuntimeError):
@@ -86,3 +98,69 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
     output.logits = torch.cat([prompt.logits[inverse], output.logits[:, :-1]], dim=1)  # (B, A, V)
     setattr(output, name, None)
     return output
+
+
+class PackedPromptSharing:
+    """Packed forwards of one model with each distinct prompt computed once.
+
+    `forward` returns the model output over the shared row (None: take the unshared packed
+    forward). Sharing turns itself off for good, with the reason logged once (`reason`), when the
+    model's attention cannot apply the layout: an attention other than VARLEN_ATTENTION
+    (flash_attention_2, sdpa, eager, flex_attention build their own masks), or a model whose
+    layers did not all receive the layout (its attention would have run across the whole row).
+    """
+
+    def __init__(self, model: nn.Module, flag: str):
+        self.model = model
+        self.flag = flag
+        self.reason: str | None = None
+
+    def _off(self, reason: str) -> None:
+        self.reason = reason
+        logger.warning("%s: prompts are not shared in packed rows: %s; packed rows hold every sample's prompt",
+                       self.flag, reason)
+
+    def forward(self, sequences: torch.Tensor, seq_lens: list[int], num_actions: list[int], groups: list[int],
+                run: Callable[[dict, SharedPromptLayout], object]):
+        """`run(kwargs, layout)` calls the model on the shared row; its output, or None."""
+        if self.reason is not None:
+            return None
+        config = self.model.config
+        if config._attn_implementation not in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
+            self._off(f"attn_implementation {config._attn_implementation!r} has no shared-prompt layout "
+                      f"(the default, {VARLEN_ATTENTION!r}, has)")
+            return None
+        layout = shared_prompt_layout(seq_lens, num_actions, groups, sequences.device)
+        if layout is None:
+            return None
+        output = run(shared_prompt_forward_kwargs(sequences, layout), layout)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        if layout.calls == 0 or (layers is not None and layout.calls != layers):
+            self._off(f"{layout.calls} of its {layers} attention layers received the layout")
+            return None
+        return output
+
+
+def padded_as_shared(sequences: torch.Tensor, attention_mask: torch.Tensor | None,
+                     prompt_len: int) -> tuple[torch.Tensor, list[int], list[int], list[int]] | None:
+    """A padded batch whose first `prompt_len` columns are the (left-padded) prompts, as a packed
+    row with its prompt groups: (ids (1, P), seq_lens, response lengths, groups), for the value
+    models' shared forward. None when no two rows share a prompt, a row has no prompt token, or
+    the rows are not one contiguous run of real tokens each. Reads the lengths on the host.
+    Shape: sequences, attention_mask (B, T)"""
+    if attention_mask is None or not 0 < prompt_len < sequences.size(1) or sequences.size(0) < 2:
+        return None
+    groups = prompt_groups(sequences[:, :prompt_len], attention_mask[:, :prompt_len])
+    if groups is None:
+        return None
+    _, inverse = groups
+    mask = attention_mask.bool()
+    counts = torch.stack([mask[:, :prompt_len].sum(dim=1), mask[:, prompt_len:].sum(dim=1), inverse], dim=1).tolist()
+    if min(prompt for prompt, _, _ in counts) < 1:
+        return None
+    try:
+        packed = pack_padded(sequences, attention_mask)
+    except ValueError:      # real tokens with holes: not a prompt-then-response layout
+        return None
+    return packed.input_ids, packed.seq_lens, [actions for _, actions, _ in counts], [g for _, _, g in counts]

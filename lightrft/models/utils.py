@@ -1,7 +1,10 @@
 """Helpers the model wrappers and trainers share: log-probs from logits, masked means, KL
 estimates (re-exported from `lightrft.algorithms`) and splitting packed rows."""
 
-from torch import Tensor
+import functools
+import inspect
+
+from torch import Tensor, nn
 
 from lightrft.algorithms.advantages import token_rewards_from_scores
 from lightrft.algorithms.kl import compute_approx_kl
@@ -48,3 +51,19 @@ def compute_reward(
             raise ValueError("compute_reward needs action_mask or kl to know the response length")
         action_mask = kl.new_ones(kl.shape, dtype=bool)
     return token_rewards_from_scores(r, action_mask, kl, kl_coef)
+
+
+def accepts_keyword(model: nn.Module, name: str) -> bool:
+    """Whether the forward of `model` (looked through DeepSpeed engines' `.module`) takes the
+    keyword `name`, by name or through `**kwargs`: the trainers pass optional arguments such as
+    `prompt_groups` only to models that take them, so a custom module keeps working."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    forward = model.forward
+    return _accepts(getattr(forward, "__func__", forward), name)
+
+
+@functools.lru_cache(maxsize=256)
+def _accepts(forward, name: str) -> bool:
+    parameters = inspect.signature(forward).parameters
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -24,6 +24,7 @@ from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.distill import distill_loss_per_token
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.experience.samples import Experience, Sample, collate_samples
+from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
 from lightrft.trainer.guards import nonfinite_grad_norms
 from lightrft.trainer.metrics import EXTREME_SUFFIXES, combine_step_metrics, global_counts, reduce_pass_metrics
@@ -155,7 +156,15 @@ class PPOUpdate:
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
-                     return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0)
+                     return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0,
+                     **self._prompt_groups(model, experience))
+
+    def _prompt_groups(self, model, experience: Experience) -> dict:
+        """`prompt_groups=` for a packed micro-batch, so its forward computes each prompt once; {}
+        for a padded one, and for a model whose forward does not take it (a custom module)."""
+        if experience.prompt_groups is None or not accepts_keyword(model, "prompt_groups"):
+            return {}
+        return {"prompt_groups": experience.prompt_groups}
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, counts: dict) -> torch.Tensor:
         return aggregate_loss(per_token, mask.float(), self.algo.loss_agg_mode, counts["tokens"], counts["seqs"],
@@ -242,7 +251,7 @@ class PPOUpdate:
     def training_step_critic(self, experience: Experience, counts: dict) -> dict:
         self._train_mode(self.critic)
         values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
-                             packed_seq_lens=experience.packed_seq_lens)
+                             packed_seq_lens=experience.packed_seq_lens, **self._prompt_groups(self.critic, experience))
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
                                             action_mask=experience.loss_mask, global_num_tokens=counts["tokens"],
                                             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len,

@@ -84,11 +84,14 @@ def reference_collate(samples: list[Sample], pad: int, packing: bool) -> Experie
                   for name in PER_ACTION_FIELDS if name in samples[0].per_action}
     per_action.setdefault("action_log_probs", None)
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
+    prompts = [s.sequence[: s.sequence.numel() - s.num_actions] for s in samples]
     if packing:
+        # Each sample's group: the first sample with an equal prompt.
+        groups = [next(j for j in range(i + 1) if torch.equal(prompts[j], prompts[i])) for i in range(len(samples))]
         return Experience(sequences=torch.cat([s.sequence for s in samples]).unsqueeze(0), attention_mask=None,
                           action_mask=action_mask, num_actions=num_actions,
-                          packed_seq_lens=[s.sequence.numel() for s in samples], info=info, **per_action)
-    prompts = [s.sequence[: s.sequence.numel() - s.num_actions] for s in samples]
+                          packed_seq_lens=[s.sequence.numel() for s in samples], info=info, prompt_groups=groups,
+                          **per_action)
     responses = [s.sequence[s.sequence.numel() - s.num_actions:] for s in samples]
     prompt_width = max(p.numel() for p in prompts)
     left = torch.stack([F.pad(p, (prompt_width - p.numel(), 0), value=pad) for p in prompts])

@@ -236,4 +236,4 @@ def test_no_prompt_sharing_flag_reaches_every_policy_model():
     distributed = DistributedConfig()
     assert policy_model_kwargs(PPOModelConfig(pretrain="m"), distributed)["share_prompts"] is True
     assert policy_model_kwargs(off, distributed)["share_prompts"] is False
-    assert "share_prompts" not in model_kwargs(off, distributed)  # critic and reward models
+    assert model_kwargs(off, distributed)["share_prompts"] is False  # critic and reward models too

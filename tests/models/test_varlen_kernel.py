@@ -25,29 +25,35 @@ SOFTCAPPED = {"gemma2"}      # attention logit soft-capping: the kernel has none
 
 
 class ReferenceVarlen:
-    """`varlen_attn`'s contract on the CPU, counting its calls."""
+    """`varlen_attn`'s contract on the CPU, counting its calls. Segment i's queries attend to its
+    keys; where the keys are more, the queries are the last ones (flash-attention's alignment)."""
 
     def __init__(self):
         self.calls = 0
         self.starts = set()        # the sequence-start tensors it was given: one per forward
+        self.same_starts = []      # per call, whether queries and keys had the same segments
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         self.calls += 1
         self.starts.add(id(cu_q))
-        assert q.dim() == 3 and cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k
-        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
-        assert max(lengths) == max_q and sum(lengths) == q.size(0)
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))         # (P,)
-        pos = torch.arange(q.size(0))
+        self.same_starts.append(cu_q is cu_k)
+        assert q.dim() == 3 and cu_q.dtype == cu_k.dtype == torch.int32
+        q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        assert int(q_lens.max()) == max_q and int(k_lens.max()) == max_k
+        assert int(q_lens.sum()) == q.size(0) and int(k_lens.sum()) == k.size(0)
+        q_seg = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)              # (P_q,)
+        k_seg = torch.repeat_interleave(torch.arange(len(k_lens)), k_lens)              # (P_k,)
+        q_pos = torch.arange(q.size(0)) - cu_q[q_seg] + (k_lens - q_lens)[q_seg]      # end-aligned
+        k_pos = torch.arange(k.size(0)) - cu_k[k_seg]
         left, right = window_size
-        allowed = seq[:, None] == seq[None, :]
+        allowed = q_seg[:, None] == k_seg[None, :]
         if left >= 0:
-            allowed &= pos[None, :] >= pos[:, None] - left
+            allowed &= k_pos[None, :] >= q_pos[:, None] - left
         if right >= 0:
-            allowed &= pos[None, :] <= pos[:, None] + right
+            allowed &= k_pos[None, :] <= q_pos[:, None] + right
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
-        return out[0].transpose(0, 1)          # (P, H, D)
+        return out[0].transpose(0, 1)          # (P_q, H, D)
 
 
 @pytest.fixture
@@ -79,6 +85,7 @@ def test_one_kernel_call_per_layer_gives_the_per_sequence_attention(arch, kernel
         assert calls == 0          # soft-capped layers keep one SDPA call per sequence
         return
     assert calls == layers, (calls, layers)     # one call per layer for the 4 sequences of the row
+    assert all(kernel.same_starts)               # unshared sequences: queries and keys alike
     assert len(kernel.starts) == 1                # the sequence starts were built once for the forward
     torch.testing.assert_close(log_probs, ref_log_probs, atol=ATOL, rtol=0)
     assert grads.keys() == ref_grads.keys()
