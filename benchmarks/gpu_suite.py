@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -75,6 +75,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from lightrft.doctor.memory import reset_peak_rss  # noqa: E402
 from lightrft.models import ActorLanguage  # noqa: E402
 from lightrft.models.hf_utils import default_attn_implementation  # noqa: E402
+from lightrft.models.packing import shared_prompt_layout  # noqa: E402
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams  # noqa: E402
 from lightrft.rollout.manager import WeightStream  # noqa: E402
 from lightrft.rollout.seeds import request_seeds  # noqa: E402
@@ -277,6 +278,26 @@ def build_qwen2(shape: dict, device: torch.device, dtype: torch.dtype, seed: int
     return model.to(dtype)
 
 
+@contextmanager
+def pointwise_parts_compiled(model: Qwen2ForCausalLM):
+    """An experiment towards fewer kernel launches: torch.compile (dynamic shapes) on the parts of
+    each decoder layer that take tensors only: the two RMSNorms, the MLP, the final norm, and
+    Qwen2's rotary embedding function (restored on exit). The attention call (Python lengths, a
+    layout) stays eager."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    for layer in model.model.layers:
+        for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+            module.compile(dynamic=True)
+    model.model.norm.compile(dynamic=True)
+    rotary = modeling_qwen2.apply_rotary_pos_emb
+    modeling_qwen2.apply_rotary_pos_emb = torch.compile(rotary, dynamic=True)
+    try:
+        yield
+    finally:
+        modeling_qwen2.apply_rotary_pos_emb = rotary
+
+
 def parameter_counts(model: torch.nn.Module) -> dict:
     embedding = model.get_input_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())     # a tied LM head is counted once
@@ -295,52 +316,69 @@ class PackedMicroBatch:
     input_ids: torch.Tensor   # (1, P) the sequences back to back
     seq_lens: list            # N lengths, sum P
     num_actions: list         # N response lengths (the last num_actions[i] tokens of sequence i)
+    prompt_groups: list | None = None   # N ids, equal for sequences with the same prompt (GRPO groups)
 
 
-def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int) -> list[PackedMicroBatch]:
+def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int, group: int = 1) -> list[PackedMicroBatch]:
     """One optimizer step's packed micro-batches of RL-like sequences: prompts uniform in
     `prompt_len`, responses log-normal around `response_median` (sigma 0.8, a long tail as sampled
-    responses have), cut to [16, response_max]. Sequences fill each micro-batch in order up to
-    `micro_tokens` (at least the longest sequence: `main` checks it); `micro_batches` are made."""
+    responses have), cut to [16, response_max]. Each prompt gets `group` responses (GRPO's G; the
+    batch then carries `prompt_groups`). Sequences fill each micro-batch in order up to
+    `micro_tokens` (at least the longest sequence: `main` checks it; a group's responses are cut to
+    fit `group` sequences in it); `micro_batches` are made."""
     gen = torch.Generator().manual_seed(seed)
     budget = sizes.micro_tokens
     batches = []
     while len(batches) < sizes.micro_batches:
-        seq_lens, actions = [], []
+        prompts, seq_lens, actions, groups = [], [], [], []
         while True:
             prompt = int(torch.randint(sizes.prompt_len[0], sizes.prompt_len[1] + 1, (1,), generator=gen))
-            response = math.exp(math.log(sizes.response_median) + 0.8 * float(torch.randn(1, generator=gen)))
-            response = int(min(max(response, 16), sizes.response_max))
-            if sum(seq_lens) + prompt + response > budget:
+            responses = [math.exp(math.log(sizes.response_median) + 0.8 * float(torch.randn(1, generator=gen)))
+                         for _ in range(group)]
+            # A group's sequences share the budget: each at most budget / group tokens.
+            longest = sizes.response_max if group == 1 else min(sizes.response_max, budget // group - prompt)
+            responses = [int(min(max(r, 16), longest)) for r in responses]
+            if sum(seq_lens) + group * prompt + sum(responses) > budget:
                 break
-            seq_lens.append(prompt + response)
-            actions.append(response)
+            prompts.append(prompt)
+            groups += [len(seq_lens)] * group     # the group's id: its first sequence
+            seq_lens += [prompt + r for r in responses]
+            actions += responses
         ids = torch.randint(4, vocab, (1, sum(seq_lens)), generator=gen)
-        batches.append(PackedMicroBatch(ids.to(device), seq_lens, actions))
+        if group > 1:      # every sequence of a group starts with the group's first prompt
+            starts = [0] + torch.tensor(seq_lens).cumsum(0).tolist()[:-1]
+            for i, first in enumerate(groups):
+                prompt = seq_lens[i] - actions[i]
+                ids[0, starts[i]:starts[i] + prompt] = ids[0, starts[first]:starts[first] + prompt]
+        batches.append(PackedMicroBatch(ids.to(device), seq_lens, actions, groups if group > 1 else None))
     return batches
 
 
 def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dtype: torch.dtype,
-                 probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False, profile_steps: bool = False):
+                 probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False, profile_steps: bool = False,
+                 group: int = 1, share: bool = True, compiled: bool = False):
     """Optimizer steps of an `ActorLanguage` under ZeRO-`stage` on one rank: one warm-up step,
     then `sizes.update_steps` timed ones, then (`profile_steps`, CUDA) one step under the profiler
-    and one with PyTorch's sync debug mode (`profiled_step`). Returns (figures, phase memory, the engine and strategy
-    when `keep`, else None)."""
+    and one with PyTorch's sync debug mode (`profiled_step`). `group` > 1 gives each prompt that
+    many responses, their prompt computed once (`share`) or per sequence. Returns (figures, phase
+    memory, the engine and strategy when `keep`, else None)."""
     strategy = DeepspeedStrategy(StrategyConfig(zero_stage=stage, bf16=dtype == torch.bfloat16, seed=seed,
                                                 micro_train_batch_size=1, train_batch_size=sizes.micro_batches))
     strategy.setup_distributed()
-    with measured(probe, device) as memory:
+    with measured(probe, device) as memory, ExitStack() as stack:
         model = build_qwen2(shape, device, dtype, seed)
         counts = parameter_counts(model)
+        stack.enter_context(pointwise_parts_compiled(model) if compiled else nullcontext())
         actor = ActorLanguage(model, packing_samples=True)
         actor.train()
         optimizer = strategy.create_optimizer(actor, lr=1e-6)
         engine, optimizer, _ = strategy.prepare((actor, optimizer, None))
-        batches = rl_micro_batches(sizes, shape["vocab_size"], device, seed)
+        batches = rl_micro_batches(sizes, shape["vocab_size"], device, seed, group)
 
         def optimizer_step():        # (gradient accumulation = micro_batches)
             for batch in batches:
-                log_probs = engine(batch.input_ids, batch.num_actions, packed_seq_lens=batch.seq_lens)  # (N, A)
+                shared = {"prompt_groups": batch.prompt_groups} if share and batch.prompt_groups else {}
+                log_probs = engine(batch.input_ids, batch.num_actions, packed_seq_lens=batch.seq_lens, **shared)  # (N, A)
                 # Right-padding of log_probs is 0, so the sum is over the action tokens only.
                 loss = -log_probs.sum() / sum(batch.num_actions)
                 strategy.backward(loss, engine, optimizer)
@@ -363,7 +401,12 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                "tokens_per_step": tokens, "action_tokens_per_step": sum(sum(b.num_actions) for b in batches),
                "timed_steps": len(step_seconds), "step_seconds": seconds, "tokens_per_s": tokens / seconds,
                "model_tflop_per_step": flops / 1e12, "achieved_tflops": flops / seconds / 1e12,
-               "mfu": None if peak is None else flops / seconds / (peak * 1e12)}
+               "mfu": None if peak is None else flops / seconds / (peak * 1e12),
+               "group": group, "shared_prompts": bool(share and group > 1), "compiled_parts": compiled,
+               "samples_per_s": sum(len(b.seq_lens) for b in batches) / seconds}
+    if group > 1:        # the model FLOPs above count every sequence's prompt; shared, fewer are computed
+        figures["computed_tokens_per_step"] = sum(
+            shared_prompt_layout(b.seq_lens, b.num_actions, b.prompt_groups).length for b in batches) if share else tokens
     if profile is not None:
         figures["profile"] = profile
     if keep:
@@ -667,6 +710,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--wide_micro_tokens", type=int, default=None,
                         help="also run the ZeRO-2 update with the same tokens per step in micro-batches of this many "
                              "tokens (fewer kernel launches per token)")
+    parser.add_argument("--compile_parts", action="store_true",
+                        help="also time a ZeRO-2 update with the norms, MLPs and rotary function compiled "
+                             "(torch.compile, dynamic shapes): an experiment on kernel launches")
+    parser.add_argument("--shared_prompts", type=int, default=0, metavar="G",
+                        help="also time ZeRO-2 updates of micro-batches with G responses per prompt, the prompt "
+                             "computed once (prompt_groups) and per sequence")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed update steps, one step under the CUDA profiler (GPU busy share, "
                              "device-to-host copies, attention kernels, top kernels) and one under the sync debug "
@@ -811,6 +860,20 @@ def run_updates(args, shape, sizes, device, dtype, probe, peak, phases: dict, er
     """The update section under ZeRO-2 and ZeRO-3: ({"zero2": figures, "zero3": figures}, the ZeRO-3
     engine and its strategy, kept for the sync section when it runs, else None)."""
     update, zero3 = {}, None
+    if "update" in args.sections and args.shared_prompts > 1:
+        # GRPO-like micro-batches (G responses per prompt), with each prompt computed once and per sequence.
+        for share in (True, False):
+            name = "zero2_grouped_" + ("shared" if share else "unshared")
+            ok, out = attempt(f"update ZeRO-2 G={args.shared_prompts} {'shared' if share else 'unshared'}", errors,
+                              lambda: actor_update(2, shape, sizes, device, dtype, probe, peak, args.seed,
+                                                   group=args.shared_prompts, share=share))
+            update[name] = out[0] if ok else out
+            release_memory(device)
+    if "update" in args.sections and args.compile_parts:
+        ok, out = attempt("update ZeRO-2 compiled parts", errors, lambda: actor_update(
+            2, shape, sizes, device, dtype, probe, peak, args.seed, profile_steps=args.profile, compiled=True))
+        update["zero2_compiled"] = out[0] if ok else out
+        release_memory(device)
     if "update" in args.sections and args.wide_micro_tokens:
         # The same tokens per step in fewer, longer micro-batches: fewer kernel launches per token,
         # which shows how much of the step the host's launches take.
@@ -901,7 +964,8 @@ def print_report(results: dict) -> None:
           f"{results['model']}; peak {_fmt(results['peak_tflops'])} TFLOP/s ({results['peak_tflops_source']})")
     print(f"versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}")
     rows = []
-    for stage, label in (("zero2", "update ZeRO-2"), ("zero3", "update ZeRO-3"), ("zero2_wide", "update ZeRO-2 wide")):
+    for stage, label in (("zero2", "update ZeRO-2"), ("zero3", "update ZeRO-3"), ("zero2_wide", "update ZeRO-2 wide"),
+                         ("zero2_compiled", "update Z2 compiled")):
         fig = results["actor_update"].get(stage)
         if fig and "error" not in fig:
             achieved = f"{fig['achieved_tflops'] * 1e3:.2f} GFLOP/s" if cpu else f"{fig['achieved_tflops']:.1f} TFLOP/s"
@@ -925,13 +989,19 @@ def print_report(results: dict) -> None:
         split = ", ".join(f"{k} {v:.2f}" for k, v in grpo["phases_seconds"].items())
         rows.append(("GRPO step", f"{grpo['step_seconds']:.2f} s, {grpo['samples_per_s']:.1f} samples/s "
                                   f"({split} s)", "grpo train (step 2)"))
-    for stage in ("zero2", "zero3", "zero2_wide"):
+    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
             rows.append((f"  profile {stage}", f"GPU busy {prof['gpu_busy_share']:.0%} of the step; "
                          f"{prof['host_syncs']} host syncs, {prof['device_to_host_copies']} D2H copies, "
                          f"{prof['attention_kernels_per_micro_batch']:.0f} attention kernels/micro-batch",
-                         {"zero2": "update ZeRO-2", "zero3": "update ZeRO-3"}.get(stage, "update ZeRO-2 wide")))
+                         {"zero2": "update ZeRO-2", "zero3": "update ZeRO-3", "zero2_compiled": ""}.get(
+                             stage, "update ZeRO-2 wide")))
+    shared, unshared = (results["actor_update"].get(f"zero2_grouped_{k}") or {} for k in ("shared", "unshared"))
+    if "step_seconds" in shared and "step_seconds" in unshared:
+        rows.append((f"shared prompts", f"G={shared['group']}: {unshared['samples_per_s']:,.1f} -> "
+                     f"{shared['samples_per_s']:,.1f} samples/s ({unshared['step_seconds'] / shared['step_seconds']:.2f}x; "
+                     f"{shared['computed_tokens_per_step']:,} of {shared['tokens_per_step']:,} tokens computed)", ""))
     memory = results["memory"]
     width = max([len(value) for _, value, _ in rows] + [5])
     print(f"{'figure':<18} {'value':<{width}} {'peak GiB':>9}")
@@ -941,7 +1011,7 @@ def print_report(results: dict) -> None:
     for phase, fig in memory.items():
         used = "" if fig["device_used_gib"] is None else f", device in use {fig['device_used_gib']:.2f} GiB"
         print(f"  {phase:<24} peak {fig['peak_gib']:.3f} GiB{used}, {fig['seconds']:.1f} s")
-    for stage in ("zero2", "zero3", "zero2_wide"):
+    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
             print(f"{stage} step profile: {prof['kernel_launches']} kernels, "

@@ -203,7 +203,7 @@ def lightrft_worker(config: dict) -> dict:
     train(parse_args(flags), callbacks=[Probe()])
     save = phase_clock.take()[0].get("save", 0.0)     # the export to --save_path, after the last step
     return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads(), "save_seconds": save,
-            "flags": flags}
+            "flags": flags, "eval_seconds": clock.paused}
 
 
 # ------------------------------------------------------------------------------------ TRL worker
@@ -277,7 +277,7 @@ def trl_worker(config: dict) -> dict:
         trainer.save_model(str(out / "model"))
         save = time.perf_counter() - started
     return {"curve": clock.curve, "per_step": per_step, "threads": torch.get_num_threads(), "version": trl.__version__,
-            "save_seconds": save}
+            "save_seconds": save, "eval_seconds": clock.paused}
 
 
 # --------------------------------------------------------------------- ZeRO state bytes (torchrun)
@@ -349,17 +349,22 @@ def run_child(kind: str, config: dict, out: Path, python: str) -> dict:
     return result
 
 
-def alternating_runs(config: dict, out: Path, repeats: int, seed: int, measure: str = "accuracy") -> dict:
-    """lightrft, TRL, lightrft, TRL, ... each in a fresh process; {"lightrft": runs, "trl": runs}."""
-    runs = {"lightrft": [], "trl": []}
+def alternating_runs(config: dict, out: Path, repeats: int, seed: int, measure: str = "accuracy",
+                     sides: dict | None = None) -> dict:
+    """Each side in turn (lightrft, TRL, lightrft, TRL, ...), each run in a fresh process;
+    {side: runs}. `sides` maps a side's name to (worker kind, extra lightrft flags); default one
+    lightrft side with `config`'s flags and TRL."""
+    sides = sides or {"lightrft": ("lightrft", config.get("lightrft_flags", [])), "trl": ("trl", [])}
+    runs = {name: [] for name in sides}
     for repeat in range(repeats):
-        for kind in ("lightrft", "trl"):
-            # Pair k samples with seed + k on both sides: the accuracy gains average over seeds.
-            run = run_child(kind, {**config, "seed": seed + repeat, "out": str(out / f"{kind}_{repeat}")},
-                            out / f"{kind}_{repeat}", sys.executable)
-            runs[kind].append(run)
+        for name, (kind, flags) in sides.items():
+            # Pair k samples with seed + k on every side: the accuracy gains average over seeds.
+            folder = out / f"{name.replace(' ', '_')}_{repeat}"
+            run = run_child(kind, {**config, "lightrft_flags": flags, "seed": seed + repeat, "out": str(folder)},
+                            folder, sys.executable)
+            runs[name].append(run)
             rate = len(run["per_step"][1:]) / sum(s["step_time"] for s in run["per_step"][1:])
-            print(f"{kind} run {repeat + 1}: {rate:.3g} steps/s, {measure} {run['curve'][0]['accuracy']:.1%} -> "
+            print(f"{name} run {repeat + 1}: {rate:.3g} steps/s, {measure} {run['curve'][0]['accuracy']:.1%} -> "
                   f"{run['curve'][-1]['accuracy']:.1%}, process {run['process_seconds']:.0f} s, "
                   f"peak RSS {run['peak_rss_mib']:.0f} MiB", flush=True)
     return runs
@@ -383,7 +388,12 @@ def summarize(runs: list[dict], work: Workload, phases: tuple = PHASES) -> dict:
             "mean_step_time": mean_step, "split_seconds": split,
             "process_seconds": statistics.median(r["process_seconds"] for r in runs),
             "process_seconds_runs": [r["process_seconds"] for r in runs],
-            "save_seconds": statistics.median(r.get("save_seconds", 0.0) for r in runs), "runs": runs}
+            "save_seconds": statistics.median(r.get("save_seconds", 0.0) for r in runs),
+            # What a process spends outside its steps and the benchmark's own held-out evaluation:
+            # imports, model loading, start-up, the first step's warm-up is inside the steps.
+            "outside_seconds": statistics.median(r["process_seconds"] - sum(s["step_time"] for s in r["per_step"])
+                                                 - r.get("eval_seconds", 0.0) for r in runs),
+            "eval_seconds": statistics.median(r.get("eval_seconds", 0.0) for r in runs), "runs": runs}
 
 
 # A fixed single-thread loop (~0.4 s alone): what `host_cores` times.
@@ -578,33 +588,44 @@ def compare_real(args) -> None:
     data = grpo_step.prepare_smollm2_workload(out, work, args.seed)
     # One update per rollout on every sample (train_batch = samples_per_step), so both sides train
     # on-policy and skip the old-log-prob forward; no reference model either (no KL).
-    lightrft_flags = ((["--packing_samples"] if args.packing else [])
-                      + (["--no_prompt_sharing"] if args.unshared else []))
+    common = ["--no_prompt_sharing"] if args.unshared else []
+    modes = {"packed": ["--packing_samples"], "padded": []}
+    sides = {f"lightrft {mode}": ("lightrft", modes[mode] + common) for mode in args.lightrft_modes}
+    sides["trl"] = ("trl", [])
     config = {"model": str(data["model"]), "data": {"model": str(data["model"]), "train": str(data["train"]),
                                                     "eval": str(data["eval"])},
               "eval_rows": data["eval_rows"], "workload": dataclasses.asdict(work), "steps": args.steps,
               "threads": args.threads, "seed": args.seed, "eval_every": args.eval_every or args.steps,
-              "heldout_score": "math", "save_final": True, "lightrft_flags": lightrft_flags}
+              "heldout_score": "math", "save_final": True}
     print(f"SmolLM2-135M-Instruct, {work.prompts_per_step} prompts x G = {work.group_size}, at most "
-          f"{work.max_new_tokens} new tokens, {args.steps} steps x {args.repeats} alternating pairs, "
-          f"{args.threads} thread(s) per process; lightrft flags {' '.join(lightrft_flags) or '(defaults)'}", flush=True)
+          f"{work.max_new_tokens} new tokens, {args.steps} steps x {args.repeats} alternating rounds, "
+          f"{args.threads} thread(s) per process; sides: "
+          + "; ".join(f"{name} ({' '.join(flags) or 'defaults'})" for name, (_, flags) in sides.items()), flush=True)
     try:
-        runs = alternating_runs(config, out, args.repeats, args.seed, measure="held-out reward")
+        runs = alternating_runs(config, out, args.repeats, args.seed, measure="held-out reward", sides=sides)
     finally:
         if not args.output_dir:
             shutil.rmtree(out, ignore_errors=True)   # 0.5 GB of exported weights a run
     load.append(os.getloadavg()[0])
-    light, trl_side = summarize(runs["lightrft"], work, REAL_PHASES), summarize(runs["trl"], work, REAL_PHASES)
-    pairs = [a / b for a, b in zip(light["steps_per_sec_runs"], trl_side["steps_per_sec_runs"])]
+    summaries = {name: summarize(side_runs, work, REAL_PHASES) for name, side_runs in runs.items()}
+    trl_side = summaries["trl"]
+    ratios = {}
+    for name in sides:
+        if name == "trl":
+            continue
+        light = summaries[name]
+        steps = [a / b for a, b in zip(light["steps_per_sec_runs"], trl_side["steps_per_sec_runs"])]
+        process = [b / a for a, b in zip(light["process_seconds_runs"], trl_side["process_seconds_runs"])]
+        ratios[name] = {"steps_per_sec": statistics.median(steps), "steps_per_sec_runs": steps,
+                        "whole_process": statistics.median(process), "whole_process_runs": process}
     result = {"workload": "smollm2", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": grpo_step.machine_description(), "threads": args.threads, "steps": args.steps,
               "repeats": args.repeats, "trl_version": runs["trl"][0]["version"], "model": str(data["model"]),
-              "workload_config": dataclasses.asdict(work), "lightrft_flags": lightrft_flags,
-              "load": " -> ".join(f"{x:.1f}" for x in load), "lightrft": light, "trl": trl_side,
-              "speed_ratio": statistics.median(pairs), "speed_ratio_runs": pairs}
+              "workload_config": dataclasses.asdict(work), "sides": {k: list(v) for k, v in sides.items()},
+              "load": " -> ".join(f"{x:.1f}" for x in load), "summaries": summaries, "ratios": ratios}
     print("\n" + real_markdown(result))
     if args.png:
-        plot(result, Path(args.png))
+        plot({**result, "lightrft": summaries[next(iter(ratios))], "trl": trl_side}, Path(args.png))
         print(f"plot: {args.png}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
@@ -612,12 +633,14 @@ def compare_real(args) -> None:
 
 
 def real_markdown(result: dict) -> str:
-    """The real-model figures as markdown tables, ready for docs/benchmarks.md."""
-    light, trl = result["lightrft"], result["trl"]
-    sides = (("lightrft", light), (f"TRL {result['trl_version']}", trl))
+    """The real-model figures as markdown tables, ready for docs/benchmarks.md: one row per side
+    (lightrft packed, lightrft padded, TRL), the ratios to TRL, the per-phase split."""
+    summaries = result["summaries"]
+    sides = [(f"TRL {result['trl_version']}" if name == "trl" else
+              f"{name} ({' '.join(result['sides'][name][1]) or 'defaults'})", summaries[name]) for name in summaries]
     n = result["repeats"]
     lines = [f"{result['date']}; {result['machine']}; {result['threads']} thread(s) per process; "
-             f"{result['steps']} steps a run ({result['steps'] - 1} timed) x {n} alternating pairs; "
+             f"{result['steps']} steps a run ({result['steps'] - 1} timed) x {n} alternating rounds; "
              f"1-minute load {result['load']}",
              "",
              f"| | steps/s, median ({n} runs) | spread (min-max) | samples/s | whole process, s (runs) "
@@ -632,19 +655,25 @@ def real_markdown(result: dict) -> str:
                      f"| {side['process_seconds']:.0f} ({process}) "
                      f"| {side['accuracy_before']:.1%} -> {side['accuracy_after']:.1%} ({after}) "
                      f"| {side['peak_rss_mib']:.0f} MiB |")
-    lines += ["", f"- lightrft / TRL steps/s: **{result['speed_ratio']:.2f}x** median of the pairs "
-                  f"({', '.join(f'{r:.2f}' for r in result['speed_ratio_runs'])}); held-out reward gain "
-                  f"lightrft {light['gain']:+.3f}, TRL {trl['gain']:+.3f}.",
-              "",
+    lines.append("")
+    for name, ratio in result["ratios"].items():
+        lines.append(f"- {name} / TRL: steps/s **{ratio['steps_per_sec']:.2f}x** "
+                     f"({', '.join(f'{r:.2f}' for r in ratio['steps_per_sec_runs'])}), whole process "
+                     f"**{ratio['whole_process']:.2f}x** ({', '.join(f'{r:.2f}' for r in ratio['whole_process_runs'])}); "
+                     f"held-out reward gain {summaries[name]['gain']:+.3f} against TRL's {summaries['trl']['gain']:+.3f}.")
+    lines += ["",
               "Mean seconds per timed step (share of the step); *experience* is the old/reference forwards "
-              "and the rest of the experience, *save* the final export once per run:",
+              "and the rest of the experience, *save* the final export once per run, *outside* the "
+              "whole process less its steps and the benchmark's held-out evaluation (imports, loading, "
+              "start-up, save), *eval* that evaluation (before and after, both sides alike):",
               "",
-              "| | step | " + " | ".join(REAL_PHASES) + " | save (once) |",
-              "|---|---|" + "---|" * len(REAL_PHASES) + "---|"]
+              "| | step | " + " | ".join(REAL_PHASES) + " | save (once) | outside the steps | eval |",
+              "|---|---|" + "---|" * len(REAL_PHASES) + "---|---|---|"]
     for name, side in sides:
         cells = " | ".join(f"{side['split_seconds'][p]:.2f} ({side['split_seconds'][p] / side['mean_step_time']:.0%})"
                            for p in REAL_PHASES)
-        lines.append(f"| {name} | {side['mean_step_time']:.2f} | {cells} | {side['save_seconds']:.2f} |")
+        lines.append(f"| {name} | {side['mean_step_time']:.2f} | {cells} | {side['save_seconds']:.2f} "
+                     f"| {side['outside_seconds']:.1f} | {side['eval_seconds']:.1f} |")
     return "\n".join(lines)
 
 
@@ -658,8 +687,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each side's one process")
     parser.add_argument("--eval_every", type=int, default=None,
                         help="held-out accuracy every this many steps (default: toy 4, smollm2 only before and after)")
-    parser.add_argument("--packing", action="store_true",
-                        help="smollm2: lightrft trains on packed sequences (--packing_samples) instead of padded ones")
+    parser.add_argument("--lightrft_modes", nargs="+", choices=("packed", "padded"), default=["packed", "padded"],
+                        help="smollm2: the lightrft sides, each against the same TRL runs: packed "
+                             "(--packing_samples, as the README recommends) and padded micro-batches")
     parser.add_argument("--unshared", action="store_true",
                         help="smollm2: every lightrft sample computes its own prompt (--no_prompt_sharing), as "
                              "before prompt sharing")
@@ -699,8 +729,8 @@ def main() -> None:
         plot(json.loads(Path(args.replot).read_text()), Path(args.png))
         print(f"plot: {args.png}")
         return
-    if (args.packing or args.unshared) and args.workload != "smollm2":
-        parser.error("--packing and --unshared apply to --workload smollm2 only")
+    if args.unshared and args.workload != "smollm2":
+        parser.error("--unshared applies to --workload smollm2 only")
     if args.workload == "smollm2":
         if args.scaling_only:
             parser.error("--scaling_only runs the toy workload: leave out --workload smollm2")
