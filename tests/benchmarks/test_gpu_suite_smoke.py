@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import Qwen2Config
 
 from tests.conftest import REPO_ROOT, load_file_module, subprocess_env
@@ -29,7 +30,7 @@ def positive(value) -> bool:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_suite") / "suite.json"
-    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--json", str(out)], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--shared_prompts", "4", "--json", str(out)], cwd=REPO_ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (f"gpu_suite --smoke exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                                   f"{proc.stderr[-6000:]}")
@@ -56,6 +57,25 @@ def test_actor_update_under_zero2_and_zero3_reports_achieved_flops(smoke):
     # Both stages train the same model on the same batches: the same work per step.
     zero2, zero3 = results["actor_update"]["zero2"], results["actor_update"]["zero3"]
     assert zero2["model_tflop_per_step"] == zero3["model_tflop_per_step"] and zero2["params"] == zero3["params"]
+
+
+def test_grouped_updates_share_prompts_on_the_same_batches(smoke, suite):
+    results, stdout = smoke
+    shared, unshared = (results["actor_update"][f"zero2_grouped_{k}"] for k in ("shared", "unshared"))
+    assert shared["shared_prompts"] and not unshared["shared_prompts"] and shared["group"] == unshared["group"] == 4
+    assert shared["tokens_per_step"] == unshared["tokens_per_step"] and positive(shared["samples_per_s"])
+    # Each group of 4 computes its prompt once: fewer tokens than the batch holds.
+    assert unshared["computed_tokens_per_step"] == unshared["tokens_per_step"]
+    assert 0 < shared["computed_tokens_per_step"] < shared["tokens_per_step"]
+    assert "shared prompts" in stdout
+    batches = suite.rl_micro_batches(suite.SMOKE_SIZES, 128, "cpu", seed=0, group=4)
+    for batch in batches:
+        assert len(batch.seq_lens) % 4 == 0 and sum(batch.seq_lens) <= suite.SMOKE_SIZES.micro_tokens
+        starts = [0] + torch.tensor(batch.seq_lens).cumsum(0).tolist()
+        for i, first in enumerate(batch.prompt_groups):     # a group's sequences start with the same prompt
+            prompt = batch.seq_lens[i] - batch.num_actions[i]
+            assert torch.equal(batch.input_ids[0, starts[i]:starts[i] + prompt],
+                               batch.input_ids[0, starts[first]:starts[first] + prompt])
 
 
 def test_rollout_sync_and_grpo_step_report_their_figures(smoke):

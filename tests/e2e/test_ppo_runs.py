@@ -29,9 +29,9 @@ def first_step(scalars, tag):
 
 
 def test_packing_and_zero3_give_the_same_first_step(toy, tmp_path):
-    """Padded runs share each prompt's forward among its 4 samples (ZeRO-2 and ZeRO-3, where the
-    prompt and response forwards gather the weights twice); packed runs and --no_prompt_sharing
-    do not: all agree."""
+    """Padded runs share each prompt's forward among its 4 samples through a KV cache (ZeRO-2 and
+    ZeRO-3, where the prompt and response forwards gather the weights twice), packed runs through
+    the shared-prompt row; --no_prompt_sharing does not share: all agree."""
     runs = {
         "padded-zero2": run_ppo(toy, tmp_path / "a", max_steps=1),
         "padded-zero3": run_ppo(toy, tmp_path / "d", max_steps=1, zero_stage=3),

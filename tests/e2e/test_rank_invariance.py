@@ -14,12 +14,16 @@ from tests.trainer.ppo_harness import flags, make_task, run
 pytestmark = pytest.mark.dist
 
 
-def test_one_rank_and_two_ranks_take_the_same_steps(tmp_path):
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_one_rank_and_two_ranks_take_the_same_steps(tmp_path, packing):
+    """Packed: each micro-batch shares its prompts in one shared row, whose composition differs
+    between one rank and two; the steps must not."""
     (tmp_path / "task").mkdir()
     task = make_task(tmp_path / "task")
     # A small learning rate keeps Adam's first steps (about lr x sign(grad)) away from sign flips of
     # gradients that are zero up to rounding, which would differ by 2 x lr between the runs.
-    overrides = dict(actor_learning_rate=1e-4, max_steps=2, use_tensorboard=tmp_path / "tb")
+    overrides = dict(actor_learning_rate=1e-4, max_steps=2, use_tensorboard=tmp_path / "tb",
+                     **({"packing_samples": True} if packing else {}))
     one_logs, one = run(task, tmp_path / "one", **overrides)
     proc = run_torchrun(["lightrft.cli.train_ppo", *flags(task, tmp_path / "two", **overrides)], module=True)
     two_logs = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
