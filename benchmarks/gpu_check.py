@@ -31,7 +31,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Fewer timed repeats than the suite's defaults: the tests and the suite fit in 10 minutes together.
 DEFAULT_SUITE_ARGS = ["--update_steps", "2", "--repeats", "2", "--profile", "--wide_micro_tokens", "32768",
-                      "--shared_prompts", "8", "--compile_parts"]
+                      "--shared_prompts", "8"]
 
 
 def gpu_test_files() -> list[str]:

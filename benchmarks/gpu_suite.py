@@ -335,7 +335,9 @@ def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int, 
             prompt = int(torch.randint(sizes.prompt_len[0], sizes.prompt_len[1] + 1, (1,), generator=gen))
             responses = [math.exp(math.log(sizes.response_median) + 0.8 * float(torch.randn(1, generator=gen)))
                          for _ in range(group)]
-            # A group's sequences share the budget: each at most budget / group tokens.
+            # A group's sequences share the budget: each at most budget / group tokens, at most half prompt.
+            if group > 1:
+                prompt = min(prompt, budget // group // 2)
             longest = sizes.response_max if group == 1 else min(sizes.response_max, budget // group - prompt)
             responses = [int(min(max(r, 16), longest)) for r in responses]
             if sum(seq_lens) + group * prompt + sum(responses) > budget:
