@@ -298,6 +298,34 @@ def pointwise_parts_compiled(model: Qwen2ForCausalLM):
         modeling_qwen2.apply_rotary_pos_emb = rotary
 
 
+@contextmanager
+def decoder_layers_compiled(model: Qwen2ForCausalLM):
+    """The second compile experiment: every decoder layer under torch.compile (dynamic shapes),
+    with lightrft's packed attention kept out of the graph (`torch.compiler.disable`: the layer
+    compiles into the part before the attention call and the part after). Yields a dict that
+    receives the number of graphs dynamo compiled."""
+    from torch._dynamo import config as dynamo_config, reset as dynamo_reset
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from lightrft.models import hf_utils
+
+    mapping = hf_utils.AttentionInterface._global_mapping
+    original = mapping[hf_utils.VARLEN_ATTENTION]
+    mapping[hf_utils.VARLEN_ATTENTION] = torch.compiler.disable(original)
+    limit = dynamo_config.recompile_limit
+    dynamo_config.recompile_limit = 64
+    dynamo_reset()
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
+    stats = {}
+    try:
+        yield stats
+    finally:
+        stats["unique_graphs"] = int(dynamo_counters["stats"]["unique_graphs"])
+        mapping[hf_utils.VARLEN_ATTENTION] = original
+        dynamo_config.recompile_limit = limit
+
+
 def parameter_counts(model: torch.nn.Module) -> dict:
     embedding = model.get_input_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())     # a tied LM head is counted once
@@ -358,7 +386,7 @@ def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int, 
 
 def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dtype: torch.dtype,
                  probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False, profile_steps: bool = False,
-                 group: int = 1, share: bool = True, compiled: bool = False):
+                 group: int = 1, share: bool = True, compiled: bool = False, layers_compiled: bool = False):
     """Optimizer steps of an `ActorLanguage` under ZeRO-`stage` on one rank: one warm-up step,
     then `sizes.update_steps` timed ones, then (`profile_steps`, CUDA) one step under the profiler
     and one with PyTorch's sync debug mode (`profiled_step`). `group` > 1 gives each prompt that
@@ -371,6 +399,7 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
         model = build_qwen2(shape, device, dtype, seed)
         counts = parameter_counts(model)
         stack.enter_context(pointwise_parts_compiled(model) if compiled else nullcontext())
+        compile_stats = stack.enter_context(decoder_layers_compiled(model)) if layers_compiled else None
         actor = ActorLanguage(model, packing_samples=True)
         actor.train()
         optimizer = strategy.create_optimizer(actor, lr=1e-6)
@@ -396,6 +425,10 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                 step_seconds.append(time.perf_counter() - started)
         seconds = statistics.median(step_seconds)
         profile = profiled_step(optimizer_step, device, seconds, len(batches)) if profile_steps else None
+        if compile_stats is not None:
+            from torch._dynamo.utils import counters as dynamo_counters
+
+            compile_stats["unique_graphs"] = int(dynamo_counters["stats"]["unique_graphs"])
     flops = sum(training_flops(model.config, b.seq_lens, b.num_actions) for b in batches)
     tokens = sum(sum(b.seq_lens) for b in batches)
     figures = {"zero_stage": stage, "micro_tokens": sizes.micro_tokens, **counts, "attn_implementation": actor.attn_implementation,
@@ -405,6 +438,8 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                "model_tflop_per_step": flops / 1e12, "achieved_tflops": flops / seconds / 1e12,
                "mfu": None if peak is None else flops / seconds / (peak * 1e12),
                "group": group, "shared_prompts": bool(share and group > 1), "compiled_parts": compiled,
+               "compiled_layers": layers_compiled,
+               "compiled_graphs": None if compile_stats is None else compile_stats.get("unique_graphs"),
                "samples_per_s": sum(len(b.seq_lens) for b in batches) / seconds}
     if group > 1:        # the model FLOPs above count every sequence's prompt; shared, fewer are computed
         figures["computed_tokens_per_step"] = sum(
@@ -715,6 +750,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile_parts", action="store_true",
                         help="also time a ZeRO-2 update with the norms, MLPs and rotary function compiled "
                              "(torch.compile, dynamic shapes): an experiment on kernel launches")
+    parser.add_argument("--compile_layers", action="store_true",
+                        help="also time a ZeRO-2 update with every decoder layer compiled (torch.compile, dynamic "
+                             "shapes) around the eager packed attention: an experiment on kernel launches")
     parser.add_argument("--shared_prompts", type=int, default=0, metavar="G",
                         help="also time ZeRO-2 updates of micro-batches with G responses per prompt, the prompt "
                              "computed once (prompt_groups) and per sequence")
@@ -876,6 +914,11 @@ def run_updates(args, shape, sizes, device, dtype, probe, peak, phases: dict, er
             2, shape, sizes, device, dtype, probe, peak, args.seed, profile_steps=args.profile, compiled=True))
         update["zero2_compiled"] = out[0] if ok else out
         release_memory(device)
+    if "update" in args.sections and args.compile_layers:
+        ok, out = attempt("update ZeRO-2 compiled layers", errors, lambda: actor_update(
+            2, shape, sizes, device, dtype, probe, peak, args.seed, profile_steps=args.profile, layers_compiled=True))
+        update["zero2_compiled_layers"] = out[0] if ok else out
+        release_memory(device)
     if "update" in args.sections and args.wide_micro_tokens:
         # The same tokens per step in fewer, longer micro-batches: fewer kernel launches per token,
         # which shows how much of the step the host's launches take.
@@ -967,7 +1010,8 @@ def print_report(results: dict) -> None:
     print(f"versions: {', '.join(f'{k} {v}' for k, v in results['versions'].items())}")
     rows = []
     for stage, label in (("zero2", "update ZeRO-2"), ("zero3", "update ZeRO-3"), ("zero2_wide", "update ZeRO-2 wide"),
-                         ("zero2_compiled", "update Z2 compiled")):
+                         ("zero2_compiled", "update Z2 compiled"),
+                         ("zero2_compiled_layers", "update Z2 layers")):
         fig = results["actor_update"].get(stage)
         if fig and "error" not in fig:
             achieved = f"{fig['achieved_tflops'] * 1e3:.2f} GFLOP/s" if cpu else f"{fig['achieved_tflops']:.1f} TFLOP/s"
@@ -991,13 +1035,14 @@ def print_report(results: dict) -> None:
         split = ", ".join(f"{k} {v:.2f}" for k, v in grpo["phases_seconds"].items())
         rows.append(("GRPO step", f"{grpo['step_seconds']:.2f} s, {grpo['samples_per_s']:.1f} samples/s "
                                   f"({split} s)", "grpo train (step 2)"))
-    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled"):
+    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled", "zero2_compiled_layers"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
             rows.append((f"  profile {stage}", f"GPU busy {prof['gpu_busy_share']:.0%} of the step; "
                          f"{prof['host_syncs']} host syncs, {prof['device_to_host_copies']} D2H copies, "
                          f"{prof['attention_kernels_per_micro_batch']:.0f} attention kernels/micro-batch",
-                         {"zero2": "update ZeRO-2", "zero3": "update ZeRO-3", "zero2_compiled": ""}.get(
+                         {"zero2": "update ZeRO-2", "zero3": "update ZeRO-3", "zero2_compiled": "",
+                          "zero2_compiled_layers": ""}.get(
                              stage, "update ZeRO-2 wide")))
     shared, unshared = (results["actor_update"].get(f"zero2_grouped_{k}") or {} for k in ("shared", "unshared"))
     if "step_seconds" in shared and "step_seconds" in unshared:
@@ -1013,7 +1058,7 @@ def print_report(results: dict) -> None:
     for phase, fig in memory.items():
         used = "" if fig["device_used_gib"] is None else f", device in use {fig['device_used_gib']:.2f} GiB"
         print(f"  {phase:<24} peak {fig['peak_gib']:.3f} GiB{used}, {fig['seconds']:.1f} s")
-    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled"):
+    for stage in ("zero2", "zero3", "zero2_wide", "zero2_compiled", "zero2_compiled_layers"):
         prof = (results["actor_update"].get(stage) or {}).get("profile")
         if prof:
             print(f"{stage} step profile: {prof['kernel_launches']} kernels, "
