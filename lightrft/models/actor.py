@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.hf_utils import (
+    check_packed_row,
     check_packing_support,
     default_attn_implementation,
     enable_gradient_checkpointing,
@@ -188,8 +189,7 @@ class ActorLanguage(nn.Module):
             result = self._forward_padded(kwargs, sequences, num_actions, return_output, return_entropy)
         else:
             self.check_packing()
-            kwargs = {**packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation), **extra}
-            result = self._forward_packed(kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
+            result = self._forward_packed(extra, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
                                           prompt_groups)
         if return_aux_loss:
             output = result[1] if isinstance(result, tuple) else result
@@ -222,18 +222,22 @@ class ActorLanguage(nn.Module):
             self.share_prompts = False  # this model cannot; the plain forward from now on
             return None
 
-    def _forward_packed(self, kwargs, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
+    def _forward_packed(self, extra, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
                         prompt_groups=None):
+        """`extra`: keyword arguments beyond the packed row's (router logits); the row's own are
+        built only for the forward that runs (the shared row builds its own)."""
+        check_packed_row(sequences, packed_seq_lens)
         if num_actions is None:
-            return self.model(**kwargs)
+            return self.model(**packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation), **extra)
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         output = None
-        if self.share_prompts and prompt_groups is not None and "output_router_logits" not in kwargs:
+        if self.share_prompts and prompt_groups is not None and not extra:
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
                                                  lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
         if output is None:
-            output = self.model(**kwargs, logits_to_keep=index.predict_positions)  # logits (1, K, V)
+            kwargs = packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation)
+            output = self.model(**kwargs, **extra, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
         if return_output and return_entropy:

@@ -385,6 +385,13 @@ def padded_forward_kwargs(sequences: torch.Tensor, attention_mask: torch.Tensor 
     }
 
 
+def check_packed_row(input_ids: torch.Tensor, seq_lens: list[int]) -> list[int]:
+    """Refuses a packed row that is not (1, P) or lengths that do not cover it; the lengths as ints."""
+    if input_ids.ndim != 2 or input_ids.size(0) != 1:
+        raise ValueError(f"packed sequences must be one row of shape (1, P), got {tuple(input_ids.shape)}")
+    return check_seq_lens(seq_lens, input_ids.size(1))
+
+
 def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_implementation: str) -> dict:
     """Keyword arguments for a forward over a packed row (1, P) of sequences with lengths `seq_lens`.
 
@@ -395,9 +402,7 @@ def packed_forward_kwargs(input_ids: torch.Tensor, seq_lens: list[int], attn_imp
       which transformers derives the block-diagonal mask. `use_cache=False` is required for that
       detection (transformers only looks for packing when there is no cache).
     """
-    if input_ids.ndim != 2 or input_ids.size(0) != 1:
-        raise ValueError(f"packed sequences must be one row of shape (1, P), got {tuple(input_ids.shape)}")
-    seq_lens = check_seq_lens(seq_lens, input_ids.size(1))
+    seq_lens = check_packed_row(input_ids, seq_lens)
     kwargs = {
         "input_ids": input_ids,
         "position_ids": packed_position_ids(seq_lens, input_ids.device),
