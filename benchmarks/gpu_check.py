@@ -44,7 +44,10 @@ def gpu_test_files() -> list[str]:
 
 def run_gpu_tests(report: Path, timeout: float, smoke: bool) -> dict:
     """`pytest -m gpu` with a JUnit report; {"tests": [...], "seconds", "exit", "error"?}."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+    # `-o addopts=` drops pytest.ini's `-n 2` (pytest-xdist): the GPU tests run one at a time, on
+    # machines that may not have the test extras.
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           "--strict-markers", f"--junitxml={report}",
            *gpu_test_files()]
     env = dict(os.environ)
     if smoke:

@@ -43,7 +43,31 @@ def pytest_runtest_teardown(item):
     return (yield from _without_lightrft_deprecations("teardown", item))
 
 
+# Under pytest-xdist (`-n 2` in pytest.ini) each worker takes whole files (`--dist loadfile`, so a
+# module's fixtures are built once) in the order collected here: the end-to-end and real-model
+# files first, then the other files that launch ranks, then the rest, so the longest files never
+# start last and leave one worker idle at the end. The workers share the cores: each takes its
+# part of them for torch's own threads (the ranks a test launches get one each, subprocess_env).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
+
+def _file_tier(items) -> int:
+    """0 for tests/e2e and tests/real_model, 1 for another file with a `dist` test, else 2."""
+    parts = items[0].path.relative_to(REPO_ROOT).parts if items[0].path.is_relative_to(REPO_ROOT) else ()
+    if parts[:2] in (("tests", "e2e"), ("tests", "real_model")):
+        return 0
+    return 1 if any("dist" in item.keywords for item in items) else 2
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    by_file: dict = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+    order = sorted(by_file.values(), key=_file_tier)      # stable: collection order within a tier
+    items[:] = [item for file_items in order for item in file_items]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -72,6 +72,7 @@ def test_planted():
 def test_the_suite_fails_a_test_whose_lightrft_code_makes_a_deprecated_call(tmp_path):
     (tmp_path / "test_planted.py").write_text(PLANTED_TEST)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-c", str(REPO_ROOT / "pytest.ini"), "-p", "tests.conftest",
+                           "-n", "0",
                            "--rootdir", str(REPO_ROOT), "-q", str(tmp_path / "test_planted.py")],
                           cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -177,15 +177,23 @@ def test_rank_left_alone_when_torchrun_and_its_peer_die_still_exits(task, tmp_pa
 
 def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, tmp_path, launches):
     out = tmp_path / "two_writers"
-    # 60 steps: the first run must still hold the folder when the second has started (on an idle
-    # machine 20 tiny steps ended before the second run's imports did, and it then trained).
-    first = Launch(sft_command(task, out, epochs=12), out, "first")
+    first = Launch(sft_command(task, out, epochs=4), out, "first")
     launches.append(first)
     first.wait_for(lambda: (read_record(out / "ckpt" / LOCK_NAME) or {}).get("pid"), "lock taken by rank 0")
     holder = read_record(out / "ckpt" / LOCK_NAME)
 
-    second = subprocess.run(sft_command(task, out, epochs=12), cwd=REPO_ROOT, env=subprocess_env(),
-                            capture_output=True, text=True, timeout=300)
+    # The first run's ranks are paused while the second starts, so the first still holds the folder
+    # however long the second's start takes (20 tiny steps can end before another run's imports do
+    # on a busy machine, and that run then rightly trains).
+    ranks = first.find_workers()
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run(sft_command(task, out, epochs=4), cwd=REPO_ROOT, env=subprocess_env(),
+                                capture_output=True, text=True, timeout=300)
+    finally:
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
     assert second.returncode != 0
     message = f"{out / 'ckpt'} (--ckpt_path) is in use by another run: pid {holder['pid']} on host"
     assert message in second.stderr, second.stderr[-4000:]
@@ -194,7 +202,7 @@ def test_second_run_on_the_same_folder_is_refused_and_the_first_finishes(task, t
     assert first.proc.poll() is None or first.proc.returncode == 0  # the first run goes on
     assert first.proc.wait(timeout=600) == 0, first.output()[-6000:]
     assert summary(first.output())["stop_reason"] == "finished"
-    assert summary(first.output())["step"] == 60
+    assert summary(first.output())["step"] == 20
     assert read_record(out / "ckpt" / LOCK_NAME) is None  # released at exit
 
 
