@@ -4,6 +4,7 @@ check that lightrft code raises no FutureWarning or DeprecationWarning (tests/de
 import json
 import importlib.util
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -85,8 +86,41 @@ def load_file_module(path, name: str | None = None):
     return module
 
 
+def _port_block() -> range:
+    """This process's ports for `free_port`: below the kernel's ephemeral range (the one that port-0
+    binds and outgoing connections draw from, so no server or connection of a run takes them), one
+    block per pytest-xdist worker (so the other worker never picks the same one)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = 20000
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = (ephemeral_low - low) // max(WORKERS, index + 1)
+    return range(low + index * span, low + (index + 1) * span) if span >= 100 else range(0)
+
+
+_PORTS = _port_block()
+_next_port = random.Random().randrange(len(_PORTS)) if _PORTS else 0   # its own generator: tests seed the global one
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port for a launcher or server a test starts. Taken in turn from this worker's block and
+    checked free by a bind, so a port a recent test used is not handed out again at once; a port
+    picked by binding port 0 could be taken by another test's connection before the launcher binds
+    it (it happened: EADDRINUSE under two workers)."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:           # no block (a small ephemeral range) or all in use
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
