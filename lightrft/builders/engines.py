@@ -18,6 +18,7 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                kv_cache_gb=rollout.vllm_kv_cache_gb,
                                enable_sleep={"auto": None, "on": True, "off": False}[rollout.vllm_enable_sleep],
                                sync_bucket_mb=rollout.vllm_sync_bucket_mb, weight_sync=rollout.weight_sync,
+                               **({"enforce_eager": True} if rollout.vllm_enforce_eager else {}),
                                **({"tensor_parallel_size": rollout.vllm_tensor_parallel_size}
                                   if rollout.vllm_tensor_parallel_size != 1 else {}),
                                # a LoRA actor syncs only its adapter (RolloutManager.for_actor)

@@ -224,6 +224,9 @@ class RolloutConfig:
                                                "are split per replica and every sample still trains exactly once")
     vllm_sync_bucket_mb: float = option(512.0, "MB of gathered weights per vLLM weight-sync call (whole decoder "
                                                "layers per bucket)", above=0)
+    vllm_enforce_eager: bool = option(False, "run vLLM's model eagerly: no torch.compile and no CUDA graphs (an "
+                                             "engine starts in seconds instead of tens of seconds, and decodes "
+                                             "slower; for short runs, tests and debugging)")
     weight_sync: str = option("auto", "what a weight sync sends: delta (vLLM: only the decoder layers where a bit "
                                       "changed; explorers over broadcast: only the changed elements; both keep a "
                                       "host copy of the synced weights), full (everything, no copy) or auto (delta "

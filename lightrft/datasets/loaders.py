@@ -11,8 +11,6 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-import datasets as hf_datasets
-import pyarrow.parquet as pq
 
 from lightrft.datasets.validation import DatasetRowError
 
@@ -125,6 +123,8 @@ def _read_json(path: Path) -> list[dict]:
 
 
 def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
     return pq.read_table(path).to_pylist()
 
 
@@ -137,6 +137,8 @@ def _load_saved_dataset(path: Path, flag: str, split: str | None) -> list[dict]:
     if not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
         raise ValueError(f"{flag} {path}: a folder, but not one written by datasets' save_to_disk (it has no "
                          "dataset_dict.json or state.json); pass a data file or a saved dataset folder")
+    import datasets as hf_datasets      # half a second to import; only saved folders need it
+
     try:
         loaded = hf_datasets.load_from_disk(str(path))
     except Exception as err:  # datasets raises many types for a damaged folder; all are this user error

