@@ -168,6 +168,29 @@ def run_torchrun(args, nproc: int = 2, timeout: int = 600, env: dict | None = No
     return proc
 
 
+def run_torchrun_many(runs: list[list], folder: Path, nproc: int = 2, timeout: int = 600,
+                      env: dict | None = None) -> list[str]:
+    """Runs several train_ppo flag lists one after another in one `torchrun` launch
+    (tests/e2e/run_many.py: each run builds and closes everything, as its own launch would; the
+    ranks' imports are paid once) and returns each run's stdout. The runs' list is written to
+    `folder`."""
+    from tests.e2e.run_many import MARKER
+
+    spec = Path(folder) / "runs.json"
+    spec.write_text(json.dumps([{"port": free_port(), "argv": [str(a) for a in argv]} for argv in runs]))
+    proc = run_torchrun(["tests/e2e/run_many.py", spec], nproc=nproc, timeout=timeout, env=env)
+    outputs = []
+    for line in proc.stdout.splitlines(keepends=True):
+        if line.strip() == MARKER.format(len(outputs)):
+            outputs.append("")
+            continue
+        if outputs:
+            outputs[-1] += line
+    if len(outputs) != len(runs):
+        pytest.fail(f"run_many printed {len(outputs)} of {len(runs)} run markers\n{proc.stdout[-4000:]}")
+    return outputs
+
+
 def to_flags(values: dict) -> list[str]:
     """Command-line arguments from {flag: value}: None or False drops a flag, True makes a bare
     switch, a list or tuple gives several values, and a string with spaces is split into them."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, run_torchrun_many
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 from tests.rewards.test_remote import ScriptedServer
 
@@ -32,13 +32,18 @@ def test_packing_and_zero3_give_the_same_first_step(toy, tmp_path):
     """Padded runs share each prompt's forward among its 4 samples through a KV cache (ZeRO-2 and
     ZeRO-3, where the prompt and response forwards gather the weights twice), packed runs through
     the shared-prompt row; --no_prompt_sharing does not share: all agree."""
-    runs = {
-        "padded-zero2": run_ppo(toy, tmp_path / "a", max_steps=1),
-        "padded-zero3": run_ppo(toy, tmp_path / "d", max_steps=1, zero_stage=3),
-        "padded-unshared": run_ppo(toy, tmp_path / "e", max_steps=1, no_prompt_sharing=True),
-        "packed-zero2": run_ppo(toy, tmp_path / "b", max_steps=1, packing_samples=True),
-        "packed-zero3": run_ppo(toy, tmp_path / "c", max_steps=1, packing_samples=True, zero_stage=3),
+    layouts = {
+        "padded-zero2": dict(),
+        "padded-zero3": dict(zero_stage=3),
+        "padded-unshared": dict(no_prompt_sharing=True),
+        "packed-zero2": dict(packing_samples=True),
+        "packed-zero3": dict(packing_samples=True, zero_stage=3),
     }
+    # One launch runs the five (each builds and closes its own process group, models and engine).
+    outputs = run_torchrun_many([grpo_flags(toy, tmp_path / name, **{**SMALL, "max_steps": 1, **extra})
+                                 for name, extra in layouts.items()], tmp_path)
+    runs = {name: (summary_line(output), tensorboard_scalars(tmp_path / name / "tb"))
+            for name, output in zip(layouts, outputs)}
     reference = runs["padded-zero2"][1]
     # The rollouts are identical (same seeds, same weights), so the rewards agree exactly ...
     for name, (summary, scalars) in runs.items():
@@ -58,9 +63,11 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, zero_sta
     # 16 prompts a step: 4 steps in all, interrupted after step 2 (mid-episode, or exactly at the end
     # of the first of two episodes).
     four = dict(max_samples=per_episode, num_episodes=episodes, save_steps=-1, zero_stage=zero_stage)
-    full_summary, full = run_ppo(toy, tmp_path / "full", **four)
-    assert full_summary["step"] == 4
-    run_ppo(toy, tmp_path / "part", max_steps=2, **four)
+    # The uninterrupted run and the interrupted one share a launch; the resume is a new process.
+    outputs = run_torchrun_many([grpo_flags(toy, tmp_path / "full", **{**SMALL, **four}),
+                                 grpo_flags(toy, tmp_path / "part", **{**SMALL, "max_steps": 2, **four})], tmp_path)
+    assert summary_line(outputs[0])["step"] == 4 and summary_line(outputs[1])["step"] == 2
+    full = tensorboard_scalars(tmp_path / "full" / "tb")
     resumed_summary, resumed = run_ppo(toy, tmp_path / "part", load_checkpoint=True, **four)
     assert resumed_summary["step"] == 4
     for tag in ("rollout/reward", "train/policy_loss", "train/ratio_max", "rollout/response_length"):
