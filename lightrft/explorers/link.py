@@ -34,6 +34,9 @@ from lightrft.explorers.explorer import BackgroundCall, Explorer, explorer_parts
 from lightrft.explorers.weights import WeightPublisher
 from lightrft.explorers.roles import JobLink, LocalChannel
 
+# How long a preempted trainer waits for its explorers' last words (see ExplorerLink.stop).
+PREEMPTED_STOP_WAIT_S = 5.0
+
 
 class ExplorerLink:
     """The trainers' end of a decoupled run, an `ExperienceSource`: every trainer rank receives
@@ -71,13 +74,18 @@ class ExplorerLink:
         self.publish(context.first_step)
 
     def stop(self, preempted: bool = False) -> None:
-        """Tells the explorers to stop and takes what they still send, so none is left blocked
-        (waiting at most 30 s when preempted: the grace period belongs to the checkpoint)."""
-        timeout = min(self.timeout_s, 30.0) if preempted else self.timeout_s
+        """Tells the explorers to stop and takes what they still send, so none is left blocked.
+
+        Preempted, the whole job is ending (the launcher signals every rank, explorers included)
+        and the checkpoint is already written: the trainer waits at most PREEMPTED_STOP_WAIT_S in
+        all, so it exits on its own well before the launcher's kill (torchrun: 30 s after its
+        SIGTERM) even when an explorer is gone and will never answer."""
+        budget = min(self.timeout_s, PREEMPTED_STOP_WAIT_S) if preempted else self.timeout_s
+        deadline = time.monotonic() + budget
         self.receiver.drain()
         if self.publisher is not None:
-            self.publisher.close(timeout)
-        self.receiver.join(timeout)
+            self.publisher.close(max(0.0, deadline - time.monotonic()))
+        self.receiver.join(max(0.0, deadline - time.monotonic()))
 
     def publish(self, version: int) -> None:
         """Sends the actor's weights (the context's weight stream) as `version`, the number of

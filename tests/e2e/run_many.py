@@ -21,8 +21,10 @@ MARKER = "=== run {} ==="
 
 if __name__ == "__main__":
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    launched = dict(os.environ)
     for index, run in enumerate(json.loads(Path(sys.argv[1]).read_text())):
-        os.environ["MASTER_PORT"] = str(run["port"])
+        os.environ.clear()              # a run may rewrite the launcher's variables (explorer roles do)
+        os.environ.update(launched, MASTER_PORT=str(run["port"]))
         if os.environ.get("RANK", "0") == "0":
             print(MARKER.format(index), flush=True)
         train(parse_args(run["argv"]))

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from lightrft.utils.toy import greedy_accuracy
-from tests.conftest import REPO_ROOT, free_port, run_torchrun, subprocess_env
+from tests.conftest import REPO_ROOT, free_port, run_torchrun, run_torchrun_many, subprocess_env
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 
 pytestmark = pytest.mark.dist
@@ -106,7 +106,10 @@ def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, tmp_path):
 def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_path):
     # --sync_offset 1 --sync_interval 2: bound 1 + 2 - 1 = 2; batch b needs version (b - 1) // 2 * 2.
     flags = dict(max_samples=128, explorer_ranks=1, sync_offset=1, sync_interval=2, tis_cap=2.0)
-    assert summary_line(launch(toy, tmp_path, **flags).stdout)["step"] == 8
+    # The run and its repetition (compared at the end) share a launch.
+    outputs = run_torchrun_many([grpo_flags(toy, tmp_path, **{**SMALL, **flags}),
+                                 grpo_flags(toy, tmp_path / "again", **{**SMALL, **flags})], tmp_path)
+    assert summary_line(outputs[0])["step"] == 8
     ledger = client_state(tmp_path)["prompt_ledger"]
     # Each batch is generated with exactly the version it calls for, whatever the timing.
     expected_versions = [max(0, b - 1) // 2 * 2 for b in range(8)]        # 0 0 0 2 2 4 4 6
@@ -119,7 +122,6 @@ def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_
     weights = series(tmp_path, "train/tis_weight_mean")
     assert any(abs(w - 1.0) > 1e-4 for w in weights), weights
     # Whatever the timing of the two roles, the run is reproducible.
-    launch(toy, tmp_path / "again", **flags)
     first, again = final_weights(tmp_path), final_weights(tmp_path / "again")
     assert all(torch.equal(first[k], again[k]) for k in first)
 
@@ -138,8 +140,9 @@ def test_decoupled_grpo_learns_like_the_synchronous_run(toy, tmp_path):
     before = greedy_accuracy(toy["model"], toy["eval_rows"])
     common = dict(num_episodes=5, rollout_batch_size=32, n_samples_per_prompt=8, train_batch_size=128,
                   micro_train_batch_size=32, micro_rollout_batch_size=64, max_samples=None, save_steps=-1)
-    launch(toy, tmp_path / "sync", **common)
-    launch(toy, tmp_path / "decoupled", explorer_ranks=1, sync_offset=1, tis_cap=2.0, **common)
+    run_torchrun_many([grpo_flags(toy, tmp_path / "sync", **{**SMALL, **common}),
+                       grpo_flags(toy, tmp_path / "decoupled", **{**SMALL, **common, "explorer_ranks": 1,
+                                                                   "sync_offset": 1, "tis_cap": 2.0})], tmp_path)
     sync, decoupled = (greedy_accuracy(tmp_path / run / "model", toy["eval_rows"]) for run in ("sync", "decoupled"))
     sync_late, decoupled_late = (late_reward(series(tmp_path / run, "rollout/reward")) for run in ("sync", "decoupled"))
     print(f"held-out greedy accuracy {before:.3f} -> synchronous {sync:.3f}, decoupled {decoupled:.3f}; "
@@ -217,9 +220,9 @@ def test_one_step_ahead_in_process_trains_like_an_explorer_rank(toy, tmp_path):
     while the rank trains step k. It samples what an explorer rank samples (same seeds, same
     weight versions), on one rank or two."""
     flags = dict(sync_offset=1, tis_cap=2.0, max_samples=96)
-    launch(toy, tmp_path / "rank", explorer_ranks=1, **flags)
+    run_torchrun_many([grpo_flags(toy, tmp_path / "rank", **{**SMALL, **flags, "explorer_ranks": 1}),
+                       grpo_flags(toy, tmp_path / "threads", **{**SMALL, **flags})], tmp_path)
     launch(toy, tmp_path / "thread", nproc=1, **flags)
-    launch(toy, tmp_path / "threads", nproc=2, **flags)
     rewards = series(tmp_path / "rank", "rollout/reward")
     assert series(tmp_path / "thread", "rollout/reward") == rewards
     assert series(tmp_path / "threads", "rollout/reward") == pytest.approx(rewards, abs=1e-6)

@@ -253,3 +253,34 @@ def test_an_explorer_error_reaches_the_trainer_with_its_traceback():
     channel.send((FAILED, "Traceback (most recent call last):\n  ...\nValueError: reward file returned 3 scores"))
     with pytest.raises(RuntimeError, match="(?s)^an explorer failed:\n.*ValueError: reward file returned 3 scores"):
         receiver.take(0)
+
+
+# --------------------------------------------------------------------------------- stopping
+class _Recorder:
+    """A receiver or publisher stand-in that records how long `stop` let it wait."""
+
+    def __init__(self):
+        self.waits = []
+
+    def drain(self):
+        pass
+
+    def join(self, timeout):
+        self.waits.append(timeout)
+
+    close = join
+
+
+@pytest.mark.parametrize("preempted, most", [(True, 5.0), (False, 600.0)])
+def test_a_preempted_trainer_waits_seconds_for_its_explorers_not_the_link_timeout(preempted, most):
+    """Preempted, the job is ending and an explorer may be gone for good (kill -9): the trainer
+    waits at most 5 s in all for the explorers' last messages, so it exits before torchrun's
+    kill 30 s after SIGTERM; otherwise it waits up to the link's timeout."""
+    from lightrft.explorers.link import PREEMPTED_STOP_WAIT_S, ExplorerLink
+
+    link = ExplorerLink.__new__(ExplorerLink)
+    link.timeout_s, link.receiver, link.publisher = 600.0, _Recorder(), _Recorder()
+    link.stop(preempted=preempted)
+    waits = link.publisher.waits + link.receiver.waits
+    assert len(waits) == 2 and most - 1.0 < waits[0] <= most and waits[1] <= waits[0]
+    assert PREEMPTED_STOP_WAIT_S == 5.0
