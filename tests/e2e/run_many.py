@@ -13,18 +13,42 @@ from disk (resume after a kill or a preemption) launches each run on its own."""
 import json
 import os
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
+
+from torch.distributed import TCPStore
 
 from lightrft.cli.train_ppo import parse_args, train
 
 MARKER = "=== run {} ==="
 
+
+
+def all_arrived(store, key: str, world: int) -> None:
+    """Waits on torchrun's own store (it outlives every rank) until all `world` ranks got here."""
+    store.add(key, 1)
+    while int(store.add(key, 0)) < world:
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     launched = dict(os.environ)
+    world = int(launched["WORLD_SIZE"])
+    agent = TCPStore(launched["MASTER_ADDR"], int(launched["MASTER_PORT"]), world, is_master=False,
+                     timeout=timedelta(minutes=10))
     for index, run in enumerate(json.loads(Path(sys.argv[1]).read_text())):
         os.environ.clear()              # a run may rewrite the launcher's variables (explorer roles do)
-        os.environ.update(launched, MASTER_PORT=str(run["port"]))
-        if os.environ.get("RANK", "0") == "0":
+        os.environ.update(launched, MASTER_PORT=str(run["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+        if launched["RANK"] == "0":
             print(MARKER.format(index), flush=True)
         train(parse_args(run["argv"]))
+        # Rank 0 hosts the run's store: no rank leaves (or starts the next run) while a peer may
+        # still be closing its groups over it.
+        all_arrived(agent, f"run_many/after/{index}", world)
+    # Every run has closed its groups and written its files. Ending here skips the interpreter's
+    # teardown, where gloo's worker threads can still abort a finished job ("terminate called
+    # without an active exception"); train_ppo's own exit is what the single-launch tests cover.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
