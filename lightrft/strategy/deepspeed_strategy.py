@@ -145,8 +145,10 @@ class DeepspeedStrategy:
         if cuda:
             torch.cuda.set_device(self.local_rank)
         set_seed(self.config.seed)
+        # Also when the group exists already (explorer roles start it): deepspeed.initialize then
+        # starts DeepSpeed's communication backend itself, which would build the op.
+        skip_shared_memory_comm_op()
         if not is_dist_initialized():
-            skip_shared_memory_comm_op()
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                        timeout=timedelta(minutes=self.config.dist_timeout_minutes))
 

@@ -3,25 +3,36 @@
 import subprocess
 import sys
 
-from tests.conftest import subprocess_env
+import pytest
+
+from tests.conftest import free_port, subprocess_env
 
 JOIN = """
+import os
 import deepspeed
+import torch.distributed as dist
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+if os.environ.get("STARTED_BEFORE"):     # as explorer roles do: the group exists before the strategy
+    dist.init_process_group("gloo")
 strategy = DeepspeedStrategy(StrategyConfig())
 strategy.setup_distributed()
+deepspeed.init_distributed(dist_backend="gloo")   # what deepspeed.initialize does when DeepSpeed's backend is unset
 print("shm op:", deepspeed.comm.comm.cdb.shm_comm_op)
 strategy.close()
 """
 
 
-def test_joining_the_group_builds_no_shared_memory_op(tmp_path):
+@pytest.mark.parametrize("started_before", [False, True], ids=["fresh", "group-started-before"])
+def test_joining_the_group_builds_no_shared_memory_op(tmp_path, started_before):
     """DeepSpeed's CPU backend would compile `deepspeed_shm_comm_op` (used only by its inference
     all-reduce) on each machine's first run, 40-85 s of a new user's first minute. With an empty
-    extension cache, joining the group leaves the cache empty and the backend without the op."""
+    extension cache, joining the group leaves the cache empty and the backend without the op,
+    also when the process group was started before the strategy (explorer roles)."""
     cache = tmp_path / "torch_extensions"
     cache.mkdir()
-    result = subprocess.run([sys.executable, "-c", JOIN], env=subprocess_env(TORCH_EXTENSIONS_DIR=str(cache)),
+    launch = dict(STARTED_BEFORE="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port())) if started_before else {}
+    result = subprocess.run([sys.executable, "-c", JOIN], env=subprocess_env(TORCH_EXTENSIONS_DIR=str(cache), **launch),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "shm op: None" in result.stdout
