@@ -170,7 +170,9 @@ def test_rank_left_alone_when_torchrun_and_its_peer_die_still_exits(task, tmp_pa
         time.sleep(0.1)
     assert not alive(survivor), f"rank {survivor} still running {LIVENESS_BOUND_S} s after torchrun and its peer died"
     print(f"\nthe surviving rank exited {time.monotonic() - killed_at:.1f} s after torchrun and its peer were killed")
-    assert "the launcher (pid" in run.output()
+    # Whichever came first names it: the lifeline (the launcher is gone) or gloo (the peer is gone).
+    output = run.output()
+    assert "the launcher (pid" in output or "Check the logs of the remote worker" in output, output[-3000:]
     with RunLock(out / "ckpt"):  # whoever held the folder, it is free again
         pass
 

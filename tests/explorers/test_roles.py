@@ -66,11 +66,19 @@ def test_role_layout_puts_explorers_last_and_needs_a_trainer():
         RoleLayout(2, 0, 2)
 
 
-def test_join_roles_outside_torchrun_names_the_launch(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    with pytest.raises(ValueError, match="--explorer_ranks needs a torchrun launch"):
-        join_roles(1, timeout_minutes=1)
+def test_join_roles_outside_torchrun_names_the_launch():
+    # In a fresh process: a test file run earlier in this worker may have left a process group up,
+    # which join_roles rightly refuses first.
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, subprocess_env
+
+    code = ("from lightrft.explorers.roles import join_roles\n"
+            "try:\n    join_roles(1, timeout_minutes=1)\nexcept ValueError as err:\n    print('ValueError:', err)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert "ValueError: --explorer_ranks needs a torchrun launch" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------ data helpers
