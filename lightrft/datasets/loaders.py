@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-
 from lightrft.datasets.validation import DatasetRowError
 
 SUPPORTED_FORMATS = (".jsonl", ".json", ".parquet", ".csv", "a folder written by datasets' save_to_disk")

@@ -24,7 +24,6 @@ from lightrft.cli.train_ppo import parse_args, train
 MARKER = "=== run {} ==="
 
 
-
 def all_arrived(store, key: str, world: int) -> None:
     """Waits on torchrun's own store (it outlives every rank) until all `world` ranks got here."""
     store.add(key, 1)

@@ -2,6 +2,8 @@
 ledger, and the two channels over real gloo groups (two ranks as two threads of this process)."""
 
 import datetime
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -18,7 +20,7 @@ from lightrft.explorers.batches import DONE, ExperienceReceiver, FAILED, Rollout
 from lightrft.explorers.weights import WeightPublisher, WeightSubscriber, latest_published
 from lightrft.explorers.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
                                     join_roles, unflatten_tensors)
-from tests.conftest import to_flags
+from tests.conftest import REPO_ROOT, subprocess_env, to_flags
 from tests.strategy.test_checkpoint_io import CreatesFile
 
 
@@ -69,11 +71,6 @@ def test_role_layout_puts_explorers_last_and_needs_a_trainer():
 def test_join_roles_outside_torchrun_names_the_launch():
     # In a fresh process: a test file run earlier in this worker may have left a process group up,
     # which join_roles rightly refuses first.
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT, subprocess_env
-
     code = ("from lightrft.explorers.roles import join_roles\n"
             "try:\n    join_roles(1, timeout_minutes=1)\nexcept ValueError as err:\n    print('ValueError:', err)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
