@@ -19,7 +19,7 @@ from lightrft.explorers.ledger import PromptLedger
 from lightrft.explorers.batches import DONE, ExperienceReceiver, FAILED, RolloutBatch
 from lightrft.explorers.weights import WeightPublisher, WeightSubscriber, latest_published
 from lightrft.explorers.roles import (ControlChannel, ExperienceChannel, LocalChannel, RoleLayout, flatten_tensors,
-                                    join_roles, unflatten_tensors)
+                                    unflatten_tensors)
 from tests.conftest import REPO_ROOT, subprocess_env, to_flags
 from tests.strategy.test_checkpoint_io import CreatesFile
 
