@@ -194,16 +194,27 @@ class RunServices:
 
 
 def check_resume_before_start(ckpt_path: Optional[str], args: Any) -> None:
-    """When `args.checkpoint.load_checkpoint` (`args` a run config) asks to resume: refuses (ValueError naming every changed flag)
-    a resume whose pinned options differ from the checkpoint's, before the run writes its
-    run_config.yaml or builds anything. The checkpoint is the one a resume picks in `ckpt_path` or
-    in one of its folders (e.g. `_actor`), read as `RunServices.load` reads it but without hashing
-    its files (`RunServices.load` does that, and checks the options again). Rank 0 only."""
-    if not args.checkpoint.load_checkpoint or not ckpt_path or not os.path.isdir(ckpt_path):
+    """When `args.checkpoint.load_checkpoint` (`args` a run config) asks to resume, refuses before
+    the run writes its run_config.yaml or builds any model:
+    - a required resume (`--load_checkpoint` without `if_present`) with no complete checkpoint
+      anywhere in `ckpt_path` (FileNotFoundError, the message `RunServices.load` would give later);
+    - a resume whose pinned options differ from the checkpoint's (ValueError naming every changed flag).
+    The checkpoint is the one a resume picks in `ckpt_path` or in one of its folders (e.g. `_actor`),
+    read as `RunServices.load` reads it but without hashing its files (`RunServices.load` does that,
+    and checks again). Rank 0 only."""
+    mode = args.checkpoint.load_checkpoint
+    if not mode or not ckpt_path:
         return
     root = Path(ckpt_path)
-    for folder in (root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))):
+    folders = [root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))] \
+        if root.is_dir() else []
+    found = False
+    for folder in folders:
         path = checkpoint_io.resolve_checkpoint(folder, verify=False)
+        found = found or path is not None
         saved = checkpoint_io.load_client_state(path, 0).get("options") if path is not None else None
         if saved:
             check_resume_options(saved, pinned_options(args, tuple(saved)), str(path))
+    if not found and mode == "required":
+        raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {ckpt_path}; pass "
+                                "--load_checkpoint if_present to start fresh when none exists")

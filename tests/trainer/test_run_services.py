@@ -82,6 +82,30 @@ def test_a_refused_resume_leaves_run_config_yaml_alone(tmp_path, capsys):
         assert f"n_samples_per_prompt: {flags[1]}" in (ckpt / "run_config.yaml").read_text()
 
 
+def test_a_required_resume_with_nothing_to_load_is_refused_before_anything_is_built(tmp_path):
+    """`--load_checkpoint` with no complete checkpoint in --ckpt_path (missing, empty, or holding only
+    a save that never finished) stops in announce_config, before any model is built, and writes no
+    run_config.yaml; `--load_checkpoint if_present` starts fresh there, and one intact checkpoint in
+    a part's folder is enough."""
+    strategy = DeepspeedStrategy(StrategyConfig())
+    ckpt = tmp_path / "ckpt"
+    unfinished = ckpt / "_actor" / ".tmp-global_step1"            # a save killed mid-write
+    for make in (lambda: None, lambda: ckpt.mkdir(), lambda: unfinished.mkdir(parents=True)):
+        make()
+        args = parse_args([*PPO_FLAGS, "--n_samples_per_prompt", "4", "--load_checkpoint", "--ckpt_path", str(ckpt)])
+        with pytest.raises(FileNotFoundError, match=f"no complete checkpoint under {ckpt}; pass --load_checkpoint "
+                                                    "if_present"):
+            announce_config(build_parser(), args, strategy, str(ckpt))
+        assert not (ckpt / "run_config.yaml").exists()
+    args = parse_args([*PPO_FLAGS, "--n_samples_per_prompt", "4", "--load_checkpoint", "if_present", "--ckpt_path",
+                       str(ckpt)])
+    announce_config(build_parser(), args, strategy, str(ckpt))
+    assert "load_checkpoint: if_present" in (ckpt / "run_config.yaml").read_text()
+    ppo_checkpoint(ckpt, n_samples=4)
+    args = parse_args([*PPO_FLAGS, "--n_samples_per_prompt", "4", "--load_checkpoint", "--ckpt_path", str(ckpt)])
+    announce_config(build_parser(), args, strategy, str(ckpt))
+
+
 def test_a_resume_accepts_another_spelling_of_the_same_model_folder(tmp_path, monkeypatch):
     """`--pretrain model` saved, `--pretrain ./model` or its absolute path given on resume: the same
     folder, so the resume goes on; another folder is still refused, naming both."""
