@@ -168,16 +168,21 @@ def run_torchrun(args, nproc: int = 2, timeout: int = 600, env: dict | None = No
     return proc
 
 
-def run_torchrun_many(runs: list[list], folder: Path, nproc: int = 2, timeout: int = 600,
+def run_torchrun_many(runs: list, folder: Path, nproc: int = 2, timeout: int = 600,
                       env: dict | None = None) -> list[str]:
     """Runs several train_ppo flag lists one after another in one `torchrun` launch
     (tests/e2e/run_many.py: each run builds and closes everything, as its own launch would; the
-    ranks' imports are paid once) and returns each run's stdout. The runs' list is written to
-    `folder`."""
+    ranks' imports are paid once) and returns each run's stdout. A run is a flag list, or a pair
+    (flags, {variable: value}) whose variables are set for that run only. The runs' list is
+    written to `folder`."""
     from tests.e2e.run_many import MARKER
 
+    def entry(run) -> dict:
+        argv, run_env = (run[0], run[1]) if isinstance(run, tuple) else (run, {})
+        return {"port": free_port(), "argv": [str(a) for a in argv], "env": {k: str(v) for k, v in run_env.items()}}
+
     spec = Path(folder) / "runs.json"
-    spec.write_text(json.dumps([{"port": free_port(), "argv": [str(a) for a in argv]} for argv in runs]))
+    spec.write_text(json.dumps([entry(run) for run in runs]))
     proc = run_torchrun(["tests/e2e/run_many.py", spec], nproc=nproc, timeout=timeout, env=env)
     outputs = []
     for line in proc.stdout.splitlines(keepends=True):

@@ -85,6 +85,20 @@ class PendingReduction:
         return PendingReduction(None, lambda: fn(self.result()))
 
 
+def release_deepspeed_groups() -> None:
+    """Drops DeepSpeed's cached process groups (deepspeed.utils.groups) after the world group was
+    destroyed by someone else (vLLM's teardown calls torch.distributed.destroy_process_group).
+    Otherwise the next deepspeed.initialize in this process, under ZeRO-3, partitions over the
+    dead group's clone and fails with "Group ... is not registered"."""
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
+    else:                           # DeepSpeed versions before the helper kept only the clone
+        groups._WORLD_GROUP = None
+
+
 def skip_shared_memory_comm_op() -> None:
     """Keeps DeepSpeed from building its shared-memory all-reduce op when it joins the group.
 
@@ -166,10 +180,14 @@ class DeepspeedStrategy:
         alive; the group is then destroyed.
 
         A vLLM rollout engine is shut down before this (`VLLMEngine.shutdown`, which waits at the
-        same barrier): its teardown needs the group and destroys it, so here the group may be gone."""
+        same barrier): its teardown needs the group and destroys it, so here the group may be gone.
+        DeepSpeed's own references to the groups (the world clone ZeRO-3 partitions over) are
+        released either way, so a later run in the same process gets new ones."""
         if is_dist_initialized():
             dist.barrier()
-            deepspeed.comm.destroy_process_group()
+            deepspeed.comm.destroy_process_group()     # releases DeepSpeed's references too
+        else:
+            release_deepspeed_groups()
 
     def __enter__(self) -> "DeepspeedStrategy":
         return self

@@ -1,6 +1,7 @@
 """Several train_ppo runs one after another in the same torchrun ranks:
 `python -m torch.distributed.run ... tests/e2e/run_many.py RUNS.json`, where RUNS.json is a list
-of {"port": P, "argv": [flags]}. Each run builds everything anew (process group, models, engine)
+of {"port": P, "argv": [flags], "env": {NAME: VALUE}} ("env": variables set for that run only,
+such as a fault-injection plan). Each run builds everything anew (process group, models, engine)
 and closes it, as a launch of its own would; only the interpreter, and so the ~5 s of imports per
 rank, is shared. Each run's process group meets at its own port, with rank 0 hosting the store:
 torchrun's store keeps the keys of the groups a closed run made, under the names the next run's
@@ -39,6 +40,7 @@ if __name__ == "__main__":
     for index, run in enumerate(json.loads(Path(sys.argv[1]).read_text())):
         os.environ.clear()              # a run may rewrite the launcher's variables (explorer roles do)
         os.environ.update(launched, MASTER_PORT=str(run["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+        os.environ.update(run.get("env", {}))
         if launched["RANK"] == "0":
             print(MARKER.format(index), flush=True)
         train(parse_args(run["argv"]))

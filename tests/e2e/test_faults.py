@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, run_torchrun_many
 from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
                                tensorboard_scalars)
 
@@ -34,13 +34,28 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 0])     # ZeRO-0 in fp32: the strategy skips the step, not DeepSpeed
-def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(toy, tmp_path, zero_stage):
-    proc = launch(toy, tmp_path, fault="nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4",
-                  zero_stage=zero_stage)
-    summary = summary_line(proc.stdout)
+NONFINITE = "nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4"
+
+
+@pytest.fixture(scope="module")
+def clean_runs(toy, tmp_path_factory):
+    """The runs that finish, in one torchrun launch (tests/e2e/run_many.py), each in its own
+    folder: the uninterrupted run the preempted ones are compared with, and the non-finite
+    injections under ZeRO-2 and ZeRO-0 (fp32: the strategy skips the step, not DeepSpeed)."""
+    root = tmp_path_factory.mktemp("clean_runs")
+    runs = {"uninterrupted": ({}, {}), "nonfinite-2": ({"zero_stage": 2}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE}),
+            "nonfinite-0": ({"zero_stage": 0}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE})}
+    outputs = run_torchrun_many([(grpo_flags(toy, root / name, **{**SMALL, **extra}), env)
+                                 for name, (extra, env) in runs.items()], root)
+    return {name: (root / name, output) for name, output in zip(runs, outputs)}
+
+
+@pytest.mark.parametrize("zero_stage", [2, 0])
+def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(clean_runs, zero_stage):
+    out, stdout = clean_runs[f"nonfinite-{zero_stage}"]
+    summary = summary_line(stdout)
     assert summary["step"] == 4 and summary["stop_reason"] == "finished"
-    scalars = {tag: dict(series) for tag, series in tensorboard_scalars(tmp_path / "tb").items()}
+    scalars = {tag: dict(series) for tag, series in tensorboard_scalars(out / "tb").items()}
     # One bad sample per injected source, counted (cumulatively) where it happened; the run went on.
     assert scalars["rollout/nonfinite_reward_samples"] == {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
     assert scalars["rollout/nonfinite_logprob_samples"] == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
@@ -53,7 +68,7 @@ def test_non_finite_samples_are_dropped_and_non_finite_steps_skipped(toy, tmp_pa
     assert scalars["rollout/valid"][4] == pytest.approx(1.0)
     # Steps 3 (NaN loss) and 4 (NaN gradient) are skipped: the weights do not move.
     assert scalars["train/skipped_steps"] == {1: 0.0, 2: 0.0, 3: 1.0, 4: 2.0}
-    ckpt = tmp_path / "ckpt"
+    ckpt = out / "ckpt"
     w1, w2, w3, w4 = (actor_weights(ckpt, s) for s in (1, 2, 3, 4))
     assert not same_weights(w1, w2)          # a normal step with NaN samples dropped still trains
     assert same_weights(w2, w3) and same_weights(w3, w4)
@@ -70,10 +85,9 @@ def test_a_streak_of_non_finite_steps_saves_and_stops_with_the_source(toy, tmp_p
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(toy, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted")
-    summary = summary_line(launch(toy, out).stdout)
-    assert summary["step"] == 4
+def uninterrupted(clean_runs):
+    out, stdout = clean_runs["uninterrupted"]
+    assert summary_line(stdout)["step"] == 4
     return out
 
 

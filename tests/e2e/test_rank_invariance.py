@@ -8,26 +8,40 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun_many
 from tests.trainer.ppo_harness import flags, make_task, run
 
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_one_rank_and_two_ranks_take_the_same_steps(tmp_path, packing):
-    """Packed: each micro-batch shares its prompts in one shared row, whose composition differs
-    between one rank and two; the steps must not."""
-    (tmp_path / "task").mkdir()
-    task = make_task(tmp_path / "task")
+PACKING = {"padded": {}, "packed": {"packing_samples": True}}
+
+
+def overrides(root, packing: str) -> dict:
     # A small learning rate keeps Adam's first steps (about lr x sign(grad)) away from sign flips of
     # gradients that are zero up to rounding, which would differ by 2 x lr between the runs.
-    overrides = dict(actor_learning_rate=1e-4, max_steps=2, use_tensorboard=tmp_path / "tb",
-                     **({"packing_samples": True} if packing else {}))
-    one_logs, one = run(task, tmp_path / "one", **overrides)
-    proc = run_torchrun(["lightrft.cli.train_ppo", *flags(task, tmp_path / "two", **overrides)], module=True)
-    two_logs = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    two = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
+    return dict(actor_learning_rate=1e-4, max_steps=2, use_tensorboard=root / packing / "tb", **PACKING[packing])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The task, and the two-rank runs of both layouts in one torchrun launch (tests/e2e/run_many.py)."""
+    root = tmp_path_factory.mktemp("rank_invariance")
+    (root / "task").mkdir()
+    task = make_task(root / "task")
+    outputs = run_torchrun_many([flags(task, root / packing / "two", **overrides(root, packing))
+                                 for packing in PACKING], root)
+    return task, root, dict(zip(PACKING, outputs))
+
+
+@pytest.mark.parametrize("packing", list(PACKING))
+def test_one_rank_and_two_ranks_take_the_same_steps(two_ranks, tmp_path, packing):
+    """Packed: each micro-batch shares its prompts in one shared row, whose composition differs
+    between one rank and two; the steps must not."""
+    task, root, stdout = two_ranks
+    one_logs, one = run(task, tmp_path / "one", **overrides(tmp_path, packing))
+    two_logs = json.loads([line for line in stdout[packing].splitlines() if line.startswith("{")][-1])
+    two = load_file(str(root / packing / "two" / "model" / "model.safetensors"))
 
     for key in ("rollout/reward", "rollout/response_length", "train/policy_loss"):
         assert two_logs[key] == pytest.approx(one_logs[key], abs=1e-4), key

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, run_torchrun_many
 from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
                                tensorboard_scalars)
 
@@ -76,27 +76,38 @@ def test_grpo_with_vllm_under_zero3_raises_held_out_accuracy(toy_vllm, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(toy_vllm, tmp_path_factory):
-    out = tmp_path_factory.mktemp("uninterrupted_vllm")
-    proc = launch(toy_vllm, out, **SMALL)
-    assert proc.returncode == 0 and summary_line(proc.stdout)["step"] == 4
+def first_runs(toy_vllm, tmp_path_factory):
+    """The uninterrupted run and the run preempted at step 2, in one torchrun launch
+    (tests/e2e/run_many.py; each run builds and shuts down its own engine); the resume is a launch
+    of its own."""
+    root = tmp_path_factory.mktemp("vllm_runs")
+    runs = {"uninterrupted": {}, "preempted": {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}}
+    outputs = run_torchrun_many([(grpo_flags(toy_vllm, root / name, **{**VLLM, **SMALL}), env)
+                                 for name, env in runs.items()], root, env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE})
+    return {name: (root / name, output) for name, output in zip(runs, outputs)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(first_runs):
+    out, stdout = first_runs["uninterrupted"]
+    assert summary_line(stdout)["step"] == 4
+    return out
+
+
+def test_preempted_vllm_run_resumes_exactly(toy_vllm, first_runs, uninterrupted):
+    """SIGTERM during step 2's training: the run checkpoints and exits; the resumed run builds a
+    fresh engine from the pretrained folder, syncs it from the checkpointed actor before its first
+    rollout, and ends with bit-identical weights and the same step-3/4 rewards and losses."""
+    out, stdout = first_runs["preempted"]
+    summary = summary_line(stdout)
+    assert summary["stop_reason"] == "preempted" and summary["step"] == 2
+    proc = launch(toy_vllm, out, load_checkpoint=True, **SMALL)
+    assert summary_line(proc.stdout)["step"] == 4 and summary_line(proc.stdout)["stop_reason"] == "finished"
+    assert_resumed_like_uninterrupted(uninterrupted, out)
     # Every rank shuts its engine down before the strategy destroys the process group; left to
     # vLLM's exit finalizer, the teardown ran after the group was gone and every finished run
     # ended with "Invalid process group specified" on every rank.
     assert "Traceback" not in proc.stderr and "Invalid process group" not in proc.stderr, proc.stderr[-3000:]
-    return out
-
-
-def test_preempted_vllm_run_resumes_exactly(toy_vllm, tmp_path, uninterrupted):
-    """SIGTERM during step 2's training: the run checkpoints and exits; the resumed run builds a
-    fresh engine from the pretrained folder, syncs it from the checkpointed actor before its first
-    rollout, and ends with bit-identical weights and the same step-3/4 rewards and losses."""
-    proc = launch(toy_vllm, tmp_path, fault="sigterm-train@2", **SMALL)
-    summary = summary_line(proc.stdout)
-    assert summary["stop_reason"] == "preempted" and summary["step"] == 2
-    resumed = summary_line(launch(toy_vllm, tmp_path, load_checkpoint=True, **SMALL).stdout)
-    assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
-    assert_resumed_like_uninterrupted(uninterrupted, tmp_path)
 
 
 def test_a_sync_that_does_not_arrive_stops_the_run_at_the_next_step(toy_vllm, tmp_path, uninterrupted):

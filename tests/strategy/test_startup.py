@@ -37,3 +37,33 @@ def test_joining_the_group_builds_no_shared_memory_op(tmp_path, started_before):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "shm op: None" in result.stdout
     assert list(cache.iterdir()) == []
+
+
+TWO_RUNS = """
+import torch
+import torch.distributed as dist
+from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+
+for run in range(2):
+    strategy = DeepspeedStrategy(StrategyConfig(zero_stage=3, seed=run))
+    strategy.setup_distributed()
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = strategy.prepare((model, torch.optim.AdamW(model.parameters(), lr=1e-3), None))
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    dist.destroy_process_group()       # as vLLM's teardown does, before the strategy closes
+    strategy.close()
+    print("run", run, "done")
+"""
+
+
+def test_a_second_zero3_run_in_the_same_process_after_the_group_was_destroyed_elsewhere():
+    """A rollout engine's teardown may destroy the world group before the strategy closes (vLLM
+    does). The strategy then releases DeepSpeed's cached groups itself: without that, the next
+    ZeRO-3 engine in the same process (a second run in a script or notebook) partitioned over the
+    dead group's clone and failed with "Group ... is not registered"."""
+    launch = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = subprocess.run([sys.executable, "-c", TWO_RUNS], env=subprocess_env(**launch), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "run 0 done" in result.stdout and "run 1 done" in result.stdout
