@@ -170,6 +170,11 @@ def test_rank_left_alone_when_torchrun_and_its_peer_die_still_exits(task, tmp_pa
         time.sleep(0.1)
     assert not alive(survivor), f"rank {survivor} still running {LIVENESS_BOUND_S} s after torchrun and its peer died"
     print(f"\nthe surviving rank exited {time.monotonic() - killed_at:.1f} s after torchrun and its peer were killed")
+    # The killed peer (it may be rank 0, the lock's holder, finishing a write in the kernel) and any
+    # helper process a rank started are gone too before the folder is checked.
+    while any(alive(pid) for pid in [peer, *run.helpers]) and time.monotonic() - killed_at < LIVENESS_BOUND_S:
+        time.sleep(0.1)
+    assert not [pid for pid in [peer, *run.helpers] if alive(pid)], (peer, run.helpers)
     # Whichever came first names it: the lifeline (the launcher is gone) or gloo (the peer is gone).
     output = run.output()
     assert "the launcher (pid" in output or "Check the logs of the remote worker" in output, output[-3000:]
