@@ -13,6 +13,8 @@ import os
 import warnings
 import resource
 import socket
+import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +41,9 @@ REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.R
               "min": dist.ReduceOp.MIN}
 # Sub-folder of a checkpoint that holds DeepSpeed's own files (model and optimizer shards).
 DS_SUBDIR = "deepspeed"
+# A JIT build of DeepSpeed's CPU Adam takes about a minute; a build lock older than this was left
+# by a killed build, and torch waits on it forever.
+STALE_BUILD_LOCK_S = 300.0
 
 
 # DeepSpeed calls torch collectives that torch now marks deprecated; the warning is not actionable
@@ -83,6 +88,31 @@ class PendingReduction:
 
     def then(self, fn: Callable) -> "PendingReduction":
         return PendingReduction(None, lambda: fn(self.result()))
+
+
+def stale_build_lock(name: str, now: float | None = None) -> Path | None:
+    """The lock file of torch's JIT build of the extension `name` (in $TORCH_EXTENSIONS_DIR or
+    torch's default folder) when it is older than `STALE_BUILD_LOCK_S`, else None. A build killed
+    with SIGKILL (or an unhandled SIGTERM) leaves the file, and every later build of that extension
+    waits on it without a word."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    return lock if age > STALE_BUILD_LOCK_S else None
+
+
+def warn_if_build_is_locked(name: str) -> None:
+    """Says on stderr which file to delete when a stale build lock will make the build of `name` wait."""
+    lock = stale_build_lock(name)
+    if lock is not None:
+        print(f"[rank {get_rank()}] waiting for the build lock {lock}, left {time.time() - lock.stat().st_mtime:.0f} s "
+              f"ago: a build of the {name} extension that was killed leaves it behind and this build then waits "
+              f"forever. If no other process on this machine is building {name}, delete {lock}",
+              file=sys.stderr, flush=True)
 
 
 def release_deepspeed_groups() -> None:
@@ -296,6 +326,8 @@ class DeepspeedStrategy:
         groups = weight_decay_groups(self.unwrap_model(model), weight_decay)
         if self.config.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            warn_if_build_is_locked("cpu_adam")      # DeepSpeedCPUAdam builds it on first use
 
             return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, weight_decay=weight_decay, adamw_mode=True)
         cuda = self.device.type == "cuda"

@@ -67,3 +67,27 @@ def test_a_second_zero3_run_in_the_same_process_after_the_group_was_destroyed_el
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "run 0 done" in result.stdout and "run 1 done" in result.stdout
+
+
+def test_a_build_lock_left_by_a_killed_build_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    """torch waits forever on the lock file of a JIT build that was killed (DeepSpeed's CPU Adam is
+    built on a machine's first offload run). An old lock is named on stderr, with the file to
+    delete; a fresh one (another rank building right now) and none at all say nothing."""
+    import os
+    import time
+
+    from lightrft.strategy.deepspeed_strategy import STALE_BUILD_LOCK_S, stale_build_lock, warn_if_build_is_locked
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "cpu_adam" / "lock"
+    assert stale_build_lock("cpu_adam") is None            # no lock (torch makes the folder)
+    lock.write_text("")
+    assert stale_build_lock("cpu_adam") is None            # a build running now
+    warn_if_build_is_locked("cpu_adam")
+    assert capsys.readouterr().err == ""
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert stale_build_lock("cpu_adam") == lock
+    warn_if_build_is_locked("cpu_adam")
+    err = capsys.readouterr().err
+    assert f"waiting for the build lock {lock}" in err and f"delete {lock}" in err and "cpu_adam extension" in err
