@@ -90,7 +90,7 @@ class PendingReduction:
         return PendingReduction(None, lambda: fn(self.result()))
 
 
-def stale_build_lock(name: str, now: float | None = None) -> Path | None:
+def stale_build_lock(name: str) -> Path | None:
     """The lock file of torch's JIT build of the extension `name` (in $TORCH_EXTENSIONS_DIR or
     torch's default folder) when it is older than `STALE_BUILD_LOCK_S`, else None. A build killed
     with SIGKILL (or an unhandled SIGTERM) leaves the file, and every later build of that extension
@@ -99,7 +99,7 @@ def stale_build_lock(name: str, now: float | None = None) -> Path | None:
 
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
     return lock if age > STALE_BUILD_LOCK_S else None

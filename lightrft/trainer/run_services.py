@@ -19,7 +19,6 @@ The lock on `--ckpt_path` and the launcher lifeline are process-wide and start w
 """
 
 import gc
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -125,8 +124,7 @@ class RunServices:
         picked = self._pick_checkpoint(primary, others)
         if picked is None:
             if required:
-                raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {primary.folder}; pass "
-                                        "--load_checkpoint if_present to start fresh when none exists")
+                raise nothing_to_load(primary.folder)
             return None
         path, tag = picked
         state = checkpoint_io.load_client_state(Path(path), self.strategy.rank)
@@ -193,6 +191,12 @@ class RunServices:
                              "or start a new run with a fresh --ckpt_path") from err
 
 
+def nothing_to_load(folder) -> FileNotFoundError:
+    """The error of a required resume (`--load_checkpoint`) with no complete checkpoint in `folder`."""
+    return FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {folder}; pass "
+                             "--load_checkpoint if_present to start fresh when none exists")
+
+
 def check_resume_before_start(ckpt_path: Optional[str], args: Any) -> None:
     """When `args.checkpoint.load_checkpoint` (`args` a run config) asks to resume, refuses before
     the run writes its run_config.yaml or builds any model:
@@ -216,5 +220,4 @@ def check_resume_before_start(ckpt_path: Optional[str], args: Any) -> None:
         if saved:
             check_resume_options(saved, pinned_options(args, tuple(saved)), str(path))
     if not found and mode == "required":
-        raise FileNotFoundError(f"--load_checkpoint: no complete checkpoint under {ckpt_path}; pass "
-                                "--load_checkpoint if_present to start fresh when none exists")
+        raise nothing_to_load(ckpt_path)

@@ -5,7 +5,6 @@ the same update whether the batch sits on one rank in two micro-batches or on tw
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun_many
