@@ -29,6 +29,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from lightrft.utils.program import run_program
 
 _EXPORT = re.compile(r"^global_step(\d+)_hf$")
 _DS_CKPT = re.compile(r"^global_step(\d+)$")
@@ -299,4 +300,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

@@ -30,6 +30,7 @@ from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, che
 from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
+from lightrft.utils.program import run_program
 
 DOCTOR_FLAGS = ("--doctor_checks", "--doctor_memory_budget_gb", "--doctor_reward_calls", "--doctor_report")
 
@@ -226,4 +227,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

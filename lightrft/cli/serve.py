@@ -27,6 +27,7 @@ from pathlib import Path
 
 from lightrft.serving.http import (add_http_flags, address_problem, bind_error, settings_from_flags,
                                    warn_if_exposed)
+from lightrft.utils.program import run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,4 +131,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

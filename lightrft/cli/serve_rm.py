@@ -32,6 +32,7 @@ from lightrft.datasets.padding import right_pad
 from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
                                    add_http_flags, address_problem, bind_error, longest_token_chars,
                                    prompt_char_limit, settings_from_flags, shown, warn_if_exposed)
+from lightrft.utils.program import run_program
 
 logger = logging.getLogger("lightrft.serve_rm")
 
@@ -216,4 +217,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

@@ -15,6 +15,7 @@ from lightrft.builders.ppo_run import (PPORun, build_explorer_source, build_ppo_
 from lightrft.builders.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
 from lightrft.cli.common import announce_config, parse_run_config, print_summary, run_command
 from lightrft.config import PPORunConfig
+from lightrft.utils.program import run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,4 +91,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

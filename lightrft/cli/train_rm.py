@@ -16,6 +16,7 @@ from lightrft.cli.common import announce_config, parse_run_config, run_command
 from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_sft import check_data_vocabulary, run_supervised
 from lightrft.config import RMRunConfig
+from lightrft.utils.program import run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,4 +85,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

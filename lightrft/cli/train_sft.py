@@ -18,6 +18,7 @@ from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.cli.common import (announce_config, parse_run_config, print_summary,
                                  run_command)
 from lightrft.config import SFTRunConfig
+from lightrft.utils.program import run_program
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,4 +136,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_program(main, sys.argv[1:])

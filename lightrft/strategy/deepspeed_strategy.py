@@ -207,7 +207,10 @@ class DeepspeedStrategy:
         pthread_exit, whose unwinding through a C++ destructor calls std::terminate ("terminate
         called without an active exception", SIGABRT) after all the work is done. The barrier
         here (gloo's barrier waits for every earlier collective) lets that happen while Python is
-        alive; the group is then destroyed.
+        alive; the group is then destroyed. The groups' worker threads live on while anything
+        holds a group (ZeRO-3 parameters do), and one can still be letting go of a finished
+        collective's tensors as the process ends: lightrft's commands therefore end without
+        finalising the interpreter (`lightrft.utils.program`).
 
         A vLLM rollout engine is shut down before this (`VLLMEngine.shutdown`, which waits at the
         same barrier): its teardown needs the group and destroys it, so here the group may be gone.

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from lightrft.cli.train_ppo import parse_args, train
+from lightrft.utils.program import finish_process
 
 MARKER = "=== run {} ==="
 
@@ -47,9 +48,5 @@ if __name__ == "__main__":
         # Rank 0 hosts the run's store: no rank leaves (or starts the next run) while a peer may
         # still be closing its groups over it.
         all_arrived(agent, f"run_many/after/{index}", world)
-    # Every run has closed its groups and written its files. Ending here skips the interpreter's
-    # teardown, where gloo's worker threads can still abort a finished job ("terminate called
-    # without an active exception"); train_ppo's own exit is what the single-launch tests cover.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Every run has closed its groups and written its files; end as train_ppo's own __main__ does.
+    finish_process(0)

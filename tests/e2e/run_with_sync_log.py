@@ -7,6 +7,7 @@ import sys
 
 from lightrft.cli.train_ppo import parse_args, train
 from lightrft.trainer.callbacks import TrainerCallback
+from lightrft.utils.program import run_program
 
 
 class SyncLog(TrainerCallback):
@@ -27,4 +28,4 @@ class SyncLog(TrainerCallback):
 
 
 if __name__ == "__main__":
-    train(parse_args(sys.argv[2:]), callbacks=[SyncLog(sys.argv[1])])
+    run_program(train, parse_args(sys.argv[2:]), callbacks=[SyncLog(sys.argv[1])])

@@ -28,6 +28,7 @@ from lightrft.cli.train_ppo import parse_args, train
 from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
 from lightrft.utils.tiny import save_tiny_arch
 from lightrft.utils.toy import arithmetic_rows, write_jsonl
+from lightrft.utils.program import run_program
 
 
 def flags(pretrain: Path, prompts: Path, out: Path) -> list[str]:
@@ -74,4 +75,4 @@ def main(out_dir: str, archs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    run_program(main, sys.argv[1], sys.argv[2:])

@@ -16,6 +16,7 @@ from lightrft.models import ActorLanguage, Critic
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.utils.tiny import build_char_tokenizer
 from tests.models.conftest import make_batch
+from lightrft.utils.program import run_program
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -93,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

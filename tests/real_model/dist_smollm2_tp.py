@@ -27,6 +27,7 @@ from lightrft.models import ActorLanguage
 from lightrft.rollout import RolloutManager, SamplingParams, VLLMEngine
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from tests.real_model.test_smollm2 import IM_END, QUESTIONS, gap, moved, trainer_log_probs
+from lightrft.utils.program import run_program
 
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
 BUCKET_MB = 64
@@ -77,4 +78,4 @@ def main(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    run_program(main, sys.argv[1], sys.argv[2])

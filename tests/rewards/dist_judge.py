@@ -9,6 +9,7 @@ import sys
 import torch.distributed as dist
 
 from lightrft.rewards.judge import JudgeSource, LocalJudge
+from lightrft.utils.program import run_program
 
 
 def main(random_folder: str, known_folder: str, inputs_path: str, out_path: str) -> None:
@@ -33,4 +34,4 @@ def main(random_folder: str, known_folder: str, inputs_path: str, out_path: str)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    run_program(main, *sys.argv[1:5])

@@ -18,6 +18,7 @@ from lightrft.rollout import RolloutManager, SamplingParams, VLLMEngine
 from lightrft.rollout.delta import fused_group
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from tests.rollout.contract import PROMPTS, build_contract_model
+from lightrft.utils.program import run_program
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 
@@ -76,4 +77,4 @@ def main(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    run_program(main, sys.argv[1], sys.argv[2])

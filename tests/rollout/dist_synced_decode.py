@@ -17,6 +17,7 @@ import torch.distributed as dist
 from lightrft.rollout import HFEngine, SamplingParams
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from tests.rollout.contract import build_contract_model
+from lightrft.utils.program import run_program
 
 # Greedy responses end after 4 tokens for "abc" and 6 for "1+1=" (limit 12): the ranks finish at
 # different steps.
@@ -101,4 +102,4 @@ def main(out_path):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1])
+    run_program(main, sys.argv[1])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams, VLLMEngine
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from tests.rollout.contract import PROMPTS, build_contract_model
+from lightrft.utils.program import run_program
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, n=2)
@@ -112,4 +113,4 @@ def main(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    run_program(main, sys.argv[1], sys.argv[2])

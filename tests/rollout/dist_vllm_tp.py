@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightrft.rollout import HFEngine, RolloutManager, SamplingParams, VLLMEngine
 from tests.rollout.contract import PROMPTS
 from tests.rollout.dist_vllm_sync import responses, start_with_saved_model, train_step, trainer_log_probs
+from lightrft.utils.program import run_program
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, n=2)
@@ -89,4 +90,4 @@ def main(out_path: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2])
+    run_program(main, sys.argv[1], sys.argv[2])

@@ -24,6 +24,7 @@ from lightrft.strategy import CheckpointSaveError, DeepspeedStrategy, StrategyCo
 from lightrft.strategy.checkpoint_io import FAULT_ENV
 from lightrft.trainer.checkpoint import capture_rng_state, restore_rng_state
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 MICRO = 2
 
@@ -132,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 MAX_NORM = 0.05
 STEPS = 3
@@ -103,4 +104,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -11,6 +11,7 @@ import torch
 
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 
 def main():
@@ -42,4 +43,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 GLOBAL_BATCH = 4  # sequences per optimizer step over all ranks
 SEQ_LEN = 16
@@ -257,4 +258,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -20,6 +20,7 @@ from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.trainer.rm_trainer import RewardModelTrainer
 from lightrft.trainer.sft_trainer import SFTTrainer
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 MICRO, GLOBAL = 2, 8  # per rank per forward; per optimizer step over 2 ranks -> 2 accumulation steps
 
@@ -148,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)

@@ -20,6 +20,7 @@ from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.deepspeed_strategy import DS_SUBDIR
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.program import run_program
 
 
 def build(strategy, hidden: int):
@@ -94,4 +95,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_program(main)
