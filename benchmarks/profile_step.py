@@ -43,11 +43,11 @@ HERE = Path(__file__).resolve().parent
 # (module, class, method, phase): the timed functions. A missing one (renamed, or absent in an
 # older checkout) is skipped and reported.
 TIMED = [
-    ("lightrft.experience.maker", "NaiveExperienceMaker", "generate", "generate"),
+    ("lightrft.experience.generation", "Generator", "generate", "generate"),
     ("lightrft.rollout.hf_engine", "HFEngine", "generate", "engine"),
-    ("lightrft.experience.maker", "NaiveExperienceMaker", "compute_rewards", "reward"),
-    ("lightrft.experience.maker", "NaiveExperienceMaker", "experience_from_rollout", "experience"),
-    ("lightrft.experience.maker", "NaiveExperienceMaker", "_forward_all", "experience forwards"),
+    ("lightrft.experience.scorer", "Scorer", "score_generation", "reward"),
+    ("lightrft.experience.builder", "ExperienceBuilder", "experience_from_rollout", "experience"),
+    ("lightrft.experience.builder", "ExperienceBuilder", "forward", "experience forwards"),
     ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "append", "buffer"),
     ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "normalize", "buffer"),
     ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "info_sums", "buffer"),
@@ -86,8 +86,11 @@ class PhaseClock:
                 if self.depth[phase] == 0:
                     elapsed = time.perf_counter() - started
                     self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
-                    if name == "_forward_all":
-                        kind = str(kwargs.get("kind", args[3] if len(args) > 3 else "?"))
+                    if name == "forward":       # ExperienceBuilder.forward(model, rollout): which model
+                        builder, model = args[0], args[1]
+                        kind = next((k for k, m in (("actor", builder.actor), ("reference", builder.initial_model),
+                                                    ("critic", builder.critic), ("teacher", builder.teacher))
+                                     if m is model), "?")
                         self.forward_kinds[kind] = self.forward_kinds.get(kind, 0.0) + elapsed
 
         setattr(cls, name, timed)

@@ -55,8 +55,8 @@ Python code (an impossible combination is refused at start-up with the flags nam
   ```
 
 - **Python**: `PPORunConfig(model=PPOModelConfig(pretrain=...), ...)`, or `parse_args(argv)`; see
-  [extending](extending.md). `train(config)` runs it, `PPOTrainer.from_config(config, ...)` builds
-  a trainer from it.
+  [extending](extending.md). `train(config)` runs it, and
+  `PPOTrainer.from_config(strategy, models, config, ...)` builds a trainer from it.
 
 Each run prints the options that differ from the defaults at start-up and writes the whole
 resolved config to `<ckpt_path>/run_config.yaml` (nested by section), which `--config` reads back

@@ -1,6 +1,6 @@
 """The whole PPO run, built from its config: strategy, models, data, engine, rewards, trainer."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
@@ -10,6 +10,7 @@ from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.config import PPORunConfig
+from lightrft.trainer.ppo_config import PPOModels  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -58,23 +59,6 @@ def build_explorer_source(config: PPORunConfig, strategy, link=None):
     if config.roles.sync_offset > 0:
         return start_ahead_explorer(config, strategy)
     return None
-
-
-@dataclass
-class PPOModels:
-    """The models of a PPO run, and once prepared (`prepare_ppo_models`) their optimizers and
-    schedulers: DeepSpeed engines for the trained ones, prepared frozen modules for the others."""
-
-    actor: object
-    critic: object = None
-    reward_models: list = field(default_factory=list)
-    initial_model: object = None      # the reference policy of the KL term
-    ema_model: object = None
-    teacher_model: object = None      # the teacher of on-policy distillation (--teacher_pretrain)
-    actor_optim: object = None
-    critic_optim: object = None
-    actor_scheduler: object = None
-    critic_scheduler: object = None
 
 
 def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
@@ -197,11 +181,9 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
 
         callbacks = [*callbacks, RolloutPreview(every=config.logging.preview_steps)]
     trainer = (trainer_cls or PPOTrainer).from_config(
-        config, strategy, m.actor, m.critic, m.reward_models or None, m.initial_model, m.ema_model, m.actor_optim,
-        m.critic_optim, m.actor_scheduler, m.critic_scheduler, tokenizer=tokenizer, reward_sources=reward_sources,
-        rollout_engine=rollout_engine, tracker=tracker, callbacks=callbacks,
-        experience_source=experience_source or data_source,
-        eos_token_ids=eos_token_ids, teacher_model=m.teacher_model, workflow_runner=workflow_runner)
+        strategy, m, config, tokenizer=tokenizer, reward_sources=reward_sources, rollout_engine=rollout_engine,
+        tracker=tracker, callbacks=callbacks, experience_source=experience_source or data_source,
+        eos_token_ids=eos_token_ids, workflow_runner=workflow_runner)
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)

@@ -180,19 +180,23 @@ class Evaluator:
         from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
         from lightrft.trainer.evaluation import evaluate_policy
-        from lightrft.experience.maker import NaiveExperienceMaker
+        from lightrft.experience.generation import Generator
+        from lightrft.experience.scorer import Scorer
+        from lightrft.experience.services import RolloutServices
 
         args = self.args
         model = model.to(self.strategy.device).eval()
         eos = stop_token_ids(tokenizer, source)
         engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
                           micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples)
-        # A fresh maker per checkpoint: its evaluation calls, and so its seeds, start from the same count.
-        maker = NaiveExperienceMaker(None, None, self.reward_models or None, None, tokenizer, args.prompt_max_len, None,
-                                     self.strategy, rollout_engine=RolloutManager(engine),
-                                     reward_sources=self.reward_sources, seed=args.seed,
-                                     micro_rollout_batch_size=args.micro_rollout_batch_size,
-                                     apply_chat_template=args.apply_chat_template, eos_token_ids=eos)
+        # Generation and scoring alone (no experience is built); every evaluation seeds alike.
+        services = RolloutServices(
+            Generator(RolloutManager(engine), tokenizer, prompt_max_len=args.prompt_max_len,
+                      apply_chat_template=args.apply_chat_template, seed=args.seed, rank=self.strategy.rank,
+                      world_size=self.strategy.world_size),
+            Scorer(tokenizer, reward_models=list(self.reward_models or []), reward_sources=list(self.reward_sources),
+                   micro_batch_size=args.micro_rollout_batch_size, device=self.strategy.device, eos_token_ids=eos),
+            builder=None)
         prompts = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
                                 apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
                                 truncate_long_prompts=args.truncate_long_prompts)
@@ -206,7 +210,7 @@ class Evaluator:
             raise CheckpointReadError(str(err)) from err
         dataloader = self.strategy.setup_dataloader(prompts, args.micro_rollout_batch_size, shuffle=False,
                                                     collate_fn=prompts.collate_fn, drop_last=False)
-        return evaluate_policy(maker, self.strategy, dataloader, self.generate_kwargs, k=args.eval_n_samples)
+        return evaluate_policy(services, self.strategy, dataloader, self.generate_kwargs, k=args.eval_n_samples)
 
 
 def write_results(rows: list[dict], output_dir: Path) -> list[Path]:

@@ -159,7 +159,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
             for name in sampled:
                 results.append(agree(guarded(name, runners[name]), run))
     finally:
-        for source in run.trainer.experience_maker.reward_sources:
+        for source in run.trainer.experience_services.scorer.reward_sources:
             if hasattr(source, "close"):
                 source.close()
         run.tracker.close()
@@ -181,7 +181,7 @@ def sample_batch(run):
     prompts, labels = next(iter(run.dataloader))
     needed = -(-max(args.micro_rollout_batch_size, args.micro_train_batch_size, 2) // args.n_samples_per_prompt)
     prompts, labels = list(prompts)[:needed], list(labels)[:needed]
-    prompt_ids = run.trainer.experience_maker.tokenize_prompts(prompts)
+    prompt_ids = run.trainer.experience_services.generator.tokenize(prompts)
     rollout = arrive(run.trainer.rollout.generate(prompt_ids, sampling_params(args, args.seed + strategy.rank)))
     return prompts, labels, prompt_ids, rollout
 

@@ -96,7 +96,7 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
     is real: the doctor's run is thrown away. Returns the per-phase peaks (GiB) and the lengths."""
     config, trainer, strategy = run.args, run.trainer, run.strategy
     sampling, seed, micro = config.rollout, config.distributed.seed, config.rollout.micro_rollout_batch_size
-    maker = trainer.experience_maker
+    services = trainer.experience_services
     prompts = synthetic_prompts(run.tokenizer, sampling.rollout_batch_size // strategy.world_size,
                                 config.data.prompt_max_len, seed + strategy.rank)
     length = sampling.generate_max_len
@@ -105,7 +105,7 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
                             seed=seed + strategy.rank)
     peaks = {}
     probe.reset()
-    for model in (trainer.actor, trainer.critic, trainer.initial_model, *maker.reward_models):
+    for model in (trainer.actor, trainer.critic, trainer.initial_model, *services.scorer.reward_models):
         if model is not None:
             model.eval()
     rollout = arrive(trainer.rollout.generate(prompts, params))
@@ -113,14 +113,14 @@ def run_step_at_max_lengths(run, probe: MemoryProbe) -> dict:
 
     probe.reset()
     with torch.no_grad():
-        for model in maker.reward_models:        # scored for their memory; the scores are not used
+        for model in services.scorer.reward_models:   # scored for their memory; the scores are not used
             for i in range(0, rollout.sequences.size(0), micro):
                 rows = slice(i, i + micro)
                 model(rollout.sequences[rows].to(strategy.device),
                       attention_mask=rollout.attention_mask[rows].to(strategy.device))
     scores = torch.randn(rollout.sequences.size(0), generator=torch.Generator().manual_seed(seed))
     rewards = RewardBatch(scores=scores, valid=torch.ones_like(scores, dtype=torch.bool))
-    experiences = maker.experience_from_rollout(rollout, rewards, params.n)
+    experiences = services.builder.experience_from_rollout(rollout, rewards, params.n)
     trainer.rollout.sleep()
     peaks["forwards"] = probe.peak_gib()
 

@@ -117,18 +117,19 @@ def measure(figures: dict, batch: int, call, calls: int) -> None:
 
 
 def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) -> CheckResult:
-    config, maker = run.args, run.trainer.experience_maker
+    config, services = run.args, run.trainer.experience_services
+    scorer = services.scorer
     result = CheckResult("rewards", f"each reward source on {rollout.sequences.size(0)} generated samples, "
                                     f"{calls} calls")
     n = config.algorithm.n_samples_per_prompt
     batch = rollout.sequences.size(0)
-    queries, sample_prompts = maker.decode(rollout, prompts, n)
+    queries, sample_prompts = scorer.decode(rollout, prompts, n)
     sample_labels = [label for label in labels for _ in range(n)]
     entries = [(name, source, lambda s=source: s(queries, sample_prompts, sample_labels))
-               for name, source in zip(source_names(config.rewards.remote_rm_url, maker.reward_sources),
-                                       maker.reward_sources)]
+               for name, source in zip(source_names(config.rewards.remote_rm_url, scorer.reward_sources),
+                                       scorer.reward_sources)]
     reward_pretrain = config.model.reward_pretrain
-    for i, model in enumerate(maker.reward_models):
+    for i, model in enumerate(scorer.reward_models):
         path = reward_pretrain.split(",")[i].strip() if reward_pretrain else f"model {i}"
         entries.append((f"reward model {path}", model, lambda m=model: reward_model_scores(run, m, rollout)))
     result.rows.append(("source", "returns", "count", "finite", "min / mean / max", "p50 / p90 / max s"))
@@ -148,7 +149,7 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
         result.add("PASS", "no reward source or model: the workflow (--workflow) or the teacher scores")
     elif not result.findings:
         result.add("PASS", f"{len(entries)} reward source(s) return {batch} finite scores per call")
-    if maker.teacher is not None:
+    if services.builder.teacher is not None:
         check_teacher_signal(result, run, rollout)
     return result
 
@@ -157,14 +158,14 @@ def check_rewards(run, prompts: list[str], labels: list, rollout, calls: int) ->
 def check_teacher_signal(result: CheckResult, run, rollout) -> None:
     """The teacher's per-token signal on the generated samples, as the experience builder computes
     it: a row of the table, its figures under "teacher", and a FAIL where it is not finite."""
-    config, maker = run.args, run.trainer.experience_maker
+    config, builder = run.args, run.trainer.experience_services.builder
     algo = config.algorithm
-    maker.eval_models()
+    builder.eval_models()
     mask = rollout.action_mask.bool()
     started = time.perf_counter()
-    teacher = maker._forward_all(maker.teacher, rollout, "teacher")
+    teacher = builder.forward(builder.teacher, rollout)
     seconds = time.perf_counter() - started
-    student = maker._forward_all(maker.actor, rollout, "actor")
+    student = builder.forward(builder.actor, rollout)
     rewards = distill_token_rewards(student, teacher, mask, algo.distill_coef, algo.kl_clamp)
     tokens = int(mask.sum())
     finite = bool(torch.isfinite(teacher[mask]).all() and torch.isfinite(student[mask]).all())

@@ -19,8 +19,8 @@ GAP_WARN = 0.5       # nats: far beyond any engine's rounding; the sequence is n
 
 
 def check_workflow(run, prompts: list, labels: list) -> CheckResult:
-    config, maker = run.args, run.trainer.experience_maker
-    runner = maker.workflow_runner
+    config, generator = run.args, run.trainer.experience_services.generator
+    runner = generator.workflow_runner
     if runner is None:
         result = CheckResult("workflow", "multi-turn episodes")
         result.add("PASS", "no --workflow: one response per prompt (nothing to check)")
@@ -29,7 +29,7 @@ def check_workflow(run, prompts: list, labels: list) -> CheckResult:
     result = CheckResult("workflow", f"{type(runner.workflow).__name__} on {len(prompts)} prompts x {params.n} "
                                      f"episodes")
     started = time.perf_counter()
-    batch = runner.run(run.trainer.rollout, maker.tokenize_prompts(prompts), prompts, labels, params,
+    batch = runner.run(run.trainer.rollout, generator.tokenize(prompts), prompts, labels, params,
                        [config.distributed.seed + i for i in range(len(prompts))])
     seconds = time.perf_counter() - started
     records, rollout = batch.records, batch.rollout

@@ -3,8 +3,10 @@
     samples          Experience, Sample (the sample format: per-token loss mask apart from the
                      attention layout), collate_samples, split_experience
     sources          ExperienceSource, ColocatedSource, PromptSampler, SourceContext, SourceBatch
-    maker            NaiveExperienceMaker (generate + score + build), ExperienceBuilder (forwards,
-                     KL, advantages)
+    services         RolloutServices: the three services that make experience, chained
+    generation       Generator, Generation (prompts -> samples or episodes; per-prompt seeds)
+    builder          ExperienceBuilder (forwards, KL, advantages, which samples train)
+    maker            NaiveExperienceMaker (the classic one-object front of the three services)
     scorer           Scorer, RewardBatch (every reward source, one report)
     recorded         RecordedSource, RecordedExperienceDataset (served traffic as experience)
     replay_buffer    NaiveReplayBuffer

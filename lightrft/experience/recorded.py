@@ -10,7 +10,7 @@ skipped, counted in `unrewarded`); `RecordedSource`, the trainer's experience so
 `RolloutOutput`, the recorded rewards the scores, and the recorded log-probs the behaviour
 policy's (`rollout_log_probs`, what `--tis_cap` corrects with when the served weights were older
 than the trained ones). The actor, reference and critic forwards, the KL and the advantages are
-the ones every PPO step computes (`NaiveExperienceMaker.experience_from_rollout`).
+the ones every PPO step computes (`ExperienceBuilder.experience_from_rollout`).
 
 Multi-turn chats are one episode. A chat client sends the whole conversation with each new
 message, so the server records every turn as a request whose prompt holds the turns before it.
@@ -317,11 +317,12 @@ class RecordedSource:
         if batch is None:
             return None
         samples, _ = batch
-        maker = self.context.maker
+        services = self.context.services
         started = time.perf_counter()
-        maker.eval_models()
-        rollout, rewards = recorded_rollout(samples, maker.tokenizer.pad_token_id, maker.eos_token_ids)
-        experiences = maker.experience_from_rollout(rollout, rewards, 1)
+        services.builder.eval_models()
+        rollout, rewards = recorded_rollout(samples, services.generator.tokenizer.pad_token_id,
+                                            services.builder.eos_token_ids)
+        experiences = services.builder.experience_from_rollout(rollout, rewards, 1)
         versions = torch.tensor([float(s.policy_version) for s in samples])
         for experience in experiences:
             experience.info["policy_version"] = versions[:experience.batch_size]

@@ -75,6 +75,11 @@ class Scorer:
         self.overlong_penalty_factor = overlong_penalty_factor
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
 
+    def eval_models(self) -> None:
+        """The reward models in eval mode (no dropout while scoring)."""
+        for model in self.reward_models:
+            model.eval()
+
     def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
         """Query texts (prompt + response) and the prompt of each sample, for text reward sources.
         A response is its row's attended response slots, decoded in one batch call."""
@@ -129,3 +134,18 @@ class Scorer:
             scores = scores + overlong_penalty(rollout.action_mask.sum(dim=1), max_new_tokens,
                                                self.overlong_buffer_len, self.overlong_penalty_factor)
         return RewardBatch(scores=scores.float(), valid=valid)
+
+    def score_generation(self, generation, prompts: list[str], labels: Optional[list], params,
+                         shaping: bool = True) -> RewardBatch:
+        """The rewards of a `lightrft.experience.generation.Generation` made with `params`: every
+        sample scored by `score`, or, for multi-turn episodes, the workflow's own scores, with
+        the rows it left unscored scored by the reward sources (unshaped: an episode's length is
+        not one response's)."""
+        if generation.rewards is None:
+            return self.score(generation.rollout, prompts, labels, params.n, params.max_new_tokens, shaping=shaping)
+        rollout, rewards = arrive(generation.rollout, generation.rewards)
+        if bool(generation.unscored.any()):
+            scored = self.score(rollout, prompts, labels, params.n, shaping=False)
+            rewards.scores = torch.where(generation.unscored, scored.scores, rewards.scores)
+            rewards.valid &= scored.valid | ~generation.unscored
+        return rewards

@@ -4,15 +4,16 @@
 same `PPOTrainer.step`, whatever made it:
 
 - `ColocatedSource` (the default): this rank draws its prompts (`PromptSampler`), generates with
-  the colocated engine, scores and builds experience (`NaiveExperienceMaker`), refilling groups
-  with dynamic sampling (DAPO) when asked.
+  the colocated engine, scores and builds experience (`RolloutServices`), refilling groups with
+  dynamic sampling (DAPO) when asked. It holds the run's one rollout counter.
 - `RecordedSource` (`lightrft/experience/recorded.py`): batches of served traffic
   (`train_ppo --recorded_data`); the recorded rewards score them.
 - `ExplorerLink` (`lightrft/explorers/link.py`): explorer ranks or an explorer thread generate
   and score; this rank builds the experience with its current weights.
 
-A source is given what it may use once, at `start` (a `SourceContext`: the experience maker, the
-sampling parameters, the prompt sampler, a weight stream), and returns what it made with its
+A source is given what it may use once, at `start` (a `SourceContext`: the run's generation,
+scoring and experience-building services, the sampling parameters, the prompt sampler, a weight
+stream), and returns what it made with its
 counters (`SourceBatch`) instead of writing into the trainer. Its resumable state travels in the
 trainer's checkpoint (`state_dict` / `load_state_dict`, keys of the trainer's client state).
 """
@@ -25,7 +26,9 @@ import torch
 
 from lightrft.config.sections import AlgorithmConfig
 from lightrft.experience.dynamic_sampling import sample_informative_batch
+from lightrft.experience.generation import sampling_params
 from lightrft.experience.samples import Experience
+from lightrft.experience.services import PHASES, RolloutServices
 
 WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
 
@@ -60,7 +63,7 @@ class PromptSampler:
 class SourceContext:
     """What an experience source may use, handed over once by `PPOTrainer.fit`."""
 
-    maker: Any                        # the NaiveExperienceMaker: generation, scoring, experience building
+    services: RolloutServices         # generation, scoring and experience building
     strategy: Any
     algo: AlgorithmConfig
     generate_kwargs: dict             # the rollout sampling parameters (the trainer's own dict, read per step)
@@ -119,31 +122,32 @@ class ColocatedSource:
         self.context = context
         self._batches = context.prompts.batches(context.consumed_samples)
 
-    def _rollout(self, prompts: list, labels: list) -> list[Experience]:
+    def _rollout(self, prompts: list, labels: list, timings: dict) -> list[Experience]:
         self.calls += 1
-        return self.context.maker.make_experience_list(prompts, labels, call=self.calls,
-                                                       **self.context.generate_kwargs)
+        ctx = self.context
+        params = sampling_params(ctx.algo.n_samples_per_prompt, **ctx.generate_kwargs)
+        return ctx.services.experiences(list(prompts), labels, params, self.calls, timings=timings)
 
     def next(self, step: int) -> Optional[SourceBatch]:
         ctx = self.context
-        ctx.maker.timings = dict.fromkeys(ctx.maker.timings, 0.0)
+        timings = dict.fromkeys(PHASES, 0.0)
         batch = next(self._batches, None)
         if batch is None:
             return None
         drawn = 1
-        experiences = self._rollout(*batch)
+        experiences = self._rollout(*batch, timings)
         counters = {}
         if ctx.algo.dynamic_sampling:
             def extra_rollouts():
                 nonlocal drawn
                 for extra in self._batches:
                     drawn += 1
-                    yield self._rollout(*extra)
+                    yield self._rollout(*extra, timings)
             n = ctx.algo.n_samples_per_prompt
             experiences, dropped, rounds = sample_informative_batch(
                 experiences, extra_rollouts(), len(batch[0]) * n, n, ctx.algo.max_sampling_rounds, ctx.strategy)
             counters = {"dropped_groups": dropped, "sampling_rounds": rounds}
-        return SourceBatch(experiences, drawn * ctx.rollout_batch_size, counters, dict(ctx.maker.timings))
+        return SourceBatch(experiences, drawn * ctx.rollout_batch_size, counters, timings)
 
     def after_step(self, step: int) -> dict[str, float]:
         return {}

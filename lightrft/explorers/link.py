@@ -12,8 +12,8 @@ The version is the number of trainer steps behind the weights, so with `--sync_o
 - `Explorer` is the explorers' loop: wait for recent enough weights, generate, score, send each
   trainer its share (the prompts a colocated rank of the same number would get).
 
-What a trainer builds from a received batch is the colocated experience maker's own code
-(`NaiveExperienceMaker.experience_from_rollout`): the reference and critic forwards, the KL and
+What a trainer builds from a received batch is the colocated run's own code
+(`ExperienceBuilder.experience_from_rollout`): the reference and critic forwards, the KL and
 the advantages all use the trainer's current weights. The "old" policy of the PPO ratio is the
 trainer's (exactly on-policy updates reuse their own forward), and the behaviour policy that
 actually sampled enters through the rollout log-probs, corrected by truncated importance
@@ -123,8 +123,8 @@ class ExplorerLink:
         self._window.append(staleness)
         started = time.perf_counter()
         rewards = RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info)
-        experiences = self.context.maker.experience_from_rollout(batch.rollout, rewards,
-                                                                 self.context.algo.n_samples_per_prompt)
+        experiences = self.context.services.builder.experience_from_rollout(batch.rollout, rewards,
+                                                                            self.context.algo.n_samples_per_prompt)
         for experience in experiences:   # per sample, for the logs and the rollout preview
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         timings = {"generate": batch.seconds.get("generate", 0.0), "reward": batch.seconds.get("reward", 0.0),

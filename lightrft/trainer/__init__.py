@@ -14,6 +14,8 @@ _EXPORTS = {
     "NaiveExperienceMaker": "lightrft.experience.maker",
     "NaiveReplayBuffer": "lightrft.experience.replay_buffer",
     "PPOTrainer": "lightrft.trainer.ppo_trainer",
+    "PPOModels": "lightrft.trainer.ppo_config",
+    "PPOTrainerConfig": "lightrft.trainer.ppo_config",
     "TrainerCallback": "lightrft.trainer.callbacks",
     "SFTTrainer": "lightrft.trainer.sft_trainer",
     "RewardModelTrainer": "lightrft.trainer.rm_trainer",

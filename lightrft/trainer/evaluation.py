@@ -4,25 +4,35 @@ and anything else that scores a policy, such as `lightrft.cli.bench` over saved 
 
 import torch
 
+from lightrft.experience.generation import sampling_params
+
 
 @torch.no_grad()
-def evaluate_policy(maker, strategy, dataloader, generate_kwargs: dict, k: int = 1) -> dict[str, float]:
-    """Scores the policy behind `maker` (a `NaiveExperienceMaker`) on every (prompts, labels)
-    batch of `dataloader` (this rank's shard), summed over ranks with one all-reduce.
+def evaluate_policy(services, strategy, dataloader, generate_kwargs: dict, k: int = 1) -> dict[str, float]:
+    """Scores the policy behind `services` (a run's `RolloutServices`, or a `NaiveExperienceMaker`)
+    on every (prompts, labels) batch of `dataloader` (this rank's shard), summed over ranks with
+    one all-reduce.
 
-    Rewards are the task's, without training-only shaping (DAPO's overlong penalty). Returns
+    Rewards are the task's, without training-only shaping (DAPO's overlong penalty). The sampling
+    seeds are those of the "eval" stream's rollouts 1, 2, ... of this evaluation, the same at
+    every evaluation, so two evaluations of one policy agree and a curve of them moves only with
+    the policy (and a resumed run evaluates as the uninterrupted one). Returns
     `eval/reward_greedy` (temperature 0) and, for k > 1, `eval/pass@k` (share of prompts with a
     positive reward among k samples) and `eval/reward_mean` (mean reward of those samples)."""
+    services = getattr(services, "services", services)
     greedy_sum = greedy_n = pass_sum = prompts_n = sample_sum = 0.0
+    call = 0
     for prompts, labels in dataloader:
         prompts, labels = list(prompts), list(labels)
-        greedy = maker.sampling_params(n=1, **{**generate_kwargs, "temperature": 0.0})
-        rewards = maker.rollout(prompts, labels, greedy, stream="eval", shaping=False)[1].scores
+        call += 1
+        greedy = sampling_params(1, **{**generate_kwargs, "temperature": 0.0})
+        rewards = services.rollout(prompts, labels, greedy, call, stream="eval", shaping=False)[1].scores
         greedy_sum += rewards.sum().item()
         greedy_n += rewards.numel()
         if k > 1:
-            params = maker.sampling_params(n=k, **generate_kwargs)
-            rewards = maker.rollout(prompts, labels, params, stream="eval", shaping=False)[1]
+            call += 1
+            params = sampling_params(k, **generate_kwargs)
+            rewards = services.rollout(prompts, labels, params, call, stream="eval", shaping=False)[1]
             scores = rewards.scores.view(-1, k)  # (P, k)
             pass_sum += (scores > 0).any(dim=1).float().sum().item()
             sample_sum += scores.mean(dim=1).sum().item()

@@ -6,7 +6,7 @@ falling back are the run services' (`run_services.py`), shared with SFT and RM.
 `PPOCheckpoints` is a base class of `PPOTrainer`, not used alone.
 """
 
-from typing import Optional
+from typing import Any, Optional
 
 from lightrft.config.run import PPORunConfig, plain_options
 from lightrft.trainer.checkpoint import pinned_options
@@ -25,7 +25,25 @@ def as_ppo_config(args) -> PPORunConfig:
 
 
 class PPOCheckpoints:
-    """Checkpoint and resume methods of `PPOTrainer` (see the module docstring)."""
+    """Checkpoint and resume methods of `PPOTrainer` (see the module docstring).
+
+    What it reads from the trainer it is part of is declared below (`PPOTrainer.setup` sets each;
+    tests/trainer/test_trainer_options.py checks that nothing else is read)."""
+
+    strategy: Any
+    services: RunServices              # checkpoint writing, the failed-save count, the guard
+    actor: Any
+    critic: Any
+    ema_model: Any
+    tokenizer: Any
+    kl_ctl: Any                        # its state is saved and restored
+    counters: dict
+    callbacks: Any
+    experience_services: Any           # the builder's non-finite counts are saved and restored
+    experience_source: Any             # its state travels in the checkpoint
+    save_hf_ckpt: bool
+    disable_ds_ckpt: bool
+    args: Optional[PPORunConfig]       # the run config `fit` runs
 
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:
@@ -41,7 +59,7 @@ class PPOCheckpoints:
         counters = {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
                     "kl_ctl": self.kl_ctl.state_dict(), **source_state,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
-                    "nonfinite_counts": dict(self.experience_maker.nonfinite_counts),
+                    "nonfinite_counts": dict(self.experience_services.builder.nonfinite_counts),
                     # the resolved run config travels with every checkpoint, its secrets redacted
                     "config": redact_options(plain_options(self.args))}
         return RunServices.client_state(counters, self.pinned_options(self.args))
@@ -81,5 +99,5 @@ class PPOCheckpoints:
         self.counters.pop("failed_saves", None)
         self.services.failed_saves = state.get("failed_saves", state.get("counters", {}).get("failed_saves", 0))
         self.services.guard.skipped = self.counters["skipped_steps"]
-        self.experience_maker.nonfinite_counts.update(state.get("nonfinite_counts", {}))
+        self.experience_services.builder.nonfinite_counts.update(state.get("nonfinite_counts", {}))
         return self.consumed_samples

@@ -7,7 +7,6 @@ class spans three files by role: this one (construction, `fit`, `step`, logs, ev
 resume); every method is meant to be overridden by research code.
 """
 
-import dataclasses
 import time
 from typing import Optional, Sequence
 
@@ -22,6 +21,7 @@ from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa:
 from lightrft.experience.maker import NaiveExperienceMaker
 from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.experience.samples import Experience
+from lightrft.experience.services import RolloutServices
 from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.checks import EngineGapCheck, engine_gap_tolerance
@@ -31,6 +31,8 @@ from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.metrics import (EXTREME_SUFFIXES, GlobalCounts, combine_metric,  # noqa: F401  (re-exported)
                                      perf_metrics, start_step_totals)
+from lightrft.trainer.ppo_config import (PPOModels, PPOTrainerConfig, classic_trainer_config,  # noqa: F401
+                                         legacy_models, rollout_generate_kwargs)
 from lightrft.trainer.ppo_checkpoints import PINNED_OPTIONS, PPOCheckpoints, as_ppo_config  # noqa: F401
 from lightrft.trainer.ppo_update import PPOUpdate
 from lightrft.trainer.run_services import RunServices
@@ -39,20 +41,28 @@ from lightrft.trainer.run_services import RunServices
 class PPOTrainer(PPOUpdate, PPOCheckpoints):
     """Trains `actor` with PPO-family updates. `critic=None` selects a critic-free method.
 
+    Two ways to build one, which build the same trainer:
+
+    - `PPOTrainer.from_config(strategy, models, config, tokenizer=..., ...)`: the models
+      (`PPOModels`) and the typed sections of a run config (`lightrft.config.PPORunConfig`, or
+      a `PPOTrainerConfig`); every option comes from the config. This is what `train_ppo` does.
+    - The classic constructor below (the seed design's signature, kept for research code): its
+      option arguments are turned into those sections (`classic_trainer_config`), with the
+      documented OpenRLHF-compatible defaults. `reward_model` may be a list, combined by
+      `reward_fn` ((K, B) -> (B,)); `remote_rm_url` adds HTTP reward servers, reward files and
+      builtin rules; `generate_kwargs` (temperature, top_p, top_k, max_new_tokens) are the
+      rollout sampling parameters. The classic arguments (`init_kl_coef`, `kl_target`,
+      `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) default to None, which takes the value
+      of the same field of `algo`; a value given explicitly overrides it. Without `algo` they take
+      the classic values 0.001, None (fixed KL), 10000, 0, 0.2 and 0.2. Given `config`
+      (what `from_config` passes), the option arguments are not read.
+
     Models are DeepSpeed engines from `strategy.prepare` (or plain modules for frozen ones).
-    `reward_model` may be a list, combined by `reward_fn` ((K, B) -> (B,)); `remote_rm_url` adds
-    HTTP reward servers, reward files and builtin rules. `generate_kwargs` (temperature, top_p,
-    top_k, max_new_tokens) are the rollout sampling parameters. `reward_sources` takes ready-made
-    reward sources (objects with `__call__(queries, prompts, labels)`); `packing_samples` packs the
-    training micro-batches. The keyword defaults are the documented OpenRLHF-compatible ones; a
-    run's defaults live in its config: `PPOTrainer.from_config(config, ...)` passes every option
-    from a `lightrft.config.PPORunConfig`. The classic arguments (`init_kl_coef`, `kl_target`,
-    `kl_horizon`, `ptx_coef`, `eps_clip`, `value_clip`) default to None, which takes the value of the
-    same field of `algo`; a value given explicitly overrides it. Without `algo` they take the classic
-    values 0.001, None (fixed KL), 10000, 0, 0.2 and 0.2. `teacher_model` (a prepared frozen policy,
-    `--teacher_pretrain`) distils into the actor on its own samples, as `algo.distill_mode` says
-    (docs/distillation.md). `workflow_runner` (`lightrft.agents.WorkflowRunner`, --workflow) makes
-    each sample a multi-turn episode (docs/agents.md)."""
+    `reward_sources` takes ready-made reward sources (objects with `__call__(queries, prompts,
+    labels)`). `teacher_model` (a prepared frozen policy, `--teacher_pretrain`) distils into the
+    actor on its own samples, as `algo.distill_mode` says (docs/distillation.md).
+    `workflow_runner` (`lightrft.agents.WorkflowRunner`, --workflow) makes each sample a
+    multi-turn episode (docs/agents.md)."""
 
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
                  critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
@@ -71,61 +81,133 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
                  eval_generate_kwargs: Optional[dict] = None, engine_logprob_gap_threshold: Optional[float] = None,
                  engine_logprob_gap_action: str = "stop", experience_source=None,
                  sync_bucket_mb: Optional[float] = None, teacher_model=None, workflow_runner=None,
-                 **generate_kwargs):
-        # A classic PPO argument given explicitly overrides `algo`; None takes `algo`'s value. Without
-        # `algo` the classic signature's documented values apply (init_kl_coef 0.001, not the CLI's 0.01).
-        classic = dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon, ptx_coef=ptx_coef,
-                       eps_clip=eps_clip, value_clip=value_clip)
-        self.algo = dataclasses.replace(algo if algo is not None else AlgorithmConfig(init_kl_coef=0.001),
-                                        **{k: v for k, v in classic.items() if v is not None})
+                 config: Optional[PPOTrainerConfig] = None, **generate_kwargs):
+        if config is None:             # the classic form: its arguments stand for the sections
+            config = classic_trainer_config(
+                algo=algo, classic=dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
+                                        ptx_coef=ptx_coef, eps_clip=eps_clip, value_clip=value_clip),
+                ema_beta=ema_beta, micro_train_batch_size=micro_train_batch_size,
+                micro_rollout_batch_size=micro_rollout_batch_size, gradient_checkpointing=gradient_checkpointing,
+                max_epochs=max_epochs, max_norm=max_norm, prompt_max_len=prompt_max_len, save_hf_ckpt=save_hf_ckpt,
+                disable_ds_ckpt=disable_ds_ckpt, packing_samples=packing_samples, preemption_grace=preemption_grace,
+                apply_chat_template=apply_chat_template, max_ckpt_num=max_ckpt_num,
+                engine_logprob_gap_threshold=engine_logprob_gap_threshold,
+                engine_logprob_gap_action=engine_logprob_gap_action, sync_bucket_mb=sync_bucket_mb)
+            if remote_rm_url:
+                from lightrft.rewards import make_reward_source
+
+                specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
+                reward_sources = [*reward_sources, *(make_reward_source(spec.strip()) for spec in specs
+                                                     if spec.strip())]
+        else:
+            generate_kwargs = {**rollout_generate_kwargs(config.rollout), **generate_kwargs}
+        models = legacy_models(actor, critic, reward_model, initial_model, ema_model, actor_optim, critic_optim,
+                               actor_scheduler, critic_scheduler, teacher_model=teacher_model)
+        self.setup(strategy, models, config, tokenizer=tokenizer, rollout_engine=rollout_engine,
+                   reward_sources=reward_sources, reward_fn=reward_fn, callbacks=callbacks, tracker=tracker,
+                   experience_source=experience_source, workflow_runner=workflow_runner,
+                   eos_token_ids=eos_token_ids, generate_kwargs=generate_kwargs,
+                   eval_generate_kwargs=eval_generate_kwargs, buffer_limit=buffer_limit,
+                   buffer_cpu_offload=buffer_cpu_offload, dataloader_pin_memory=dataloader_pin_memory)
+
+    @classmethod
+    def from_config(cls, strategy, models: PPOModels, config=None, *legacy, tokenizer, rollout_engine=None,
+                    reward_sources: Sequence = (), reward_fn=None, callbacks: Sequence = (), tracker=None,
+                    experience_source=None, workflow_runner=None, eos_token_ids: Optional[Sequence[int]] = None,
+                    **kwargs) -> "PPOTrainer":
+        """The trainer of `models` (a `PPOModels`, prepared) with every option from `config` (a
+        `lightrft.config.PPORunConfig`, or any object with the `PPOTrainerConfig` sections). What
+        a config cannot hold comes as keywords: the tokenizer, a rollout engine (default: Hugging
+        Face decoding with the actor), reward sources (the reward models are in `models`), a
+        combining `reward_fn`, callbacks, a tracker, the experience source (default: colocated),
+        the workflow runner of multi-turn runs and the stop tokens. `kwargs` go to a subclass's
+        own constructor.
+
+        The earlier form, `from_config(config, strategy, actor, critic, reward_model,
+        initial_model, ema_model, actor_optim, critic_optim, actor_scheduler, critic_scheduler,
+        tokenizer=..., teacher_model=..., ...)`, still works."""
+        if not isinstance(models, PPOModels):
+            config, strategy, models = strategy, models, legacy_models(config, *legacy,
+                                                                       teacher_model=kwargs.pop("teacher_model", None))
+        elif legacy:
+            raise TypeError(f"PPOTrainer.from_config(strategy, models, config) takes 3 positional arguments; "
+                            f"{3 + len(legacy)} were given")
+        return cls(strategy, models.actor, models.critic, models.reward_models or None, models.initial_model,
+                   models.ema_model, models.actor_optim, models.critic_optim, models.actor_scheduler,
+                   models.critic_scheduler, tokenizer=tokenizer, config=config, rollout_engine=rollout_engine,
+                   reward_sources=reward_sources, reward_fn=reward_fn, callbacks=callbacks, tracker=tracker,
+                   experience_source=experience_source, workflow_runner=workflow_runner,
+                   eos_token_ids=eos_token_ids, teacher_model=models.teacher_model, **kwargs)
+
+    def setup(self, strategy, models: PPOModels, config, *, tokenizer, rollout_engine=None,
+              reward_sources: Sequence = (), reward_fn=None, callbacks: Sequence = (), tracker=None,
+              experience_source=None, workflow_runner=None, eos_token_ids: Optional[Sequence[int]] = None,
+              generate_kwargs: Optional[dict] = None, eval_generate_kwargs: Optional[dict] = None,
+              buffer_limit: int = 0, buffer_cpu_offload: bool = True, dataloader_pin_memory: bool = True) -> None:
+        """Builds the trainer's parts from the models and the config sections; both constructors
+        end here. `generate_kwargs` are the rollout sampling parameters (default: the rollout
+        section's)."""
+        algo = self.algo = config.algorithm
+        rollout_config, optim = config.rollout, config.optim
         self.strategy = strategy
-        self.actor, self.critic = actor, critic
-        self.reward_model, self.initial_model, self.ema_model = reward_model, initial_model, ema_model
-        self.teacher_model = teacher_model
-        self.actor_optim, self.critic_optim = actor_optim, critic_optim
-        self.actor_scheduler, self.critic_scheduler = actor_scheduler, critic_scheduler
-        self.ema_beta, self.max_epochs, self.max_norm = ema_beta, max_epochs, max_norm
-        self.micro_train_batch_size, self.dataloader_pin_memory = micro_train_batch_size, dataloader_pin_memory
-        self.tokenizer, self.prompt_max_len = tokenizer, prompt_max_len
-        self.save_hf_ckpt, self.disable_ds_ckpt = save_hf_ckpt, disable_ds_ckpt
-        self.gradient_checkpointing = gradient_checkpointing
-        self.generate_kwargs, self.eval_generate_kwargs = generate_kwargs, eval_generate_kwargs or {}
+        self.actor, self.critic = models.actor, models.critic
+        self.reward_model = (models.reward_models[0] if len(models.reward_models) == 1 else
+                             list(models.reward_models) or None)
+        self.initial_model, self.ema_model = models.initial_model, models.ema_model
+        self.teacher_model = models.teacher_model
+        self.actor_optim, self.critic_optim = models.actor_optim, models.critic_optim
+        self.actor_scheduler, self.critic_scheduler = models.actor_scheduler, models.critic_scheduler
+        self.ema_beta, self.max_epochs, self.max_norm = config.model.ema_beta, optim.max_epochs, optim.max_norm
+        self.micro_train_batch_size, self.dataloader_pin_memory = optim.micro_train_batch_size, dataloader_pin_memory
+        self.tokenizer, self.prompt_max_len = tokenizer, config.data.prompt_max_len
+        self.save_hf_ckpt, self.disable_ds_ckpt = config.checkpoint.save_hf_ckpt, config.checkpoint.disable_ds_ckpt
+        self.gradient_checkpointing = config.distributed.gradient_checkpointing
+        self.generate_kwargs = dict(rollout_generate_kwargs(rollout_config) if generate_kwargs is None
+                                    else generate_kwargs)
+        self.eval_generate_kwargs = eval_generate_kwargs or {}
         self.callbacks, self.tracker = CallbackList(callbacks), tracker
         # Every step checks that the engine samples from the trained weights (`lightrft.rollout.checks`).
-        self.engine_gap = EngineGapCheck(engine_gap_tolerance(strategy.config.bf16)[0]
-                                         if engine_logprob_gap_threshold is None else engine_logprob_gap_threshold,
-                                         engine_logprob_gap_action, lambda message: self.strategy.print(message))
-        self.services = RunServices(strategy, preemption_grace=preemption_grace,
-                                    max_nonfinite_steps=self.algo.max_nonfinite_steps, max_ckpt_num=max_ckpt_num)
+        threshold = rollout_config.engine_logprob_gap_threshold
+        self.engine_gap = EngineGapCheck(engine_gap_tolerance(strategy.config.bf16)[0] if threshold is None
+                                         else threshold, rollout_config.engine_logprob_gap_action,
+                                         lambda message: self.strategy.print(message))
+        self.services = RunServices(strategy, preemption_grace=config.checkpoint.preemption_grace,
+                                    max_nonfinite_steps=algo.max_nonfinite_steps,
+                                    max_ckpt_num=config.checkpoint.max_ckpt_num)
 
-        estimator = get_advantage_estimator(self.algo.advantage_estimator)
-        if estimator.needs_critic and critic is None:
-            raise ValueError(f"--advantage_estimator {self.algo.advantage_estimator} needs a critic: pass "
+        estimator = get_advantage_estimator(algo.advantage_estimator)
+        if estimator.needs_critic and models.critic is None:
+            raise ValueError(f"--advantage_estimator {algo.advantage_estimator} needs a critic: pass "
                              "--critic_pretrain, or pick a critic-free estimator such as group_norm or reinforce++")
         self.normalize_advantages_globally = estimator.normalize_globally
-        algo = self.algo
         self.kl_ctl = make_kl_controller(algo.init_kl_coef, algo.kl_target or None, algo.kl_horizon)
         self.actor_loss_fn, self.critic_loss_fn = PolicyLoss.from_algorithm(algo), ValueLoss.from_algorithm(algo)
         self.ptx_loss_fn = GPTLMLoss()
 
+        micro_rollout = rollout_config.micro_rollout_batch_size
         if rollout_engine is None:
-            rollout_engine = build_hf_engine(strategy.unwrap_model(actor).model, tokenizer, eos_token_ids,
-                                             micro_rollout_batch_size,
+            rollout_engine = build_hf_engine(strategy.unwrap_model(models.actor).model, tokenizer, eos_token_ids,
+                                             micro_rollout,
                                              synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
         self.rollout_engine = rollout_engine
         # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
         # The actor's weights bucket by bucket: what syncs the engine, and what explorers are sent.
-        # Bucket size: the engine's own (--vllm_sync_bucket_mb), else `sync_bucket_mb`, else 512 MB.
-        bucket_mb = getattr(rollout_engine, "sync_bucket_mb", None) or sync_bucket_mb or 512.0
-        self.weight_stream = WeightStream(strategy, actor, bucket_mb)
-        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, actor, stream=self.weight_stream)
+        # Bucket size: the engine's own (--vllm_sync_bucket_mb), else the rollout section's, else 512 MB.
+        bucket_mb = getattr(rollout_engine, "sync_bucket_mb", None) or rollout_config.vllm_sync_bucket_mb or 512.0
+        self.weight_stream = WeightStream(strategy, models.actor, bucket_mb)
+        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, models.actor, stream=self.weight_stream)
+        # Generation, scoring and experience building (`lightrft.experience.services`), built by the
+        # classic front, which stays reachable as `experience_maker`.
         self.experience_maker = NaiveExperienceMaker.for_algorithm(
-            algo, actor, critic, reward_model, initial_model, tokenizer, prompt_max_len, self.kl_ctl, strategy,
-            remote_rm_url, reward_fn, rollout_engine=self.rollout, reward_sources=reward_sources,
-            micro_rollout_batch_size=micro_rollout_batch_size, apply_chat_template=apply_chat_template,
-            eos_token_ids=eos_token_ids, teacher=teacher_model, workflow_runner=workflow_runner)
-        self.replay_buffer = NaiveReplayBuffer(micro_train_batch_size, buffer_limit, buffer_cpu_offload,
-                                               packing_samples=packing_samples, pad_token_id=tokenizer.pad_token_id)
+            algo, models.actor, models.critic, self.reward_model, models.initial_model, tokenizer,
+            self.prompt_max_len, self.kl_ctl, strategy, None, reward_fn, rollout_engine=self.rollout,
+            reward_sources=reward_sources, micro_rollout_batch_size=micro_rollout,
+            apply_chat_template=config.data.apply_chat_template, eos_token_ids=eos_token_ids,
+            teacher=models.teacher_model, workflow_runner=workflow_runner)
+        self.experience_services: RolloutServices = self.experience_maker.services
+        self.replay_buffer = NaiveReplayBuffer(self.micro_train_batch_size, buffer_limit, buffer_cpu_offload,
+                                               packing_samples=config.model.packing_samples,
+                                               pad_token_id=tokenizer.pad_token_id)
         self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
         self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
         self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
@@ -139,30 +221,6 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.last_timings: dict[str, float] = {}
         self.pretrain_iter = None
         self.args: Optional[PPORunConfig] = None     # the run config `fit` runs
-
-    @classmethod
-    def from_config(cls, config, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
-                    critic_optim, actor_scheduler, critic_scheduler, *, tokenizer, **kwargs) -> "PPOTrainer":
-        """A trainer whose every option comes from `config` (a `lightrft.config.PPORunConfig`);
-        `kwargs` passes what a config cannot hold (rollout_engine, reward_sources, callbacks,
-        tracker, eos_token_ids, reward_fn)."""
-        r, a = config.rollout, config.algorithm
-        return cls(strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim, critic_optim,
-                   actor_scheduler, critic_scheduler, ema_beta=config.model.ema_beta, init_kl_coef=a.init_kl_coef,
-                   kl_target=a.kl_target, kl_horizon=a.kl_horizon, ptx_coef=a.ptx_coef, eps_clip=a.eps_clip,
-                   value_clip=a.value_clip,
-                   micro_train_batch_size=config.optim.micro_train_batch_size,
-                   micro_rollout_batch_size=r.micro_rollout_batch_size,
-                   gradient_checkpointing=config.distributed.gradient_checkpointing,
-                   max_epochs=config.optim.max_epochs, max_norm=config.optim.max_norm, tokenizer=tokenizer,
-                   prompt_max_len=config.data.prompt_max_len, save_hf_ckpt=config.checkpoint.save_hf_ckpt,
-                   disable_ds_ckpt=config.checkpoint.disable_ds_ckpt, algo=config.algorithm,
-                   packing_samples=config.model.packing_samples, preemption_grace=config.checkpoint.preemption_grace,
-                   apply_chat_template=config.data.apply_chat_template, max_ckpt_num=config.checkpoint.max_ckpt_num,
-                   max_new_tokens=r.generate_max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   engine_logprob_gap_threshold=r.engine_logprob_gap_threshold,
-                   engine_logprob_gap_action=r.engine_logprob_gap_action, sync_bucket_mb=r.vllm_sync_bucket_mb,
-                   **kwargs)
 
     # ====================================================================================== fit
     def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
@@ -211,7 +269,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         the experience source started where the run left off (the colocated one over
         `prompts_dataloader` unless one was given). Returns the planned steps."""
         self.set_pretrain_data(pretrain_dataloader)
-        self.experience_maker.reuse_policy_log_probs = self.on_policy(config)
+        self.experience_services.builder.reuse_policy_log_probs = self.on_policy(config)
         self.consumed_samples = consumed_samples
         total_steps = self.planned_steps(config, prompts_dataloader)
         if self.experience_source is None:
@@ -222,7 +280,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.services.start(self)
         self.experience_source.load_state_dict(self.resumed_state)
         self.experience_source.start(SourceContext(
-            maker=self.experience_maker, strategy=self.strategy, algo=self.algo, generate_kwargs=self.generate_kwargs,
+            services=self.experience_services, strategy=self.strategy, algo=self.algo, generate_kwargs=self.generate_kwargs,
             prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
             total_steps=total_steps, first_step=self.global_step, preempted=lambda: self.services.preemption.raised,
             weight_buckets=self.weight_stream.buckets))
@@ -292,8 +350,9 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     def start_step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> PendingReduction:
         """The rollout's statistics over all ranks, in one all-reduce started now and read when
         the step ends (`lightrft.trainer.metrics.start_step_totals`)."""
-        return start_step_totals(self.strategy, rollout_sums, self.experience_maker.nonfinite_counts,
-                                 self.experience_maker.reward_sources)
+        services = self.experience_services
+        return start_step_totals(self.strategy, rollout_sums, services.builder.nonfinite_counts,
+                                 services.scorer.reward_sources)
 
     def set_pretrain_data(self, pretrain_dataloader=None) -> None:
         """The pretraining data stream of the PPO-ptx loss (`--pretrain_data`), cycled; None for
@@ -346,7 +405,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     def evaluate(self, eval_dataloader) -> dict[str, float]:
         """Mean reward of greedy decoding, and pass@k over k samples when `eval_n_samples` > 1
         (see `lightrft.trainer.evaluation.evaluate_policy`)."""
-        return evaluate_policy(self.experience_maker, self.strategy, eval_dataloader,
+        return evaluate_policy(self.experience_services, self.strategy, eval_dataloader,
                                {**self.generate_kwargs, **self.eval_generate_kwargs},
                                k=self.args.data.eval_n_samples if self.args is not None else 1)
 

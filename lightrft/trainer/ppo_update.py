@@ -13,7 +13,7 @@ optimizers, losses (`actor_loss_fn`, `critic_loss_fn`, `ptx_loss_fn`), `algo`, `
 """
 
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.distill import distill_loss_per_token
 from lightrft.algorithms.kl import compute_approx_kl
+from lightrft.config.sections import AlgorithmConfig
 from lightrft.experience.samples import Experience, Sample, collate_samples
 from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
@@ -31,7 +32,38 @@ from lightrft.trainer.metrics import EXTREME_SUFFIXES, combine_step_metrics, glo
 
 
 class PPOUpdate:
-    """PPO epochs, micro-batch steps and losses of `PPOTrainer` (see the module docstring)."""
+    """PPO epochs, micro-batch steps and losses of `PPOTrainer` (see the module docstring).
+
+    What it reads from the trainer it is part of is declared below (`PPOTrainer.setup` sets each;
+    tests/trainer/test_trainer_options.py checks that nothing else is read)."""
+
+    # the models and their optimisation (prepared by the strategy)
+    strategy: Any
+    actor: Any
+    critic: Any
+    ema_model: Any
+    actor_optim: Any
+    critic_optim: Any
+    actor_scheduler: Any
+    critic_scheduler: Any
+    # the algorithm and its losses
+    algo: AlgorithmConfig
+    kl_ctl: Any
+    actor_loss_fn: Any
+    critic_loss_fn: Any
+    ptx_loss_fn: Any
+    # the options of an update
+    ema_beta: float
+    max_epochs: int
+    micro_train_batch_size: int
+    dataloader_pin_memory: bool
+    # what a step trains on, and where its counts go
+    replay_buffer: Any
+    experience_services: Any           # its builder's micro-batch sizes the old log-prob forwards
+    pretrain_iter: Any                 # the PTX stream, or None
+    counters: dict
+    callbacks: Any
+    services: Any                      # the run services: preemption flag, non-finite guard
 
     # Whether the old log-probs skip the separate forward at rollout time: None decides per run
     # (yes with one epoch, no KL term needing the policy's log-probs at rollout time, and no active
@@ -96,7 +128,7 @@ class PPOUpdate:
         if not missing:
             return
         flat = [sample for k in missing for sample in samples[k]]
-        chunk = self.experience_maker.micro_rollout_batch_size
+        chunk = self.experience_services.builder.micro_rollout_batch_size
         self.actor.eval()
         rows = []
         for i in range(0, len(flat), chunk):

@@ -16,8 +16,9 @@
   decode with the trainer's own module (`HFEngine`) are never synced, so nothing happens there.
 
 There is one hook point: `install_faults(trainer)`, which the run services call when a run starts.
-It wraps the trainer's overridable seams (`make_experience`, `save_checkpoint`, the experience
-maker's `generate` / `compute_rewards` / `advantages`, ...) on this instance only, so the loops
+It wraps the trainer's overridable seams (`make_experience`, `save_checkpoint`, its experience
+services' `Generator.generate` / `Scorer.score` / `ExperienceBuilder.advantages`, ...) on this
+instance only, so the loops
 themselves carry no fault code. Nothing happens when the variable is unset; a malformed value is
 an error naming it.
 """
@@ -100,7 +101,7 @@ def install_faults(trainer) -> None:
     if FAULT_ENV not in os.environ or int(os.environ.get("RANK", "0")) != 0:
         return
     plan = _Plan(trainer, planned_faults())
-    if hasattr(trainer, "experience_maker"):
+    if hasattr(trainer, "experience_services"):
         _install_ppo(trainer, plan)
     elif hasattr(trainer, "batch_loss"):
         def batch_loss(original, *args, **kwargs):
@@ -110,7 +111,7 @@ def install_faults(trainer) -> None:
 
 
 def _install_ppo(trainer, plan: _Plan) -> None:
-    maker = trainer.experience_maker
+    services = trainer.experience_services
 
     def make_experience(original, *args, **kwargs):
         if plan.due("sigterm-rollout"):
@@ -135,13 +136,14 @@ def _install_ppo(trainer, plan: _Plan) -> None:
         loss, metrics = original(*args, **kwargs)
         return (loss * float("nan") if plan.due("nan-loss") else loss), metrics
 
-    def generate(original, prompts, params, stream="train", **kwargs):
-        rollout = original(prompts, params, stream=stream, **kwargs)
+    def generate(original, *args, stream="train", **kwargs):
+        generation = original(*args, stream=stream, **kwargs)
         if stream == "train" and plan.due("nan-logprob"):
+            rollout = generation.rollout
             rollout.rollout_log_probs = _poison_first(rollout.rollout_log_probs.float())
-        return rollout
+        return generation
 
-    def compute_rewards(original, *args, shaping: bool = True, **kwargs):
+    def score(original, *args, shaping: bool = True, **kwargs):
         rewards = original(*args, shaping=shaping, **kwargs)
         if shaping and plan.due("nan-reward"):
             rewards.scores = _poison_first(rewards.scores.unsqueeze(1)).squeeze(1)
@@ -166,6 +168,6 @@ def _install_ppo(trainer, plan: _Plan) -> None:
     _wrap(trainer, "training_step", training_step)
     _wrap(trainer, "_actor_forward", actor_forward)
     _wrap(trainer, "actor_loss_fn", actor_loss)
-    _wrap(maker, "generate", generate)
-    _wrap(maker, "compute_rewards", compute_rewards)
-    _wrap(maker, "advantages", advantages)
+    _wrap(services.generator, "generate", generate)
+    _wrap(services.scorer, "score", score)
+    _wrap(services.builder, "advantages", advantages)

@@ -197,7 +197,7 @@ def own_engine(engine_cls):
         engine = engine_cls(model, pad_token_id=run.tokenizer.pad_token_id, eos_token_id=run.tokenizer.eos_token_id,
                             micro_batch_size=run.args.micro_rollout_batch_size)
         trainer.rollout = RolloutManager.for_actor(engine, run.strategy, trainer.actor)
-        trainer.experience_maker.engine = trainer.rollout
+        trainer.experience_services.generator.engine = trainer.rollout
     return prepare
 
 

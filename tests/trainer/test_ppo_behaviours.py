@@ -135,15 +135,13 @@ def test_a_zero_lr_scheduler_is_well_defined():
 
 def test_rollouts_see_the_prompt_ids_sft_trained_on():
     # A tokenizer that adds BOS (Llama, Gemma): before, rollouts dropped it while SFT kept it.
-    from lightrft.experience.maker import NaiveExperienceMaker
+    from lightrft.experience.generation import Generator
 
     tokenizer = build_char_tokenizer_with_bos()
     text = "3+4="
     sft = SFTDataset([{"input": text, "output": "7"}], tokenizer, input_key="input", output_key="output")
     prompt_ids = PromptDataset([{"input": text}], tokenizer, input_key="input")
-    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
-    maker.tokenizer, maker.prompt_max_len, maker.apply_chat_template = tokenizer, 16, False
-    ids = maker.tokenize_prompts([prompt_ids[0][0]])[0]
+    ids = Generator(None, tokenizer, prompt_max_len=16).tokenize([prompt_ids[0][0]])[0]
     assert ids[0] == tokenizer.bos_token_id
     assert sft[0].input_ids[:len(ids)].tolist() == ids
 
@@ -224,9 +222,9 @@ def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_on_nothing(
 
 
 def test_the_reference_forward_is_skipped_when_no_kl_can_act():
-    from lightrft.experience.maker import NaiveExperienceMaker
+    from lightrft.experience.builder import ExperienceBuilder
 
-    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
+    maker = ExperienceBuilder.__new__(ExperienceBuilder)
     maker.initial_model, maker.kl_ctl = object(), FixedKLController(0.0)
     assert not maker.kl_in_use()
     maker.kl_ctl = FixedKLController(0.01)
@@ -236,24 +234,18 @@ def test_the_reference_forward_is_skipped_when_no_kl_can_act():
 # ---------- sampling noise is independent across prompts and reproducible ----------
 
 def rollout_groups(task, seed: int, rank: int = 0, calls: int = 0) -> list[tuple]:
-    """Responses to 8 copies of one prompt, 4 samples each, as the experience maker draws them
-    with chunks of one prompt (micro_rollout_batch_size = G)."""
-    from types import SimpleNamespace
-
+    """Responses to 8 copies of one prompt, 4 samples each, as a run's generator draws them
+    in rollout number `calls + 1`, with chunks of one prompt (micro_batch_size = G)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lightrft.experience.generation import Generator, sampling_params
     from lightrft.rollout.hf_engine import HFEngine
-    from lightrft.experience.maker import NaiveExperienceMaker
 
     tokenizer = AutoTokenizer.from_pretrained(task["model"])
     model = AutoModelForCausalLM.from_pretrained(task["model"], dtype=torch.float32)
-    maker = NaiveExperienceMaker.__new__(NaiveExperienceMaker)
-    maker.tokenizer, maker.prompt_max_len, maker.apply_chat_template = tokenizer, 16, False
-    maker.seed, maker.calls, maker.eval_calls, maker.n_samples_per_prompt = seed, calls, 0, 4
-    maker.micro_rollout_batch_size = 4
-    maker.strategy = SimpleNamespace(rank=rank, world_size=2)
-    maker.engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=4)
-    rollout = maker.generate(["3+4="] * 8, maker.sampling_params(max_new_tokens=6))
+    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=4)
+    generator = Generator(engine, tokenizer, prompt_max_len=16, seed=seed, rank=rank, world_size=2)
+    rollout = generator.generate(["3+4="] * 8, None, sampling_params(4, max_new_tokens=6), call=calls + 1).rollout
     rows = [tuple(r) for r in rollout.sequences.tolist()]
     return [tuple(rows[i:i + 4]) for i in range(0, 32, 4)]
 

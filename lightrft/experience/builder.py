@@ -1,0 +1,224 @@
+"""The experience-building service: a scored rollout in, training experience out.
+
+    ExperienceBuilder.experience_from_rollout(rollout, rewards, n)  ->  list[Experience]
+
+The actor / reference / teacher / critic forwards (micro-batched), the KL, the advantages and
+returns, and which samples may train. Colocated rollouts, explorers' rollouts and recorded traffic
+all go through it, so an experience is the same whatever made the samples.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightrft.algorithms.advantages import (AdvantageInputs, AdvantageOutputs, compute_advantages,
+                                            get_advantage_estimator)
+from lightrft.algorithms.distill import distill_token_rewards
+from lightrft.algorithms.kl import compute_approx_kl
+from lightrft.algorithms.masked import masked_mean, masked_sum
+from lightrft.config.sections import AlgorithmConfig, RolloutConfig
+from lightrft.experience.placement import arrive
+from lightrft.experience.samples import Experience
+from lightrft.experience.scorer import RewardBatch, truncated_rows
+from lightrft.rollout.base import RolloutOutput
+
+
+class ExperienceBuilder:
+    """Turns a scored rollout into training experience on this rank: the actor, reference,
+    teacher and critic forwards (micro-batched), the KL, the advantages and returns, and which
+    samples may train. Used alike for colocated rollouts, explorers' rollouts and recorded traffic.
+
+    Models may be DeepSpeed engines or plain modules; `critic`, `initial_model` and `teacher` may
+    be None (critic-free methods, no KL, no distillation). A `teacher` (on-policy distillation,
+    `lightrft.algorithms.distill`) scores the student's sampled tokens like the reference does;
+    with `distill_mode` "reward" its signal `distill_coef` x (log p_teacher - log p_student) joins
+    the token rewards before the returns, with "loss" its log-probs travel in the experience for
+    the trainer's reverse-KL loss. `nonfinite_counts` counts, per source, the samples dropped for
+    a non-finite value."""
+
+    def __init__(self, actor, critic, initial_model, kl_controller, strategy, *, advantage_estimator: str = "gae",
+                 kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
+                 lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
+                 micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size,
+                 mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = (), teacher=None,
+                 distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode):
+        self.actor, self.critic, self.initial_model = actor, critic, initial_model
+        self.teacher, self.distill_coef, self.distill_mode = teacher, distill_coef, distill_mode
+        self.kl_ctl = kl_controller
+        self.strategy = strategy
+        self.estimator = get_advantage_estimator(advantage_estimator)
+        self.kl_estimator, self.kl_clamp = kl_estimator, kl_clamp
+        self.use_kl_loss = use_kl_loss
+        self.gamma = gamma
+        self.lambd = lambd
+        self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.mask_truncated_samples = mask_truncated_samples
+        self.eos_token_ids = list(eos_token_ids)
+        self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
+        self.reuse_policy_log_probs = False   # set by the trainer when it provides the old log-probs itself
+
+    @classmethod
+    def for_algorithm(cls, algo: AlgorithmConfig, actor, critic, initial_model, kl_controller, strategy,
+                      **kwargs) -> "ExperienceBuilder":
+        """A builder with the estimator, KL, truncation and distillation options of `algo`;
+        `kwargs` are the other keywords (micro_rollout_batch_size, eos_token_ids, teacher)."""
+        return cls(actor, critic, initial_model, kl_controller, strategy, advantage_estimator=algo.advantage_estimator,
+                   kl_estimator=algo.kl_estimator, use_kl_loss=algo.use_kl_loss, gamma=algo.gamma, lambd=algo.lambd,
+                   kl_clamp=algo.kl_clamp, mask_truncated_samples=algo.mask_truncated_samples,
+                   distill_coef=algo.distill_coef, distill_mode=algo.distill_mode, **kwargs)
+
+    # ----------------------------------------------------------------------------------- forwards
+    def _to_device(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t.to(self.strategy.device) for t in tensors)
+
+    @torch.no_grad()
+    def forward(self, model, rollout: RolloutOutput) -> Tensor:
+        """`model`'s per-action values over the rollout (log-probs of a policy, values of a
+        critic), in micro-batches of `micro_rollout_batch_size`, on the host, 0 outside the
+        action mask. Shape: (B, A)."""
+        a = rollout.action_mask.size(1)
+        outs = []
+        for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
+            sl = slice(i, i + self.micro_rollout_batch_size)
+            seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
+            outs.append(model(seq, a, attention_mask=mask).float().cpu())
+        return torch.cat(outs) * rollout.action_mask.to(torch.float32)
+
+    def _forward_all(self, model, rollout: RolloutOutput, kind: str) -> Tensor:
+        """`forward` under its earlier name (`kind` names the model for profilers only)."""
+        return self.forward(model, rollout)
+
+    def eval_models(self) -> None:
+        """The models that make experience, in eval mode (no dropout in the rollout forwards)."""
+        for model in (self.actor, self.critic, self.initial_model, self.teacher):
+            if model is not None:
+                model.eval()
+
+    @staticmethod
+    def _finite_rows(mask: Tensor, *tensors: Optional[Tensor]) -> Tensor:
+        """Per sample: are all its action-token values finite in every given tensor? Shape: (B,)."""
+        ok = torch.ones(mask.size(0), dtype=torch.bool)
+        for t in tensors:
+            if t is not None:
+                ok &= (torch.isfinite(t) | ~mask).all(dim=1)
+        return ok
+
+    def _count_invalid(self, source: str, before: Tensor, after: Tensor) -> None:
+        self.nonfinite_counts[source] += int((before & ~after).sum())
+
+    def kl_in_use(self) -> bool:
+        """Whether a KL term can reach the loss: a reference model and a non-zero coefficient
+        (the adaptive controller keeps a zero coefficient at zero). Otherwise the reference
+        forward is skipped."""
+        return self.initial_model is not None and self.kl_ctl.value != 0.0
+
+    def truncated_rows(self, rollout: RolloutOutput) -> Tensor:
+        """Which responses were cut at the length limit (`lightrft.experience.scorer.truncated_rows`)."""
+        return truncated_rows(rollout, self.eos_token_ids)
+
+    @torch.no_grad()
+    def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
+        rollout, rewards = arrive(rollout, rewards)
+        action_mask = rollout.action_mask.bool()
+        mask_f = action_mask.float()
+        # With one epoch (see PPOTrainer.reuse_old_log_probs) the trainer provides the "old"
+        # log-probs itself: the first optimizer step from its own forward, the later ones from a
+        # forward before the first update, so none runs here. Distillation needs them at rollout time.
+        reuse = self.reuse_policy_log_probs and not self.kl_in_use() and self.teacher is None
+        action_log_probs = None if reuse else self.forward(self.actor, rollout)
+        base_log_probs = self.forward(self.initial_model, rollout) if self.kl_in_use() else None
+        teacher_log_probs = self.forward(self.teacher, rollout) if self.teacher is not None else None
+        values = self.forward(self.critic, rollout) if self.critic is not None else None
+        scores = rewards.scores.clone()
+        token_rewards = rewards.token_rewards
+        if token_rewards is not None and not self.estimator.uses_token_rewards:
+            scores, token_rewards = scores + (token_rewards * mask_f).sum(dim=1), None
+        truncated = self.truncated_rows(rollout)
+
+        valid = self._valid_samples(rewards.valid, scores, action_mask, n, action_log_probs, base_log_probs, values,
+                                    teacher_log_probs, rollout.rollout_log_probs)
+        keep = valid.unsqueeze(1)
+        scores = torch.where(valid, scores, torch.zeros_like(scores))
+        action_log_probs, base_log_probs, values, teacher_log_probs = (
+            None if t is None else torch.where(keep, t, torch.zeros_like(t))
+            for t in (action_log_probs, base_log_probs, values, teacher_log_probs))
+
+        kl = None
+        if base_log_probs is not None:
+            kl = compute_approx_kl(action_log_probs, base_log_probs, action_mask, self.kl_estimator, self.kl_clamp)
+        # The KL penalty enters the advantages (per token, before the returns) unless it is a loss term.
+        kl_coef = 0.0 if (self.use_kl_loss or kl is None) else self.kl_ctl.value
+        if token_rewards is not None:
+            token_rewards = torch.where(keep, token_rewards.float(), 0.0)
+        if teacher_log_probs is not None and self.distill_mode == "reward":
+            # The teacher's per-token signal, a dense reward like the KL penalty (0 on invalid rows).
+            distill = distill_token_rewards(action_log_probs, teacher_log_probs, action_mask, self.distill_coef,
+                                            self.kl_clamp)
+            token_rewards = distill if token_rewards is None else token_rewards + distill
+        outputs = self.advantages(AdvantageInputs(action_mask=mask_f, scores=scores, values=values, group_size=n,
+                                                  gamma=self.gamma, lambd=self.lambd, token_rewards=token_rewards),
+                                  kl, kl_coef)
+        advantages, returns = outputs.advantages, outputs.returns
+        checked = valid & self._finite_rows(action_mask, advantages, returns)
+        self._count_invalid("advantage", valid, checked)
+        valid = checked
+        if self.mask_truncated_samples:
+            # Cut responses keep their place (and their group's baseline) but train on nothing.
+            valid = valid & ~truncated
+        keep = valid.unsqueeze(1)
+        advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
+        returns = torch.where(keep, returns, torch.zeros_like(returns))
+        info = {
+            "reward": scores,
+            "response_length": mask_f.sum(dim=1),
+            "total_length": rollout.attention_mask.float().sum(dim=1),
+            "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(scores),
+            "truncated": truncated.float(),
+            "valid": valid.float(),
+            **{k: v.float() for k, v in rewards.info.items()},
+        }
+        if teacher_log_probs is not None:
+            info.update(self.distill_info(action_log_probs, teacher_log_probs, action_mask & keep))
+        exp = Experience(
+            sequences=rollout.sequences, attention_mask=rollout.attention_mask, action_mask=action_mask,
+            num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
+            advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
+            rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
+            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info)
+        return [exp]
+
+    @staticmethod
+    def distill_info(student_log_probs: Tensor, teacher_log_probs: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """Per sample, the sums over its trained tokens of the reverse-KL estimate log p_student -
+        log p_teacher and of each log-prob, and the token count: summed over the step's samples
+        and divided by the tokens they are per-token means (`PPOTrainer.step` logs them as
+        distill/*). Shape: (B, A) each -> (B,) each."""
+        return {"distill_tokens": mask.float().sum(dim=1),
+                "distill_reverse_kl": masked_sum(student_log_probs - teacher_log_probs, mask, dim=1),
+                "distill_teacher_logprob": masked_sum(teacher_log_probs, mask, dim=1),
+                "distill_student_logprob": masked_sum(student_log_probs, mask, dim=1)}
+
+    def advantages(self, inputs: AdvantageInputs, kl: Optional[Tensor], kl_coef: float) -> AdvantageOutputs:
+        """Advantages and returns of the configured estimator, with the per-token KL penalty
+        (`kl_coef` x kl) in the rewards before the returns. Override to try another estimator on
+        the same experience."""
+        return compute_advantages(self.estimator, inputs, kl=kl, kl_coef=kl_coef)
+
+    def _valid_samples(self, reward_valid: Tensor, scores: Tensor, action_mask: Tensor, n: int,
+                       *per_action: Optional[Tensor]) -> Tensor:
+        """Samples that may train: a reward source scored them, and their reward and every given
+        per-action tensor are finite. A group estimator's baseline needs the whole group, so one
+        bad sample invalidates its group. Invalid samples keep their place in the batch (every
+        rank must run the same number of micro-batches) but count in no loss or normaliser.
+        Shape: (B,) bool."""
+        valid = reward_valid.clone()
+        checked = valid & torch.isfinite(scores)
+        self._count_invalid("reward", valid, checked)
+        valid = checked
+        checked = valid & self._finite_rows(action_mask, *per_action)
+        self._count_invalid("logprob", valid, checked)
+        valid = checked
+        if self.estimator.group:
+            valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)
+        return valid

@@ -1,0 +1,86 @@
+"""The generation service: prompt texts in, sampled responses (or multi-turn episodes) out.
+
+    Generator.generate(prompts, labels, params, call)  ->  Generation(rollout, rewards, unscored)
+
+It owns what turning prompts into samples needs and nothing else: the rollout engine (through the
+trainer's `RolloutManager`, which keeps it synced), the tokenizer with the chat template and the
+prompt length cap, the run seed and this rank's place in the global batch (per-prompt seeds,
+`lightrft.rollout.seeds`), and the workflow runner of multi-turn runs (--workflow). It keeps no
+count of rollouts: the caller passes `call`, the rollout number of the sampling seeds, so the one
+counter lives with whoever draws the prompts (the experience source, which checkpoints it).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+from lightrft.datasets.prompt_dataset import encode_prompts
+from lightrft.experience.scorer import RewardBatch
+from lightrft.rollout.base import RolloutOutput, SamplingParams
+from lightrft.rollout.seeds import request_seeds
+
+
+def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: bool,
+                           prompt_max_len: int) -> list[list[int]]:
+    """The token ids a rollout engine is given for `prompts` (through the chat template when
+    asked), each cut to its last `prompt_max_len` tokens: the question is usually last. Datasets
+    reject or skip over-long rows earlier unless the user asked for truncation."""
+    return [row[-prompt_max_len:] for row in encode_prompts(tokenizer, prompts, apply_chat_template)]
+
+
+def sampling_params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
+                    min_new_tokens: int = 0, **unused) -> SamplingParams:
+    """`SamplingParams` of `n` responses per prompt from a run's generate kwargs (other keys,
+    such as an engine's own options, are ignored); the randomness comes from per-prompt seeds."""
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                          min_new_tokens=min_new_tokens, n=n)
+
+
+@dataclass
+class Generation:
+    """What one generation call made: the samples (`params.n` per prompt, a prompt's samples in
+    contiguous rows) and, for multi-turn episodes, the workflow's own scores with the rows it
+    left to the reward sources (`unscored`, Shape: (B,) bool). One-response rollouts carry no
+    scores (`rewards` and `unscored` None): every row goes to the reward sources."""
+
+    rollout: RolloutOutput
+    rewards: Optional[RewardBatch] = None
+    unscored: Optional[Tensor] = None
+
+
+class Generator:
+    """Samples responses to prompt texts with the rollout engine (see the module docstring).
+
+    `engine` is the trainer's `RolloutManager` (or any object with the engine's `generate`);
+    `rank` and `world_size` place this rank's prompts in the global batch for their seeds."""
+
+    def __init__(self, engine, tokenizer, *, prompt_max_len: int, apply_chat_template: bool = False, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, workflow_runner=None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.prompt_max_len, self.apply_chat_template = prompt_max_len, apply_chat_template
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        # Runs multi-turn episodes instead of one response per prompt (`lightrft.agents`, --workflow).
+        self.workflow_runner = workflow_runner
+
+    def tokenize(self, prompts: list[str]) -> list[list[int]]:
+        """The token ids the engine is given for `prompts` (`encode_rollout_prompts`)."""
+        return encode_rollout_prompts(self.tokenizer, prompts, self.apply_chat_template, self.prompt_max_len)
+
+    def seeds(self, count: int, call: int, stream: str = "train") -> list[int]:
+        """The seeds of this rank's `count` prompts in rollout number `call` (1-based) of `stream`:
+        each prompt draws from its own stream, derived from the run seed, `call` and the prompt's
+        position in the global batch, so samples are independent across prompts and a resumed
+        run draws what the uninterrupted one would have. DistributedSampler deals global
+        position k to rank k % R."""
+        return request_seeds(self.seed, call, self.rank, count, stream, stride=self.world_size)
+
+    def generate(self, prompts: list[str], labels: Optional[list], params: SamplingParams, call: int,
+                 stream: str = "train") -> Generation:
+        """`params.n` samples per prompt in one engine call, or with a workflow one multi-turn
+        episode each, scored by the workflow where it can (`labels` go to the workflow)."""
+        seeds = self.seeds(len(prompts), call, stream)
+        if self.workflow_runner is None:
+            return Generation(self.engine.generate(self.tokenize(prompts), params, seeds=seeds))
+        batch = self.workflow_runner.run(self.engine, self.tokenize(prompts), prompts, labels, params, seeds)
+        return Generation(batch.rollout, batch.rewards, batch.unscored)
