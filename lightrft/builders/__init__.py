@@ -1,6 +1,7 @@
 """One builder per component of a run, each reading its own config section.
 
-    tokenizer        build_tokenizer, stop_token_ids
+    tokenizer        build_tokenizer, stop_token_ids (they live in lightrft.models.tokenizer, where
+                     the reward judge and the served policy load a tokenizer too)
     models           model_kwargs (every model), policy_model_kwargs (actor, reference, EMA and
                      explorer copies alike),
                      build_scoring_policy (the KL reference and the distillation teacher)
@@ -19,8 +20,8 @@ this package stays light.
 import importlib
 
 _HOMES = {
-    "build_tokenizer": "lightrft.builders.tokenizer",
-    "stop_token_ids": "lightrft.builders.tokenizer",
+    "build_tokenizer": "lightrft.models.tokenizer",
+    "stop_token_ids": "lightrft.models.tokenizer",
     "model_kwargs": "lightrft.builders.models",
     "policy_model_kwargs": "lightrft.builders.models",
     "build_scoring_policy": "lightrft.builders.models",

@@ -7,9 +7,9 @@ from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_vllm_engine
 from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
-from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.config import PPORunConfig
+from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
 
 
 @dataclass

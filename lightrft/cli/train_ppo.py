@@ -12,9 +12,9 @@ import sys
 
 from lightrft.builders.ppo_run import (PPORun, build_explorer_source, build_ppo_run, build_strategy,  # noqa: F401
                                       check_world_size)
-from lightrft.builders.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
 from lightrft.cli.common import announce_config, parse_run_config, print_summary, run_command
 from lightrft.config import PPORunConfig
+from lightrft.models.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
 from lightrft.utils.program import run_program
 
 
