@@ -25,11 +25,12 @@ from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean, masked_sum
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.datasets.prompt_dataset import encode_prompts
+from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
 from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
-from lightrft.experience.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (RewardBatch re-exported)
+from lightrft.experience.scorer import Scorer, truncated_rows
 
 
 def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: bool,

@@ -27,7 +27,7 @@ import torch
 
 from lightrft.config.sections import RolesConfig
 from lightrft.experience.sources import SourceBatch, SourceContext
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 from lightrft.explorers.ledger import PromptLedger
 from lightrft.explorers.batches import ExperienceReceiver, RolloutBatch
 from lightrft.explorers.explorer import BackgroundCall, Explorer, explorer_parts
