@@ -70,9 +70,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import grpo_step  # noqa: E402
+from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
 from lightrft.rewards import make_reward_source  # noqa: E402
 from lightrft.utils.http import send_json  # noqa: E402
-from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
 
 MODES = {"sync": ["--explorer_ranks", "0"], "decoupled": ["--explorer_ranks", "1", "--sync_offset", "1"]}
 PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",

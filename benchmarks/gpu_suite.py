@@ -72,6 +72,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from lightrft.datasets.toy import arithmetic_rows, write_jsonl  # noqa: E402
 from lightrft.doctor.memory import reset_peak_rss  # noqa: E402
 from lightrft.models import ActorLanguage  # noqa: E402
 from lightrft.models.hf_utils import default_attn_implementation  # noqa: E402
@@ -82,7 +83,6 @@ from lightrft.rollout.seeds import request_seeds  # noqa: E402
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig  # noqa: E402
 from lightrft.utils.pretrained import PretrainedUnavailable, smollm2_folder  # noqa: E402
 from lightrft.utils.tiny import build_char_tokenizer  # noqa: E402
-from lightrft.utils.toy import arithmetic_rows, write_jsonl  # noqa: E402
 
 SECTIONS = ("update", "rollout", "sync", "grpo")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

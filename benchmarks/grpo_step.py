@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 
-from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
+from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
 
 PHASES = ("generate", "reward", "experience", "train")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, write_jsonl  # noqa: E402
 from lightrft.utils.tiny import save_tiny_model  # noqa: E402
-from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, write_jsonl  # noqa: E402
 
 
 PROGRESS = re.compile(r"^(SFT steps|PPO steps):\s+(\d+)%")

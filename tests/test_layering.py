@@ -1,6 +1,7 @@
 """The package's structure: the library never imports its command line, no two modules import
-each other (directly or around a loop), at module level or inside functions, and below
-lightrft/cli/ run configs are read by section, never by flat flag name."""
+each other (directly or around a loop), at module level or inside functions, no import runs up
+the layers of packages (LAYERS), and below lightrft/cli/ run configs are read by section, never
+by flat flag name. Imports are read with `ast`, lazy facades resolved to the modules they load."""
 
 import ast
 import dataclasses
@@ -18,26 +19,57 @@ def module_files() -> dict[str, Path]:
     return files
 
 
-def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
-    """The lightrft modules `path` imports anywhere in its body (lazy imports included)."""
+def facade_homes(path: Path) -> dict[str, str]:
+    """The names a lazy facade resolves to their home modules: a package `__init__` that defines
+    `__getattr__` and a name -> "lightrft...." dict (`_HOMES`, `_EXPORTS`) that it imports from with
+    `importlib`, read with `ast` (importing it would import the homes). A facade whose
+    `__getattr__` imports its homes itself (`lightrft.agents`) is an ordinary lazy import, which the
+    walk sees; anything else maps nothing."""
+    tree = ast.parse(path.read_text())
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in tree.body):
+        return {}
+    homes = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Dict):
+            pairs = [(k.value, v.value) for k, v in zip(node.value.keys, node.value.values)
+                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)]
+            if pairs and len(pairs) == len(node.value.keys) and all(
+                    isinstance(k, str) and isinstance(v, str) and v.startswith("lightrft.") for k, v in pairs):
+                homes.update(pairs)
+    return homes
+
+
+def imports_of(path: Path, known: dict[str, Path], facades: dict[str, dict[str, str]] | None = None) -> set[str]:
+    """The lightrft modules `path` imports anywhere in its body (lazy imports included). A name
+    imported from a lazy facade (`from lightrft.builders import build_prompt_dataset`) is an import
+    of its home (`lightrft.builders.datasets`), which is what runs when the name is first used;
+    `facades` maps each facade package to its names' homes (`facade_homes`)."""
+    facades = facades or {}
+
     def owner(name: str) -> str:
         while name and name not in known:
             name = name.rpartition(".")[0]
         return name
+
+    def imported(module: str, name: str) -> str:
+        if name in facades.get(module, {}):
+            return owner(facades[module][name])
+        return f"{module}.{name}" if f"{module}.{name}" in known else owner(module)
 
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {owner(alias.name) for alias in node.names if alias.name.startswith("lightrft")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lightrft"):
-            found.add(owner(node.module))
-            found |= {f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in known}
+            found |= {imported(node.module, alias.name) for alias in node.names}
     return found - {"", "lightrft"}
 
 
 def import_graph() -> dict[str, set[str]]:
     known = module_files()
-    return {name: imports_of(path, known) - {name} for name, path in known.items()}
+    facades = {name: homes for name, path in known.items() if path.name == "__init__.py"
+               for homes in [facade_homes(path)] if homes}
+    return {name: imports_of(path, known, facades) - {name} for name, path in known.items()}
 
 
 def test_no_library_module_imports_the_command_line():
@@ -76,18 +108,130 @@ def test_no_import_cycles():
     assert find_cycles(import_graph()) == []
 
 
+def plant(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """A lightrft package of `files` (path -> source) in tmp_path, walked in place of the real one."""
+    for name, source in {"__init__.py": "", **files}.items():
+        path = tmp_path / "lightrft" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "lightrft")
+
+
 def test_a_planted_cycle_is_found(tmp_path, monkeypatch):
     """The walk itself: two modules importing each other inside functions form a cycle."""
-    (tmp_path / "lightrft").mkdir()
-    (tmp_path / "lightrft" / "__init__.py").write_text("")
-    (tmp_path / "lightrft" / "a.py").write_text("def f():\n    from lightrft.b import g\n")
-    (tmp_path / "lightrft" / "b.py").write_text("def g():\n    import lightrft.a\n")
-    (tmp_path / "lightrft" / "c.py").write_text("from lightrft import a\n")
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "lightrft")
+    plant(tmp_path, monkeypatch, {"a.py": "def f():\n    from lightrft.b import g\n",
+                                  "b.py": "def g():\n    import lightrft.a\n",
+                                  "c.py": "from lightrft import a\n"})
     graph = import_graph()
     assert graph == {"lightrft": set(), "lightrft.a": {"lightrft.b"}, "lightrft.b": {"lightrft.a"},
                      "lightrft.c": {"lightrft.a"}}
     assert find_cycles(graph) == [["lightrft.a", "lightrft.b", "lightrft.a"]]
+
+
+# ================================================================================== layers
+# lightrft's packages from the bottom up, each layer with what it uses from those below. A module
+# may import its own package and any package of a lower layer; a peer package (same layer) or a
+# higher one is out of reach: what a lower layer needs is built above it and passed down.
+LAYERS = (
+    ("utils", "algorithms"),   # nothing of lightrft: helpers; pure torch math
+    ("models", "rollout"),     # utils, algorithms: model wrappers, loading, tokenizers; rollout engines
+    ("rewards",),              # + rollout: reward sources (an LLM judge generates with an engine)
+    ("config",),               # + the registries of algorithms and rewards, whose names it checks
+    ("strategy", "datasets"),  # + config: the first components that take a config section
+    ("serving",),              # + models, rollout, datasets, strategy: the served policy and its records
+    ("agents",),               # + serving's HTTP limits: workflows, episodes, tools
+    ("experience",),           # + rewards, serving's records: sampling, scoring, building experience
+    ("explorers",),            # + experience, strategy: explorer ranks on parts built for them
+    ("trainer",),              # + experience, strategy, datasets: the trainers and their run services
+    ("doctor",),               # + everything a run is made of: pre-flight checks
+    ("builders",),             # + everything below: one builder per component
+    ("cli",),                  # + builders: parsing and wiring
+)
+
+# Imports that still reach up, each with the reason it stands and what removes it.
+ALLOWED_UPWARD = {
+    # PPOTrainer builds its default Hugging Face engine with the builder; moving that construction
+    # into lightrft/rollout/ removes this import and this entry.
+    ("lightrft.trainer.ppo_trainer", "lightrft.builders.engines"),
+}
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """(the package of a lightrft module, its layer in LAYERS)."""
+    package = module.split(".")[1]
+    for layer, packages in enumerate(LAYERS):
+        if package in packages:
+            return package, layer
+    raise KeyError(f"package lightrft.{package} is in no layer: add it to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import of a peer package or a package of a higher layer."""
+    found = []
+    for name, deps in sorted(graph.items()):
+        if name == "lightrft":
+            continue
+        package, layer = layer_of(name)
+        for dep in sorted(deps):
+            dep_package, dep_layer = layer_of(dep)
+            if dep_package != package and dep_layer >= layer:
+                found.append((name, dep))
+    return found
+
+
+def test_every_package_has_a_layer():
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    placed = [package for layer in LAYERS for package in layer]
+    assert sorted(placed) == sorted(packages)
+
+
+def test_no_import_runs_up_the_layers():
+    found = upward_imports(import_graph())
+    assert [edge for edge in found if edge not in ALLOWED_UPWARD] == []
+    # An allowed import that is gone takes its entry with it.
+    assert sorted(ALLOWED_UPWARD - set(found)) == []
+
+
+def test_a_planted_cycle_through_a_facade_is_found(tmp_path, monkeypatch):
+    """The walk resolves a lazy facade: `from lightrft.builders import build_data` is an import of
+    the home its `_HOMES` names, so a loop through the facade closes."""
+    plant(tmp_path, monkeypatch, {
+        "builders/__init__.py": ('import importlib\n_HOMES = {"build_data": "lightrft.builders.data"}\n\n'
+                                 'def __getattr__(name):\n'
+                                 '    return getattr(importlib.import_module(_HOMES[name]), name)\n'),
+        "builders/data.py": "from lightrft.datasets.rows import load\n\ndef build_data():\n    return load()\n",
+        "datasets/__init__.py": "",
+        "datasets/rows.py": "def load():\n    from lightrft.builders import build_data\n",
+    })
+    graph = import_graph()
+    assert graph["lightrft.datasets.rows"] == {"lightrft.builders.data"}
+    assert graph["lightrft.builders"] == set()
+    assert find_cycles(graph) == [["lightrft.builders.data", "lightrft.datasets.rows", "lightrft.builders.data"]]
+
+
+def test_a_planted_upward_import_is_found(tmp_path, monkeypatch):
+    """The layer check itself: up (utils -> models), sideways (models <-> rollout, peers) and
+    through a facade are found; down and within a package are not."""
+    plant(tmp_path, monkeypatch, {
+        "utils/__init__.py": "",
+        "utils/files.py": "from lightrft.models import load\n",
+        "utils/paths.py": "",
+        "models/__init__.py": ('import importlib\n_EXPORTS = {"load": "lightrft.models.loading"}\n\n'
+                               'def __getattr__(name):\n'
+                               '    return getattr(importlib.import_module(_EXPORTS[name]), name)\n'),
+        "models/loading.py": "import lightrft.utils.paths\n",
+        "models/engine.py": "import lightrft.models.loading\n\ndef f():\n    from lightrft.rollout import engine\n",
+        "rollout/__init__.py": "",
+        "rollout/engine.py": "from lightrft.utils import paths\n",
+        "experience/__init__.py": "",
+        "experience/maker.py": "from lightrft.models import load\n",
+        "trainer/__init__.py": "",
+        "trainer/step.py": "from lightrft.experience.maker import make\n",
+    })
+    graph = import_graph()
+    assert graph["lightrft.experience.maker"] == {"lightrft.models.loading"}
+    assert upward_imports(graph) == [("lightrft.models.engine", "lightrft.rollout.engine"),
+                                     ("lightrft.utils.files", "lightrft.models.loading")]
 
 
 # ======================================================================= config access below cli/

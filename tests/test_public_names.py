@@ -1,4 +1,5 @@
-"""The public names of DESIGN.md keep working: imports, call conventions and defaults."""
+"""The public names of DESIGN.md keep working: imports, call conventions and defaults; names that
+moved keep their old imports."""
 
 import inspect
 import subprocess
@@ -68,3 +69,18 @@ def test_loss_fronts_call_conventions():
     assert masked_mean(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]), dim=None).item() == 2.0
     kl = compute_approx_kl(torch.tensor([[0.5]]), torch.tensor([[0.25]]), torch.tensor([[1]]), kl_estimator="k2")
     assert kl.item() == 0.25 ** 2 / 2
+
+
+def test_names_moved_down_a_layer_keep_their_old_imports():
+    """The tokenizer builder and `RewardBatch` moved below the packages that use them
+    (tests/test_layering.py); research code importing them from their old homes still gets them."""
+    from lightrft.builders import build_tokenizer as from_facade
+    from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+    from lightrft.experience.maker import RewardBatch as from_maker
+    from lightrft.experience.scorer import RewardBatch as from_scorer
+    from lightrft.models import tokenizer
+    from lightrft.rewards.batch import RewardBatch
+
+    assert from_facade is build_tokenizer is tokenizer.build_tokenizer
+    assert stop_token_ids is tokenizer.stop_token_ids
+    assert from_maker is from_scorer is RewardBatch

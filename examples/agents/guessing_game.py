@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from lightrft.utils.toy import write_jsonl
+    from lightrft.datasets.toy import write_jsonl
 
     started = time.time()
     out = Path(args.output_dir).resolve()

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from lightrft.agents.episode import ChatRenderer, Episode, EpisodeEnd, EpisodeRecord
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import mix_seed, sample_seed
 

@@ -1,6 +1,6 @@
 """The rollout engine of a run when it is not the trainer's own Hugging Face decoding."""
 
-from lightrft.builders.tokenizer import stop_token_ids
+from lightrft.models.tokenizer import stop_token_ids
 
 
 def build_vllm_engine(config, tokenizer, seed: int):

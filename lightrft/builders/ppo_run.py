@@ -7,9 +7,9 @@ from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_vllm_engine
 from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
-from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.config import PPORunConfig
+from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.trainer.ppo_config import PPOModels  # noqa: F401  (re-exported)
 
 
@@ -47,18 +47,6 @@ def check_world_size(rollout_batch_size: int, world_size: int) -> None:
                          f"ranks ({world_size}) so every rank gets the same prompts per rollout")
 
 
-def build_explorer_source(config: PPORunConfig, strategy, link=None):
-    """The experience source of a run whose rollouts explorers make: the trainer's end of
-    explorer ranks (`link`, this rank's `lightrft.explorers.roles.JobLink` from `join_roles`), or of
-    an explorer thread one step ahead on this rank (--sync_offset > 0 without explorer ranks).
-    None for a colocated run."""
-    from lightrft.explorers.link import start_ahead_explorer, trainer_link
-
-    if link is not None:
-        return trainer_link(config, link)
-    if config.roles.sync_offset > 0:
-        return start_ahead_explorer(config, strategy)
-    return None
 
 
 def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
@@ -155,8 +143,8 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     """Everything a PPO run needs, on every rank: the models prepared by the strategy, the data
     loaders, the rollout engine, the reward sources and the trainer (nothing trained yet).
     `strategy` is the one `build_strategy` made (built here when None); `experience_source` is
-    where the trainer's experience comes from (`build_explorer_source`; by default the colocated
-    source over the prompts, or the recorded traffic of --recorded_data)."""
+    where the trainer's experience comes from (`lightrft.builders.explorers.build_explorer_source`;
+    by default the colocated source over the prompts, or the recorded traffic of --recorded_data)."""
     from lightrft.trainer.ppo_trainer import PPOTrainer
 
     strategy = strategy or build_strategy(config)

@@ -140,7 +140,7 @@ class Evaluator:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from lightrft.builders.tokenizer import build_tokenizer
+        from lightrft.models.tokenizer import build_tokenizer
         from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepspeed_policy, require_complete
 
         args = self.args
@@ -172,9 +172,9 @@ class Evaluator:
     def score(self, model, tokenizer, source: str) -> dict[str, float]:
         """The evaluation metrics of `model` on --eval_data; `source` is the folder of its
         tokenizer and generation config (for the stop tokens)."""
-        from lightrft.builders.tokenizer import stop_token_ids
         from lightrft.datasets import PromptDataset
         from lightrft.datasets.prompt_dataset import encode_prompts
+        from lightrft.models.tokenizer import stop_token_ids
         from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
         from lightrft.rollout.hf_engine import HFEngine
         from lightrft.serving.checkpoint_weights import CheckpointReadError

@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from lightrft.builders.ppo_run import check_world_size  # noqa: F401  (the docs' recipe checks call it)
-from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
@@ -30,6 +29,7 @@ from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, che
 from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
+from lightrft.models.tokenizer import build_tokenizer
 from lightrft.utils.program import run_program
 
 DOCTOR_FLAGS = ("--doctor_checks", "--doctor_memory_budget_gb", "--doctor_reward_calls", "--doctor_report")

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+    from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
     from lightrft.serving.http import longest_token_chars
     from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
     from lightrft.serving.policy import ServedPolicy, WeightWatcher

@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(problem)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
-    from lightrft.builders.tokenizer import build_tokenizer
     from lightrft.models import RewardModel
     from lightrft.models.vocabulary import check_vocabulary
+    from lightrft.models.tokenizer import build_tokenizer
 
     try:
         model = RewardModel(args.reward_pretrain, value_head_prefix=args.value_head_prefix,

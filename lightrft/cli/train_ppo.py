@@ -10,11 +10,11 @@ calls the builders of `lightrft.builders`; `--help` lists every flag by group.
 import argparse
 import sys
 
-from lightrft.builders.ppo_run import (PPORun, build_explorer_source, build_ppo_run, build_strategy,  # noqa: F401
-                                      check_world_size)
-from lightrft.builders.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
+from lightrft.builders.explorers import build_explorer, build_explorer_source
+from lightrft.builders.ppo_run import PPORun, build_ppo_run, build_strategy, check_world_size  # noqa: F401
 from lightrft.cli.common import announce_config, parse_run_config, print_summary, run_command
 from lightrft.config import PPORunConfig
+from lightrft.models.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
 from lightrft.utils.program import run_program
 
 
@@ -64,7 +64,7 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
 
         link = join_roles(args.explorer_ranks, args.dist_timeout)
         if link.layout.is_explorer:
-            return run_explorer(args, link)
+            return run_explorer(build_explorer(args, link))
     run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks, explorers=True, link=link)
     args, trainer = run.args, run.trainer
     consumed = 0

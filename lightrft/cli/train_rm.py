@@ -13,9 +13,9 @@ import argparse
 import sys
 
 from lightrft.cli.common import announce_config, parse_run_config, run_command
-from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_sft import check_data_vocabulary, run_supervised
 from lightrft.config import RMRunConfig
+from lightrft.models.tokenizer import build_tokenizer
 from lightrft.utils.program import run_program
 
 

@@ -13,11 +13,11 @@ The model is exported as a Hugging Face folder to `--save_path` at the end.
 import argparse
 import sys
 
-from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.cli.common import (announce_config, parse_run_config, print_summary,
                                  run_command)
 from lightrft.config import SFTRunConfig
+from lightrft.models.tokenizer import build_tokenizer
 from lightrft.utils.program import run_program
 
 

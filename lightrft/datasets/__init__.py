@@ -1,4 +1,5 @@
-"""Datasets: loading rows from files, validating them, and the prompt / SFT / preference datasets."""
+"""Datasets: loading rows from files, validating them, and the prompt / SFT / preference datasets.
+`lightrft.datasets.toy` is a toy task with exact answers for the quickstart, tests and benchmarks."""
 
 from lightrft.datasets.loaders import SUPPORTED_FORMATS, load_rows
 from lightrft.datasets.preference_dataset import (

@@ -17,7 +17,7 @@ from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import SamplingParams
 from lightrft.experience.placement import arrive
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 
 GIB = 2.0**30
 PHASES = ("generate", "forwards", "train", "weight sync")

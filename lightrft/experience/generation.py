@@ -16,7 +16,7 @@ from typing import Optional
 from torch import Tensor
 
 from lightrft.datasets.prompt_dataset import encode_prompts
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
 

@@ -46,7 +46,7 @@ from torch.utils.data import Dataset
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.rollout.base import RolloutOutput
 from lightrft.serving.records import ExperienceRecord, read_records, tokenizer_fingerprint
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 from lightrft.experience.sources import SourceBatch, SourceContext
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,6 @@
 A `Scorer` is the reward half of making experience, on its own: the colocated experience maker
 holds one, and explorer ranks score with one (they train nothing, so they need no forwards)."""
 
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -12,26 +11,9 @@ from torch import Tensor
 from lightrft.experience.placement import arrive
 from lightrft.models.utils import accepts_keyword
 from lightrft.rewards.base import call_reward_source
+from lightrft.rewards.batch import RewardBatch
 from lightrft.rewards.shaping import overlong_penalty
 from lightrft.rollout.base import RolloutOutput
-
-
-@dataclass
-class RewardBatch:
-    scores: Tensor   # (B,) float32 combined score per sample
-    valid: Tensor    # (B,) bool; False where a reward source failed and dropped the sample
-    # (B, A) per-token rewards over the response slots (per-turn rewards of an agent episode, on
-    # each turn's last sampled token), or None. Estimators that read token rewards (gae,
-    # reinforce, reinforce++) take them in place; the others see their sum added to `scores`.
-    token_rewards: Optional[Tensor] = None
-    # (B,) per-sample numbers logged as rollout/<key> means (an agent episode's turns, tool calls...)
-    info: dict[str, Tensor] = field(default_factory=dict)
-
-    def to(self, device) -> "RewardBatch":
-        """This batch with every tensor on `device` (the tensors themselves where already there)."""
-        return RewardBatch(scores=self.scores.to(device), valid=self.valid.to(device),
-                           token_rewards=None if self.token_rewards is None else self.token_rewards.to(device),
-                           info={key: value.to(device) for key, value in self.info.items()})
 
 
 def truncated_rows(rollout: RolloutOutput, eos_token_ids: Sequence[int]) -> Tensor:

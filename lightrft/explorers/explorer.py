@@ -4,15 +4,16 @@ Batch b is the same prompts a colocated run would draw at that step (one shuffle
 episode, seeded by --seed), generated with the same per-prompt seeds, by explorer b % N, with
 policy version >= `RolesConfig.required_version(b)`. `run_explorer` is an explorer rank of
 `train_ppo --explorer_ranks N`; the one-step-ahead mode runs the same `Explorer` on a thread
-(`lightrft.explorers.link.start_ahead_explorer`).
+(`lightrft.explorers.link.start_ahead_explorer`). Either way the explorer receives its parts
+built (`lightrft.builders.explorers`): this package sits below the builders.
 """
 
 
-import os
 import threading
 import time
 import traceback
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -23,7 +24,6 @@ from lightrft.experience.placement import arrive
 from lightrft.experience.maker import encode_rollout_prompts, sampling_params
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
 from lightrft.explorers.weights import WeightSubscriber
-from lightrft.explorers.roles import JobLink
 from lightrft.utils.distributed_sampler import DistributedSampler
 
 
@@ -38,34 +38,44 @@ def load_named_weights(module: torch.nn.Module, named: list[tuple[str, torch.Ten
             params[name].copy_(tensor)
 
 
+@dataclass
+class ExplorerParts:
+    """What an explorer generates and scores with, built from the run config by
+    `lightrft.builders.explorers.build_explorer_parts`."""
+
+    tokenizer: Any                        # encodes the prompts
+    engine: Any                           # a rollout engine of the policy: HFEngine over `module`, or vLLM
+    module: Optional[torch.nn.Module]     # the policy copy HFEngine decodes with; None under vLLM
+    scorer: Any                           # a `Scorer` with a tokenizer of its own (it decodes on a thread)
+    prompts: Any                          # the PromptDataset of --prompt_data
+    workflow_runner: Any = None           # multi-turn episodes (--workflow), else one response each
+
+
 class Explorer:
     """An explorer's loop: wait for the weights a batch calls for, generate, score, send.
 
-    `engine` is a rollout engine of the policy (`HFEngine` over `module`, or a vLLM engine with
-    `module=None`); `tokenizer` encodes the prompts, `scorer` (a `lightrft.experience.scorer.Scorer`
-    with a tokenizer of its own) decodes and scores. Scoring and sending batch
-    b run on a thread of their own while batch b + 1 generates, so a slow reward source (an HTTP
-    server's latency) stays off the generation's path.
+    `parts` are the explorer's tokenizer, engine, policy copy, scorer, workflow runner and prompts
+    (`ExplorerParts`). Scoring and sending batch b run on a thread of their own while batch b + 1
+    generates, so a slow reward source (an HTTP server's latency) stays off the generation's path.
     Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
     generates global positions `first_position`, `first_position + stride`, ... (all of them
     on an explorer rank; one rank's share in the one-step-ahead mode) and sends trainer t of
     `trainers` every t-th of them: the prompts a colocated rank t would get."""
 
-    def __init__(self, args, experience, control, engine, module: Optional[torch.nn.Module], tokenizer, scorer, prompts,
-                 *, index: int = 0, explorers: int = 1, trainers: int = 1, first_position: int = 0, stride: int = 1,
-                 workflow_runner=None):
+    def __init__(self, args, experience, control, parts: ExplorerParts, *, index: int = 0, explorers: int = 1,
+                 trainers: int = 1, first_position: int = 0, stride: int = 1):
         self.args, self.experience, self.control = args, experience, control
-        self.workflow_runner = workflow_runner        # multi-turn episodes (--workflow), else one response each
-        self.engine, self.module, self.tokenizer, self.scorer, self.prompts = engine, module, tokenizer, scorer, prompts
+        self.engine, self.module, self.tokenizer = parts.engine, parts.module, parts.tokenizer
+        self.scorer, self.prompts, self.workflow_runner = parts.scorer, parts.prompts, parts.workflow_runner
         self._scored: Optional[BackgroundCall] = None     # the batch being scored and sent
         self.roles = args.roles
         self.index, self.explorers, self.trainers = index, explorers, trainers
         self.first_position, self.stride = first_position, stride
         self.loaded_version = -1
-        self.per_episode = len(prompts) // args.rollout.rollout_batch_size
-        self.total_steps = planned_steps(args, len(prompts))
-        self.sampler = DistributedSampler(prompts, num_replicas=1, rank=0, shuffle=True, seed=args.distributed.seed,
-                                          drop_last=True)
+        self.per_episode = len(self.prompts) // args.rollout.rollout_batch_size
+        self.total_steps = planned_steps(args, len(self.prompts))
+        self.sampler = DistributedSampler(self.prompts, num_replicas=1, rank=0, shuffle=True,
+                                          seed=args.distributed.seed, drop_last=True)
         self._orders: dict[int, list[int]] = {}
         self.sent = 0
 
@@ -221,64 +231,16 @@ class BackgroundCall:
             raise self.error
 
 
-def explorer_parts(args, link_rank: int):
-    """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
-    (a plain module with `HFEngine`, or vLLM), and a scorer (the reward sources)."""
-    from lightrft.builders import (build_hf_engine, build_reward_sources, build_tokenizer, build_vllm_engine,
-                                   policy_model_kwargs, stop_token_ids)
-    from lightrft.builders.agents import build_workflow_runner
-    from lightrft.models import ActorLanguage
-    from lightrft.experience.scorer import Scorer
-
-    def load_tokenizer():
-        return build_tokenizer(args.model.pretrain, args.model.trust_remote_code, padding_side="left")
-
-    tokenizer = load_tokenizer()
-    eos = stop_token_ids(tokenizer, args.model.pretrain)
-    module = None
-    if args.rollout.rollout_engine == "vllm":
-        engine = build_vllm_engine(args, tokenizer, seed=args.distributed.seed + link_rank)
-    else:
-        actor = ActorLanguage(args.model.pretrain, **policy_model_kwargs(args.model, args.distributed))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            actor = actor.to(torch.device("cuda", torch.cuda.current_device()))
-        module = actor.model.eval()
-        engine = build_hf_engine(module, tokenizer, eos, args.rollout.micro_rollout_batch_size)
-    sources = build_reward_sources(args.rewards)
-    # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
-    # safe to call from two threads at once).
-    algo = args.algorithm
-    scorer = Scorer(load_tokenizer(), reward_sources=sources, overlong_buffer_len=algo.overlong_buffer_len,
-                    overlong_penalty_factor=algo.overlong_penalty_factor, eos_token_ids=eos,
-                    # the trainers' teacher scores, or the workflow
-                    task_reward_optional=bool(args.model.teacher_pretrain or args.agent.workflow))
-    return tokenizer, engine, module, scorer, build_workflow_runner(args.agent, tokenizer, eos)
-
-
-def run_explorer(args, link: JobLink) -> dict:
-    """An explorer rank of `train_ppo --explorer_ranks N`: builds the policy copy, the engine and
-    the reward sources, then explores until the trainers stop."""
+def run_explorer(explorer: Explorer) -> dict:
+    """An explorer rank of `train_ppo --explorer_ranks N` once built
+    (`lightrft.builders.explorers.build_explorer`): explores until the trainers stop, then shuts
+    its engine down and leaves the process group."""
     import torch.distributed as dist
 
-    from lightrft.builders import build_prompt_dataset
-    from lightrft.strategy.seeding import set_seed
-    from lightrft.utils.threads import configure_threads
-
-    configure_threads()
-    set_seed(args.distributed.seed)
-    layout = link.layout
-    tokenizer, engine, module, scorer, workflow_runner = explorer_parts(args, layout.rank)
-    explorer = Explorer(args, link.experience, link.control, engine, module, tokenizer, scorer,
-                        build_prompt_dataset(args.data, tokenizer),
-                        index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers,
-                        workflow_runner=workflow_runner)
     sent = explorer.run()
     # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
-    if hasattr(engine, "shutdown"):
-        engine.shutdown()
+    if hasattr(explorer.engine, "shutdown"):
+        explorer.engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
     return {"role": "explorer", "batches_sent": sent}
-
-

@@ -27,10 +27,10 @@ import torch
 
 from lightrft.config.sections import RolesConfig
 from lightrft.experience.sources import SourceBatch, SourceContext
-from lightrft.experience.scorer import RewardBatch
+from lightrft.rewards.batch import RewardBatch
 from lightrft.explorers.ledger import PromptLedger
 from lightrft.explorers.batches import ExperienceReceiver, RolloutBatch
-from lightrft.explorers.explorer import BackgroundCall, Explorer, explorer_parts
+from lightrft.explorers.explorer import BackgroundCall, Explorer, ExplorerParts
 from lightrft.explorers.weights import WeightPublisher
 from lightrft.explorers.roles import JobLink, LocalChannel
 
@@ -166,16 +166,12 @@ def _explorer_link(args, experience, control, explorers: int) -> ExplorerLink:
                         timeout_s=args.distributed.dist_timeout * 60.0, weight_sync=args.rollout.weight_sync)
 
 
-def start_ahead_explorer(args, strategy) -> ExplorerLink:
+def start_ahead_explorer(args, strategy, parts: ExplorerParts) -> ExplorerLink:
     """The colocated one-step-ahead mode (`--sync_offset D > 0` without explorer ranks): an
-    explorer thread in this rank's own process, with its own copy of the policy, generates this
-    rank's share of step k + 1 while the trainer trains step k. Returns the trainer's end."""
-    from lightrft.builders import build_prompt_dataset
-
+    explorer thread in this rank's own process, with its own copy of the policy (`parts`, from
+    `lightrft.builders.explorers.build_explorer_parts`), generates this rank's share of step k + 1
+    while the trainer trains step k. Returns the trainer's end."""
     experience, control = LocalChannel(maxsize=1), LocalChannel()
-    tokenizer, engine, module, scorer, workflow_runner = explorer_parts(args, strategy.rank)
-    explorer = Explorer(args, experience, control, engine, module, tokenizer, scorer,
-                        build_prompt_dataset(args.data, tokenizer),
-                        first_position=strategy.rank, stride=strategy.world_size, workflow_runner=workflow_runner)
+    explorer = Explorer(args, experience, control, parts, first_position=strategy.rank, stride=strategy.world_size)
     BackgroundCall(explorer.run)   # its error reaches the trainer as a FAILED message, which raises it
     return _explorer_link(args, experience, control, 1)

@@ -86,6 +86,14 @@ def explain_load_errors(path: str, flag: str):
         ) from err
 
 
+def context_length(config: PretrainedConfig) -> int | None:
+    """The most positions (prompt + answer tokens) a model's config says it takes:
+    `max_position_embeddings` (GPT-2's `n_positions` answers to that name too); None when the
+    config names none."""
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def model_dtype(bf16: bool) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 

@@ -86,7 +86,7 @@ def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | 
     (`max_position_embeddings`) shorter than `max_tokens`, the prompt + response it must score."""
     from transformers import AutoConfig
 
-    from lightrft.serving.policy import context_length
+    from lightrft.models.hf_utils import context_length
 
     try:
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)

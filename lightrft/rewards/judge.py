@@ -322,7 +322,7 @@ class LocalJudge:
         on a GPU, float32 on the CPU. FileNotFoundError naming the flag when `path` holds no model."""
         from transformers import AutoModelForCausalLM
 
-        from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+        from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
 
         folder = Path(path).expanduser()
         if not (folder / "config.json").is_file():

@@ -30,14 +30,6 @@ class Sample:
     policy_version: int
 
 
-def context_length(config: Any) -> int | None:
-    """The most positions (prompt + answer tokens) a model's config says it takes:
-    `max_position_embeddings` (GPT-2's `n_positions` answers to that name too); None when the
-    config names none."""
-    value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def export_step(path: str | Path) -> int | None:
     """N for a `global_stepN_hf` folder written by train_ppo --save_hf_ckpt, else None."""
     match = _STEP_EXPORT.match(Path(path).name)
@@ -72,7 +64,8 @@ class ServedPolicy:
         from the served one is refused: recorded token ids would mean other text."""
         from transformers import AutoModelForCausalLM
 
-        from lightrft.builders.tokenizer import build_tokenizer
+        from lightrft.models.hf_utils import context_length
+        from lightrft.models.tokenizer import build_tokenizer
 
         path = Path(path)
         if (path / "tokenizer_config.json").exists():

@@ -20,13 +20,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from safetensors.torch import load_file
 
 from lightrft.cli.bench import find_checkpoints, main, run_pretrain
+from lightrft.datasets.toy import arithmetic_splits, write_jsonl
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.hf_engine import HFEngine
 from lightrft.rollout.seeds import request_seeds
 from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepspeed_policy
 from lightrft.strategy.checkpoint_io import save_checkpoint_dir
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.trainer import ppo_harness
 from tests.trainer.ppo_harness import LAUNCH_ENV, REWARD_FILE

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from lightrft.cli.doctor import run_doctor, strip_doctor_flags
+from lightrft.datasets.toy import write_jsonl
 from lightrft.doctor.report import CheckResult, DoctorReport, format_table, percentile
 from lightrft.rollout import HFEngine, RolloutManager
 from lightrft.utils.tiny import save_tiny_arch, save_tiny_model
-from lightrft.utils.toy import write_jsonl
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.trainer.ppo_harness import LAUNCH_ENV, flags, make_task
 

@@ -15,8 +15,8 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_ppo import parse_args, train
+from lightrft.models.tokenizer import build_tokenizer
 from lightrft.serving.openai_api import (RequestError, ServeLimits, finish_choice, parse_chat_request,
                                          parse_completion_request)
 from lightrft.serving.policy import Sample

@@ -37,7 +37,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(main, flag, busy_port, 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr("lightrft.builders.tokenizer.build_tokenizer", no_loading)
+    monkeypatch.setattr("lightrft.models.tokenizer.build_tokenizer", no_loading)
     line = error_of(main, [flag, str(lm_folder), "--port", str(busy_port)], capsys)
     assert f"cannot listen on --host 127.0.0.1 --port {busy_port}: Address already in use" in line
     assert "pick another --port (0 takes any free port" in line

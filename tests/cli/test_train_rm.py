@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from lightrft.builders.tokenizer import build_tokenizer
 from lightrft.cli.train_rm import parse_args
 from lightrft.datasets import PreferenceDataset
+from lightrft.datasets.toy import write_jsonl
 from lightrft.models import RewardModel
+from lightrft.models.tokenizer import build_tokenizer
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import write_jsonl
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.dist

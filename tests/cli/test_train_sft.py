@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightrft.cli.train_sft import parse_args
 from lightrft.datasets import SFTDataset
+from lightrft.datasets.toy import arithmetic_splits, write_jsonl
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
 from tests.conftest import run_torchrun
 
 pytestmark = pytest.mark.dist
@@ -126,7 +126,7 @@ def test_a_missing_eval_dataset_names_its_own_flag(tmp_path):
 def test_a_missing_model_folder_is_named_with_its_flag_not_a_hub_download(tmp_path):
     """The tokenizer is the first thing loaded from --pretrain: a folder name that does not exist
     (and is no org/name Hub id) is named with its flag, instead of a Hub download traceback."""
-    from lightrft.builders.tokenizer import build_tokenizer
+    from lightrft.models.tokenizer import build_tokenizer
 
     with pytest.raises(FileNotFoundError, match="^--pretrain 'my_model': no such model folder"):
         build_tokenizer("my_model")

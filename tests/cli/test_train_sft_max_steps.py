@@ -7,8 +7,8 @@ import os
 import torch
 
 from lightrft.cli.train_sft import parse_args, train
+from lightrft.datasets.toy import arithmetic_splits, write_jsonl
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
 from tests.trainer.ppo_harness import LAUNCH_ENV
 
 

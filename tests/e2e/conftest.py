@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightrft.utils.toy import arithmetic_splits, sft_warm_start, write_jsonl
+from lightrft.datasets.toy import arithmetic_splits, sft_warm_start, write_jsonl
 from tests.conftest import to_flags
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightrft.utils.toy import write_jsonl
+from lightrft.datasets.toy import write_jsonl
 from tests.conftest import REPO_ROOT, run_torchrun, run_torchrun_many
 from tests.e2e.conftest import assert_resumed_like_uninterrupted, summary_line, tensorboard_scalars
 

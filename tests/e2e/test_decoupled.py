@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightrft.utils.toy import greedy_accuracy
+from lightrft.datasets.toy import greedy_accuracy
 from tests.conftest import REPO_ROOT, free_port, run_torchrun, run_torchrun_many, subprocess_env
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 

@@ -5,7 +5,7 @@ runs share one torchrun launch (tests/e2e/run_many.py); each builds and shuts do
 
 import pytest
 
-from lightrft.utils.toy import greedy_accuracy
+from lightrft.datasets.toy import greedy_accuracy
 from tests.conftest import run_torchrun_many
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 from tests.e2e.test_vllm import INDUCTOR_CACHE, SMALL, VLLM, pytestmark, toy_vllm  # noqa: F401  (fixture and markers)

@@ -8,7 +8,7 @@
 
 import pytest
 
-from lightrft.utils.toy import greedy_accuracy, sft_warm_start
+from lightrft.datasets.toy import greedy_accuracy, sft_warm_start
 from tests.conftest import run_torchrun
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 

@@ -3,7 +3,7 @@ and the run leaves TensorBoard scalars and an offline W&B run behind."""
 
 import pytest
 
-from lightrft.utils.toy import greedy_accuracy
+from lightrft.datasets.toy import greedy_accuracy
 from tests.conftest import run_torchrun
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lightrft.datasets.toy import arithmetic_splits, write_jsonl
 from lightrft.utils.run_lock import LOCK_NAME, RunLock, read_record
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
 from tests.conftest import REPO_ROOT, free_port, subprocess_env
 
 pytestmark = pytest.mark.dist

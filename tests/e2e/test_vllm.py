@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightrft.utils.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl
+from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl
 from tests.conftest import run_torchrun, run_torchrun_many
 from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
                                tensorboard_scalars)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightrft.utils.toy import greedy_accuracy
+from lightrft.datasets.toy import greedy_accuracy
 from tests.conftest import read_json_lines, run_torchrun
 from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 from tests.e2e.test_vllm import INDUCTOR_CACHE, VLLM, toy_vllm  # noqa: F401 (the module's fixture)

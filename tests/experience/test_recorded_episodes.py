@@ -16,12 +16,12 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from lightrft.algorithms.kl import FixedKLController
-from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.cli.train_ppo import parse_args, train
 from lightrft.experience.maker import ExperienceBuilder
 from lightrft.experience.recorded import RecordedExperienceDataset, recorded_rollout
-from lightrft.experience.scorer import RewardBatch
 from lightrft.models import ActorLanguage
+from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
+from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput
 from lightrft.serving.http import HTTPSettings, longest_token_chars
 from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server

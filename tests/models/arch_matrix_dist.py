@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from lightrft.cli.train_ppo import parse_args, train
+from lightrft.datasets.toy import arithmetic_rows, write_jsonl
 from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
 from lightrft.utils.tiny import save_tiny_arch
-from lightrft.utils.toy import arithmetic_rows, write_jsonl
 from lightrft.utils.program import run_program
 
 

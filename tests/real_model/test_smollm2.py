@@ -21,12 +21,12 @@ from lightrft.cli.doctor import run_doctor
 from lightrft.cli.train_ppo import stop_token_ids
 from lightrft.datasets.prompt_dataset import PromptDataset, encode_prompts
 from lightrft.datasets.sft_dataset import SFTDataset
+from lightrft.datasets.toy import write_jsonl
 from lightrft.models import ActorLanguage
 from lightrft.models.packing import pack_padded
 from lightrft.rollout import HFEngine, SamplingParams
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.hf_export import export_hf_folder
-from lightrft.utils.toy import write_jsonl
 from tests.conftest import run_torchrun, to_flags
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

@@ -33,6 +33,7 @@ from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
 from lightrft.config import RolesConfig
+from lightrft.datasets.toy import write_jsonl
 from lightrft.models import ActorLanguage
 from lightrft.rewards.rules import get_rule_reward
 from lightrft.rollout import RolloutManager, SamplingParams
@@ -45,7 +46,6 @@ from lightrft.explorers.link import ExplorerLink
 from lightrft.rollout.manager import WeightStream
 from lightrft.explorers.weights import WeightSubscriber
 from lightrft.explorers.roles import ControlChannel
-from lightrft.utils.toy import write_jsonl
 from tests.conftest import REPO_ROOT, run_torchrun, subprocess_env
 from tests.real_model.test_smollm2 import actor, prompt_ids, tokenizer  # noqa: F401 (the module's fixtures)
 from tests.real_model.test_smollm2 import (GAP_MAX, GAP_MEAN, IM_END, INDUCTOR_CACHE, QUESTIONS, gap, moved,

@@ -15,11 +15,12 @@ import pytest
 from openai import AuthenticationError, OpenAI
 from transformers import GPT2Config
 
-from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
+from lightrft.models.hf_utils import context_length
+from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
 from lightrft.serving.http import (HTTPSettings, RequestError, exposure_warning, longest_token_chars, parse_json,
                                    settings_from_flags)
 from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
-from lightrft.serving.policy import ServedPolicy, context_length
+from lightrft.serving.policy import ServedPolicy
 from lightrft.serving.records import ExperienceRecorder
 from lightrft.utils.tiny import save_tiny_model
 

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from lightrft.cli.train_ppo import parse_args, train
+from lightrft.datasets.toy import arithmetic_splits, write_jsonl
 from lightrft.utils.tiny import save_tiny_model
-from lightrft.utils.toy import arithmetic_splits, write_jsonl
 from tests.conftest import to_flags
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -43,7 +43,7 @@ def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lightrft.builders.tokenizer import build_tokenizer
+    from lightrft.models.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(str(model_path), padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()

@@ -1,0 +1,78 @@
+"""The explorers of a run whose rollouts are made apart from the trainers (`train_ppo
+--explorer_ranks N`, or the one-step-ahead thread of `--sync_offset D`), and the trainers'
+experience source that receives them. `lightrft.explorers` runs an explorer on parts built here:
+it sits below the builders, so it never builds a tokenizer, an engine or a reward source itself."""
+
+import os
+
+import torch
+
+from lightrft.builders.agents import build_workflow_runner
+from lightrft.builders.datasets import build_prompt_dataset
+from lightrft.builders.engines import build_hf_engine, build_vllm_engine
+from lightrft.builders.models import policy_model_kwargs
+from lightrft.builders.rewards import build_reward_sources
+from lightrft.config import PPORunConfig
+from lightrft.experience.scorer import Scorer
+from lightrft.explorers.explorer import Explorer, ExplorerParts
+from lightrft.explorers.link import start_ahead_explorer, trainer_link
+from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
+from lightrft.strategy.seeding import set_seed
+from lightrft.utils.threads import configure_threads
+
+
+def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
+    """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
+    (a plain module with `HFEngine`, or vLLM seeded with the run's seed + `rank`), a scorer (the
+    reward sources), the workflow runner of --workflow and the prompts."""
+    from lightrft.models import ActorLanguage
+
+    def load_tokenizer():
+        return build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
+
+    tokenizer = load_tokenizer()
+    eos = stop_token_ids(tokenizer, config.model.pretrain)
+    module = None
+    if config.rollout.rollout_engine == "vllm":
+        engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + rank)
+    else:
+        actor = ActorLanguage(config.model.pretrain, **policy_model_kwargs(config.model, config.distributed))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            actor = actor.to(torch.device("cuda", torch.cuda.current_device()))
+        module = actor.model.eval()
+        engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size)
+    sources = build_reward_sources(config.rewards)
+    # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
+    # safe to call from two threads at once).
+    algo = config.algorithm
+    scorer = Scorer(load_tokenizer(), reward_sources=sources, overlong_buffer_len=algo.overlong_buffer_len,
+                    overlong_penalty_factor=algo.overlong_penalty_factor, eos_token_ids=eos,
+                    # the trainers' teacher scores, or the workflow
+                    task_reward_optional=bool(config.model.teacher_pretrain or config.agent.workflow))
+    workflow_runner = build_workflow_runner(config.agent, tokenizer, eos)
+    return ExplorerParts(tokenizer, engine, module, scorer, build_prompt_dataset(config.data, tokenizer),
+                         workflow_runner)
+
+
+def build_explorer(config: PPORunConfig, link) -> Explorer:
+    """The explorer of an explorer rank (`link`, this rank's `lightrft.explorers.roles.JobLink`
+    from `join_roles`), for `lightrft.explorers.explorer.run_explorer`. The process is set up as a
+    trainer's strategy sets up its own (thread counts, the run's seed) before the parts load."""
+    configure_threads()
+    set_seed(config.distributed.seed)
+    layout = link.layout
+    return Explorer(config, link.experience, link.control, build_explorer_parts(config, layout.rank),
+                    index=layout.role_rank, explorers=layout.explorers, trainers=layout.trainers)
+
+
+def build_explorer_source(config: PPORunConfig, strategy, link=None):
+    """The experience source of a run whose rollouts explorers make: the trainer's end of
+    explorer ranks (`link`, this rank's `lightrft.explorers.roles.JobLink` from `join_roles`), or of
+    an explorer thread one step ahead on this rank (--sync_offset > 0 without explorer ranks).
+    None for a colocated run."""
+    if link is not None:
+        return trainer_link(config, link)
+    if config.roles.sync_offset > 0:
+        return start_ahead_explorer(config, strategy, build_explorer_parts(config, strategy.rank))
+    return None
