@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
-from lightrft.builders.engines import build_vllm_engine
+from lightrft.builders.engines import build_rollout_engine, check_engine_roles
 from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.tokenizer import build_tokenizer, stop_token_ids
@@ -56,6 +56,7 @@ def build_explorer_source(config: PPORunConfig, strategy, link=None):
     if link is not None:
         return trainer_link(config, link)
     if config.roles.sync_offset > 0:
+        check_engine_roles(config)
         return start_ahead_explorer(config, strategy)
     return None
 
@@ -188,9 +189,9 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
     total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
     m = prepare_ppo_models(config, strategy, models, total_updates)
-    rollout_engine = None
-    if config.rollout.rollout_engine == "vllm" and config.roles.explorer_ranks == 0:  # explorers generate otherwise
-        rollout_engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
+    rollout_engine = None   # None: the trainer decodes with its live actor
+    if config.roles.explorer_ranks == 0:  # explorers generate otherwise
+        rollout_engine = build_rollout_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
     tracker = build_tracker(config, strategy)
     if config.logging.preview_steps > 0:
         from lightrft.trainer.preview import RolloutPreview

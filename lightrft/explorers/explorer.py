@@ -224,7 +224,7 @@ class BackgroundCall:
 def explorer_parts(args, link_rank: int):
     """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
     (a plain module with `HFEngine`, or vLLM), and a scorer (the reward sources)."""
-    from lightrft.builders import (build_hf_engine, build_reward_sources, build_tokenizer, build_vllm_engine,
+    from lightrft.builders import (build_hf_engine, build_reward_sources, build_rollout_engine, build_tokenizer,
                                    policy_model_kwargs, stop_token_ids)
     from lightrft.builders.agents import build_workflow_runner
     from lightrft.models import ActorLanguage
@@ -236,9 +236,8 @@ def explorer_parts(args, link_rank: int):
     tokenizer = load_tokenizer()
     eos = stop_token_ids(tokenizer, args.model.pretrain)
     module = None
-    if args.rollout.rollout_engine == "vllm":
-        engine = build_vllm_engine(args, tokenizer, seed=args.distributed.seed + link_rank)
-    else:
+    engine = build_rollout_engine(args, tokenizer, seed=args.distributed.seed + link_rank)
+    if engine is None:      # an engine over the live module: the explorer's own policy copy
         actor = ActorLanguage(args.model.pretrain, **policy_model_kwargs(args.model, args.distributed))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -275,7 +274,7 @@ def run_explorer(args, link: JobLink) -> dict:
                         workflow_runner=workflow_runner)
     sent = explorer.run()
     # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
-    if hasattr(engine, "shutdown"):
+    if engine.capabilities.needs_shutdown:
         engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

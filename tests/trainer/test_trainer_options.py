@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightrft.config.sections import AlgorithmConfig
+from lightrft.rollout import HFEngine
 from lightrft.trainer.ppo_trainer import PPOTrainer
 
 
@@ -15,7 +16,7 @@ def build(critic=None, **kwargs) -> PPOTrainer:
     strategy = SimpleNamespace(config=config, world_size=1, rank=0, device="cpu")
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     return PPOTrainer(strategy, torch.nn.Linear(1, 1), critic, None, None, None, None, None, None, None,
-                      tokenizer=tokenizer, rollout_engine=SimpleNamespace(shares_live_weights=True),
+                      tokenizer=tokenizer, rollout_engine=SimpleNamespace(capabilities=HFEngine.capabilities),
                       reward_sources=[lambda queries, prompts, labels: torch.zeros(len(queries))], **kwargs)
 
 
