@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lightrft.datasets.prompt_dataset import encode_prompts  # noqa: E402
-from lightrft.rollout import HFEngine, RolloutManager, SamplingParams  # noqa: E402
+from lightrft.rollout import RolloutManager, SamplingParams, hf_engine_for  # noqa: E402
 from lightrft.rollout.seeds import request_seeds  # noqa: E402
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig  # noqa: E402
 from lightrft.utils.pretrained import smollm2_folder  # noqa: E402
@@ -100,7 +100,7 @@ def main() -> None:
           f"{len(prompts)} prompts x {args.n} samples x {args.max_new_tokens} new tokens = {tokens} tokens per call; "
           f"{args.threads} threads; load average {os.getloadavg()[0]:.2f}")
 
-    hf = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=args.micro_batch_size)
+    hf = hf_engine_for(model, tokenizer, micro_batch_size=args.micro_batch_size)
     seconds, _ = timed(lambda: hf.generate(prompts, params, seeds=seeds), args.repeats)
     print(f"HFEngine   (micro_batch_size {args.micro_batch_size}): {tokens / seconds:10.0f} tokens/s  ({seconds:.2f} s per call)")
 

@@ -149,11 +149,7 @@ LAYERS = (
 )
 
 # Imports that still reach up, each with the reason it stands and what removes it.
-ALLOWED_UPWARD = {
-    # PPOTrainer builds its default Hugging Face engine with the builder; moving that construction
-    # into lightrft/rollout/ removes this import and this entry.
-    ("lightrft.trainer.ppo_trainer", "lightrft.builders.engines"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def layer_of(module: str) -> tuple[str, int]:

@@ -91,11 +91,11 @@ def greedy_success(model_dir, workflow_file, rows: list[dict], *, max_turns: int
     from lightrft.config.sections import AgentConfig
     from lightrft.experience.maker import encode_rollout_prompts
     from lightrft.rollout.base import SamplingParams
-    from lightrft.rollout.hf_engine import HFEngine
+    from lightrft.rollout.hf_engine import hf_engine_for
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    engine = hf_engine_for(model, tokenizer)
     agent = AgentConfig(workflow=str(workflow_file), max_turns=max_turns, max_episode_tokens=max_episode_tokens,
                         tool_workers=1)
     runner = build_workflow_runner(agent, tokenizer, [tokenizer.eos_token_id])

@@ -5,7 +5,7 @@
     models           model_kwargs (every model), policy_model_kwargs (actor, reference, EMA and
                      explorer copies alike),
                      build_scoring_policy (the KL reference and the distillation teacher)
-    engines          build_vllm_engine, build_hf_engine
+    engines          build_rollout_engine (by --rollout_engine), build_vllm_engine, build_hf_engine
     rewards          build_reward_sources (HTTP servers, reward files, builtin rules, LLM judges)
     datasets         build_prompt_dataset
     training         build_scheduler, build_tracker (PPO, SFT and RM runs)
@@ -26,6 +26,7 @@ _HOMES = {
     "model_kwargs": "lightrft.builders.models",
     "policy_model_kwargs": "lightrft.builders.models",
     "build_scoring_policy": "lightrft.builders.models",
+    "build_rollout_engine": "lightrft.builders.engines",
     "build_vllm_engine": "lightrft.builders.engines",
     "build_hf_engine": "lightrft.builders.engines",
     "build_reward_sources": "lightrft.builders.rewards",

@@ -1,6 +1,8 @@
-"""The rollout engine of a run when it is not the trainer's own Hugging Face decoding."""
+"""The rollout engine of a run, picked by `--rollout_engine` from the engine registry
+(`lightrft.rollout.register_engine`) and driven by the capabilities its name declares."""
 
 from lightrft.models.tokenizer import stop_token_ids
+from lightrft.config.sections import ConfigError
 
 
 def build_vllm_engine(config, tokenizer, seed: int):
@@ -32,13 +34,46 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                eos_token_id=stop_token_ids(tokenizer, model.pretrain))
 
 
+# How a run builds each registered engine that holds its own copy of the weights from its config:
+# the rollout section's options of that engine mapped onto its arguments. An engine that shares the
+# trainer's module needs the prepared actor instead (`hf_engine_for`).
+ENGINE_BUILDERS = {"vllm": build_vllm_engine}
+
+
+def build_rollout_engine(config, tokenizer, seed: int):
+    """The `--rollout_engine` of a run (`config`, the `PPORunConfig`) when it holds its own copy of
+    the weights, loaded from `--pretrain` (`seed`: this rank's engine seed). None for an engine
+    that decodes with the policy's live module (`EngineCapabilities.shares_live_weights`): the
+    trainer builds that one over its actor, an explorer over its policy copy."""
+    from lightrft.rollout import engine_capabilities
+
+    name = config.rollout.rollout_engine
+    if engine_capabilities(name).shares_live_weights:
+        return None
+    if name not in ENGINE_BUILDERS:
+        raise ConfigError(f"--rollout_engine {name}: a registered engine with no builder from the run config; add "
+                          "one to lightrft.builders.engines.ENGINE_BUILDERS, or build it with make_rollout_engine "
+                          "and pass it as PPOTrainer(..., rollout_engine=...)")
+    return ENGINE_BUILDERS[name](config, tokenizer, seed)
+
+
+def check_engine_roles(config) -> None:
+    """Refuses a `--rollout_engine` the run's roles cannot hold: with --sync_offset and no
+    explorer ranks an explorer thread builds a second engine in each trainer's process, which an
+    engine that takes a process for itself (`EngineCapabilities.one_per_process`) cannot share."""
+    from lightrft.rollout import engine_capabilities
+
+    name, roles = config.rollout.rollout_engine, config.roles
+    if roles.explorer_ranks == 0 and roles.sync_offset > 0 and engine_capabilities(name).one_per_process:
+        raise ConfigError(f"--sync_offset {roles.sync_offset} without --explorer_ranks (an explorer thread per rank) "
+                          f"cannot be combined with --rollout_engine {name} yet: a process holds one {name} engine, "
+                          "and the explorer thread would build a second beside the trainer's; use --explorer_ranks N")
+
+
 def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int = 8, synced_gpus: bool = False):
     """A Hugging Face decoding engine over `module` (the policy's transformers model, shared
-    live: it never needs a weight sync), padding with the tokenizer's pad id and stopping at
-    `eos_token_ids` (default: the tokenizer's end of sequence). `synced_gpus` keeps ranks
-    decoding in step under ZeRO-3, where every forward gathers parameters."""
-    from lightrft.rollout.hf_engine import HFEngine
+    live: it never needs a weight sync), decoding `micro_batch_size` samples at once
+    (`lightrft.rollout.hf_engine_for`, which this names among the builders)."""
+    from lightrft.rollout.hf_engine import hf_engine_for
 
-    return HFEngine(module, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), micro_batch_size=micro_batch_size,
-                    synced_gpus=synced_gpus)
+    return hf_engine_for(module, tokenizer, eos_token_ids, micro_batch_size, synced_gpus=synced_gpus)

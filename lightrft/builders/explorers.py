@@ -9,7 +9,7 @@ import torch
 
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
-from lightrft.builders.engines import build_hf_engine, build_vllm_engine
+from lightrft.builders.engines import build_hf_engine, build_rollout_engine, check_engine_roles
 from lightrft.builders.models import policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.config import PPORunConfig
@@ -33,9 +33,8 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
     tokenizer = load_tokenizer()
     eos = stop_token_ids(tokenizer, config.model.pretrain)
     module = None
-    if config.rollout.rollout_engine == "vllm":
-        engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + rank)
-    else:
+    engine = build_rollout_engine(config, tokenizer, seed=config.distributed.seed + rank)
+    if engine is None:      # an engine over the live module: the explorer's own policy copy
         actor = ActorLanguage(config.model.pretrain, **policy_model_kwargs(config.model, config.distributed))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -74,5 +73,6 @@ def build_explorer_source(config: PPORunConfig, strategy, link=None):
     if link is not None:
         return trainer_link(config, link)
     if config.roles.sync_offset > 0:
+        check_engine_roles(config)
         return start_ahead_explorer(config, strategy, build_explorer_parts(config, strategy.rank))
     return None

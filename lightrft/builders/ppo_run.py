@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
-from lightrft.builders.engines import build_vllm_engine
+from lightrft.builders.engines import build_rollout_engine
 from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.training import build_scheduler, build_tracker
@@ -160,9 +160,9 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
     total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
     m = prepare_ppo_models(config, strategy, models, total_updates)
-    rollout_engine = None
-    if config.rollout.rollout_engine == "vllm" and config.roles.explorer_ranks == 0:  # explorers generate otherwise
-        rollout_engine = build_vllm_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
+    rollout_engine = None   # None: the trainer decodes with its live actor
+    if config.roles.explorer_ranks == 0:  # explorers generate otherwise
+        rollout_engine = build_rollout_engine(config, tokenizer, seed=config.distributed.seed + strategy.rank)
     tracker = build_tracker(config, strategy)
     if config.logging.preview_steps > 0:
         from lightrft.trainer.preview import RolloutPreview

@@ -176,7 +176,7 @@ class Evaluator:
         from lightrft.datasets.prompt_dataset import encode_prompts
         from lightrft.models.tokenizer import stop_token_ids
         from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
-        from lightrft.rollout.hf_engine import HFEngine
+        from lightrft.rollout.hf_engine import hf_engine_for
         from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
         from lightrft.trainer.evaluation import evaluate_policy
@@ -187,8 +187,9 @@ class Evaluator:
         args = self.args
         model = model.to(self.strategy.device).eval()
         eos = stop_token_ids(tokenizer, source)
-        engine = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                          micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples)
+        # --micro_rollout_batch_size counts prompts here, each sampled --eval_n_samples times.
+        engine = hf_engine_for(model, tokenizer, eos,
+                               micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples)
         # Generation and scoring alone (no experience is built); every evaluation seeds alike.
         services = RolloutServices(
             Generator(RolloutManager(engine), tokenizer, prompt_max_len=args.prompt_max_len,

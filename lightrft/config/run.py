@@ -202,13 +202,12 @@ class PPORunConfig(RunConfig):
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each
-        refused with the flag to change."""
+        refused with the flag to change. Whether the rollout engine can run on a thread beside the
+        trainer's is its capability, checked where the thread starts (`check_engine_roles`)."""
         unsupported = {"--dynamic_sampling": self.algorithm.dynamic_sampling,
                        "--recorded_data": self.data.recorded_data, "--reward_pretrain": self.model.reward_pretrain,
                        "--lora_rank": self.model.lora_rank > 0,
                        "--vllm_tensor_parallel_size > 1": self.rollout.vllm_tensor_parallel_size > 1}
-        if self.roles.explorer_ranks == 0 and self.rollout.rollout_engine == "vllm":
-            unsupported["--rollout_engine vllm"] = True   # one engine cannot serve two threads
         used = [flag for flag, value in unsupported.items() if value]
         if used:
             mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else

@@ -15,6 +15,7 @@ import torch
 
 from lightrft.config.run import PPORunConfig
 from lightrft.doctor.report import CheckResult
+from lightrft.rollout import engine_capabilities
 from lightrft.rollout.base import SamplingParams
 from lightrft.experience.placement import arrive
 from lightrft.rewards.batch import RewardBatch
@@ -145,12 +146,9 @@ def recommendations(phase: str, config: PPORunConfig) -> list[str]:
     rollout, distributed = config.rollout, config.distributed
     flags = []
     if phase == "generate":
-        if rollout.rollout_engine == "vllm":
-            flags.append(f"--vllm_kv_cache_gb (now {rollout.vllm_kv_cache_gb}) or --vllm_gpu_memory_utilization "
-                         f"(now {rollout.vllm_gpu_memory_utilization})")
-        else:
-            flags.append(f"--micro_rollout_batch_size (now {rollout.micro_rollout_batch_size}: samples decoded at "
-                         "once)")
+        # The engine's own memory levers: its KV cache (vLLM), or the samples decoded at once (HF).
+        options = engine_capabilities(rollout.rollout_engine).memory_options
+        flags.append(" or ".join(f"--{name} (now {getattr(rollout, name)})" for name in options))
         flags.append(f"--generate_max_len (now {rollout.generate_max_len})")
     elif phase == "forwards":
         flags.append(f"--micro_rollout_batch_size (now {rollout.micro_rollout_batch_size})")

@@ -239,7 +239,7 @@ def run_explorer(explorer: Explorer) -> dict:
 
     sent = explorer.run()
     # A vLLM engine's teardown needs this role's process group (VLLMEngine.shutdown), and destroys it.
-    if hasattr(explorer.engine, "shutdown"):
+    if explorer.engine.capabilities.needs_shutdown:
         explorer.engine.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -52,7 +52,7 @@ from lightrft.rewards.base import FailurePolicySource, RewardResult, RewardSourc
 # than a second HTTP client.
 from lightrft.rewards.remote import FLOAT32_MAX, RemoteRequestFailure, RemoteRewardClient, redact_url
 from lightrft.rollout.base import SamplingParams
-from lightrft.rollout.hf_engine import HFEngine
+from lightrft.rollout.hf_engine import hf_engine_for
 
 logger = logging.getLogger(__name__)
 
@@ -312,8 +312,7 @@ class LocalJudge:
         self.max_new_tokens = max_new_tokens
         positions = getattr(model.config, "max_position_embeddings", None)
         self.context_len = positions if isinstance(positions, int) and positions > 0 else None
-        self.engine = HFEngine(model, tokenizer.pad_token_id, list(stop_token_ids or [tokenizer.eos_token_id]),
-                               micro_batch_size=batch_size)
+        self.engine = hf_engine_for(model, tokenizer, stop_token_ids, micro_batch_size=batch_size)  # an input is one sample
         self._params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=JUDGE_SEED)
 
     @classmethod

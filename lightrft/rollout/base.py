@@ -1,8 +1,10 @@
-"""What every rollout engine takes and returns.
+"""What every rollout engine takes, returns and declares.
 
 An engine turns tokenised prompts into sampled responses plus the engine's own log-probabilities
 of the sampled tokens. The trainer only sees `RolloutOutput`, so the Hugging Face engine and the
-vLLM engine are interchangeable behind the `RolloutEngine` protocol.
+vLLM engine are interchangeable behind the `RolloutEngine` protocol. What an engine can do besides
+(how weights reach it, sleep, tensor parallelism, ...) it declares in its `EngineCapabilities`,
+which the code that drives it consults instead of the engine's name or its attributes.
 """
 
 import dataclasses
@@ -58,6 +60,70 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# How the trainer's weights can reach an engine (`EngineCapabilities.weight_syncs`).
+WEIGHT_SYNC_KINDS = ("live", "full", "delta", "adapter")
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine kind can do, declared once per kind (`lightrft.rollout.register_engine`) and
+    exposed by every instance as `engine.capabilities`. `RolloutManager`, the builders, explorers
+    and the doctor ask these questions rather than compare engine names or probe attributes, so a
+    new engine changes none of them.
+
+    - `weight_syncs`: how the trainer's weights reach it, a subset of WEIGHT_SYNC_KINDS. "live":
+      it decodes with the trainer's own module, so nothing is ever sent (and nothing else can be
+      declared with it). Otherwise it holds a copy of the weights, exposes `sync_bucket_mb` (MB per
+      `update_weights` call) and `weight_sync` (its --weight_sync mode) and takes some of: "full",
+      `update_weights` with every layer; "delta", `update_weights` with only the layers that changed
+      (it then exposes `weight_dtype`, the dtype the sender compares in); "adapter", `load_adapter`
+      with a LoRA actor's adapter (it then exposes `lora_rank`, 0 when built without LoRA).
+    - `lora`: it serves a LoRA actor (live, or through "adapter").
+    - `tensor_parallel`: one replica may span several ranks (`tensor_parallel_size`), whose ranks
+      `RolloutManager` makes generate together.
+    - `sleep`: `sleep()` frees accelerator memory while the trainer runs; `RolloutManager` calls
+      `sleep` and `wake_up` only on such an engine. `keeps_weights_asleep`: they come back bit for
+      bit, so a delta sync after a sleep may still skip unchanged layers.
+    - `multimodal`: it takes model inputs (images) beside the prompt's token ids.
+    - `rollout_log_probs`: it reports the log-probs of the sampled tokens (`RolloutOutput`), which
+      the trainer's engine check and truncated importance sampling compare with its own.
+    - `needs_shutdown`: `shutdown()` must run on every rank once training is done and before the
+      process group closes (vLLM's teardown destroys the group).
+    - `one_per_process`: it takes over process-wide state (vLLM: the distributed environment), so
+      a process holds one; an explorer thread cannot build a second beside the trainer's.
+    - `memory_options`: the rollout-section options that bound its memory while generating, which
+      the doctor recommends when generation runs out.
+    """
+
+    weight_syncs: frozenset[str]
+    lora: bool = False
+    tensor_parallel: bool = False
+    sleep: bool = False
+    keeps_weights_asleep: bool = False
+    multimodal: bool = False
+    rollout_log_probs: bool = True
+    needs_shutdown: bool = False
+    one_per_process: bool = False
+    memory_options: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        kinds = frozenset(self.weight_syncs)
+        object.__setattr__(self, "weight_syncs", kinds)
+        unknown = sorted(kinds - set(WEIGHT_SYNC_KINDS))
+        if not kinds or unknown:
+            raise ValueError(f"EngineCapabilities.weight_syncs must be a non-empty subset of {WEIGHT_SYNC_KINDS}, "
+                             f"got {sorted(kinds)}")
+        if "live" in kinds and len(kinds) > 1:
+            raise ValueError("EngineCapabilities.weight_syncs: an engine that decodes with the trainer's live module "
+                             f"receives no weights, so 'live' stands alone; got {sorted(kinds)}")
+
+    @property
+    def shares_live_weights(self) -> bool:
+        """It decodes with the trainer's module: never synced, and built over the actor rather than
+        from a checkpoint folder."""
+        return "live" in self.weight_syncs
 
 
 @dataclass
@@ -237,9 +303,11 @@ class RolloutEngine(Protocol):
     (all parameters of a decoder layer together: engines fuse q/k/v and gate/up projections).
     `sleep` frees accelerator memory while the trainer runs; `wake_up` brings it back before the
     next `generate`. `RolloutManager` owns that order; trainers call it rather than the engine.
-    An engine with `shares_live_weights = True` decodes with the trainer's own module and needs
-    no `update_weights`.
+    `capabilities` declares what else the engine does and which further attributes it has
+    (`EngineCapabilities`); an engine that shares live weights needs no `update_weights`.
     """
+
+    capabilities: EngineCapabilities
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:

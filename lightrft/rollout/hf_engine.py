@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
+                                   validate_prompts)
+from lightrft.rollout.registry import register_engine
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
@@ -52,8 +54,10 @@ class HFEngine:
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree.
     """
 
-    # It decodes with the trainer's own module, so there are no weights to push after a step.
-    shares_live_weights = True
+    # It decodes with the module it was given, the trainer's own: no weights to push after a step,
+    # nothing to free while the trainer runs, and a LoRA actor is served as it trains.
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True,
+                                      memory_options=("micro_rollout_batch_size",))
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None):
@@ -234,6 +238,21 @@ class HFEngine:
         """Nothing to restore (see `sleep`)."""
 
 
+def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None,
+                  micro_batch_size: int | None = None, synced_gpus: bool = False) -> HFEngine:
+    """The one place lightrft builds an `HFEngine`: over `model` (shared live, never synced),
+    padding with the tokenizer's pad id and stopping at any of `eos_token_ids` (default: the
+    tokenizer's end of sequence).
+
+    `micro_batch_size` counts samples, prompts x n, decoded at once (None: every call at once);
+    a caller whose batch counts prompts multiplies by its samples per prompt. It bounds memory
+    only: the samples do not depend on it. `synced_gpus` keeps ranks decoding in step under ZeRO-3
+    with several ranks, where every forward gathers parameters."""
+    return HFEngine(model, pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), synced_gpus=synced_gpus,
+                    micro_batch_size=micro_batch_size)
+
+
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts left-padded to the longest: token ids and the 0/1 mask of real tokens.
     Shape: B prompts -> (B, Tp) long, (B, Tp) long."""
@@ -252,3 +271,6 @@ def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]
     expand = torch.zeros(len(prompts), dtype=torch.long)
     expand[starts[1:]] = 1
     return torch.tensor(starts, dtype=torch.long), expand.cumsum(dim=0)
+
+
+register_engine("hf", HFEngine, HFEngine.capabilities)

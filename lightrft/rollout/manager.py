@@ -10,11 +10,12 @@ back (`sleep`, before the training passes); the manager does the rest on the nex
 Every rank must call `generate` (and so the sync) at the same points: under ZeRO-3 each bucket is a
 collective gather. The stale flag changes only through these calls, so ranks stay in step.
 
-Tensor parallel engines (`engine.tensor_parallel_size` T > 1): T consecutive ranks share one engine
-replica, and its ranks must generate together with identical requests. The manager gathers the
-prompts and seeds of the replica's ranks, every rank generates their union, and each keeps the rows
-of its own prompts. The trainer above is unchanged: a rank gets back exactly the samples of the
-prompts it passed (as it would with T = 1, same seeds), so each sample trains on one rank only.
+Tensor parallel engines (`capabilities.tensor_parallel`, `engine.tensor_parallel_size` T > 1): T
+consecutive ranks share one engine replica, and its ranks must generate together with identical
+requests. The manager gathers the prompts and seeds of the replica's ranks, every rank generates
+their union, and each keeps the rows of its own prompts. The trainer above is unchanged: a rank
+gets back exactly the samples of the prompts it passed (as it would with T = 1, same seeds), so
+each sample trains on one rank only.
 
 LoRA actors: only the adapter travels (`VLLMEngine.load_adapter`, a new adapter id per sync); the
 base weights of the engine are the pretrained ones, which LoRA training leaves untouched.
@@ -27,6 +28,9 @@ saves bytes only where layers do not train (frozen layers, a skipped step); the 
 syncs a colocated engine fully and keeps no copy. The first sync, the first after a failed one,
 and the first after a sleep that drops the engine's weights are full. The manager must be the only
 one that syncs the engine: weights loaded behind its back need `forget_sent_weights()`.
+
+What the manager does with an engine follows its `EngineCapabilities`, never its type or name:
+whether to sync it and how, whether to put it to sleep, whether to shut it down.
 """
 
 import time
@@ -36,7 +40,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from lightrft.rollout.base import RolloutEngine, RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.base import (EngineCapabilities, RolloutEngine, RolloutOutput, SamplingParams,
+                                   request_seeds_for, validate_prompts)
 from lightrft.rollout.delta import SentWeights
 from lightrft.utils.distributed import get_rank, get_world_size
 
@@ -52,6 +57,16 @@ def replica_ranks(rank: int, world_size: int, tensor_parallel_size: int) -> list
                          f"of ranks ({world_size}): each engine replica spans that many consecutive ranks")
     first = rank // tensor_parallel_size * tensor_parallel_size
     return list(range(first, first + tensor_parallel_size))
+
+
+def engine_capabilities_of(engine: RolloutEngine) -> EngineCapabilities:
+    """`engine.capabilities`, or a TypeError naming what an engine written without them must add."""
+    capabilities = getattr(engine, "capabilities", None)
+    if not isinstance(capabilities, EngineCapabilities):
+        raise TypeError(f"{type(engine).__name__} declares no capabilities: give the class "
+                        "`capabilities = EngineCapabilities(...)` (lightrft.rollout.base), which tells the trainer how "
+                        "to drive it (weight syncs, sleep, tensor parallelism, ...)")
+    return capabilities
 
 
 class ReplicaGroup:
@@ -119,8 +134,8 @@ class RolloutManager:
     """Wraps a `RolloutEngine` and keeps its weights in step with the trainer.
 
     Args:
-        engine: the rollout engine. One with `shares_live_weights = True` (`HFEngine`) decodes
-            with the trainer's module and is never synced.
+        engine: the rollout engine; its `capabilities` say how it is driven. One that shares live
+            weights (`HFEngine`) decodes with the trainer's module and is never synced.
         weight_buckets: called once per sync; returns the actor's weights as an iterable of
             buckets, each a list of `(Hugging Face name, tensor)` holding whole decoder layers
             (`DeepspeedStrategy.iter_parameter_buckets`). Required unless the engine shares live
@@ -142,7 +157,8 @@ class RolloutManager:
     def __init__(self, engine: RolloutEngine, weight_buckets: WeightBuckets | None = None, adapter_config=None,
                  weight_sync: str = "auto"):
         self.engine = engine
-        self.shares_live_weights = bool(getattr(engine, "shares_live_weights", False))
+        self.capabilities = capabilities = engine_capabilities_of(engine)
+        self.shares_live_weights = capabilities.shares_live_weights
         if weight_buckets is None and not self.shares_live_weights:
             raise ValueError(f"{type(engine).__name__} holds its own copy of the weights: RolloutManager needs "
                              "weight_buckets to sync it (RolloutManager.for_actor builds them from the strategy)")
@@ -151,9 +167,13 @@ class RolloutManager:
         self.weight_buckets = weight_buckets
         self.adapter_config = adapter_config
         # What the engine holds, for delta syncs of full weights (an adapter is small and goes whole).
-        delta = weight_sync == "delta" and adapter_config is None and not self.shares_live_weights
-        self.sent = SentWeights(getattr(engine, "weight_dtype", None)) if delta else None
-        tensor_parallel_size = int(getattr(engine, "tensor_parallel_size", 1))
+        kind = ("live" if self.shares_live_weights else "adapter" if adapter_config is not None
+                else "delta" if weight_sync == "delta" else "full")
+        if kind not in capabilities.weight_syncs:
+            raise ValueError(f"{type(engine).__name__} takes weight syncs {sorted(capabilities.weight_syncs)}, not "
+                             f"{kind!r}" + (": pass --weight_sync full" if kind == "delta" else ""))
+        self.sent = SentWeights(engine.weight_dtype) if kind == "delta" else None
+        tensor_parallel_size = engine.tensor_parallel_size if capabilities.tensor_parallel else 1
         self.replica = ReplicaGroup(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.stale = not self.shares_live_weights
         self.asleep = False
@@ -169,21 +189,25 @@ class RolloutManager:
         """A manager syncing `engine` from `actor` (an `ActorLanguage`, its Hugging Face model under
         `prefix`) through its `WeightStream` (`stream`, or one over `strategy` in buckets of
         `bucket_mb` MB, default the engine's `sync_bucket_mb`, `--vllm_sync_bucket_mb`). A LoRA
-        actor syncs its adapter only, to an engine built for LoRA (`lora_rank`). The sync mode is
-        the engine's `weight_sync` (`--weight_sync`), auto where the engine does not say."""
-        if getattr(engine, "shares_live_weights", False):
+        actor syncs its adapter only, to an engine built for LoRA (`lora_rank`, where the engine
+        takes "adapter" syncs). The sync mode is the engine's `weight_sync` (`--weight_sync`)."""
+        capabilities = engine_capabilities_of(engine)
+        if capabilities.shares_live_weights:
             return cls(engine)
         if stream is None:
             stream = WeightStream(strategy, actor, bucket_mb if bucket_mb is not None else engine.sync_bucket_mb,
                                   prefix)
         module = strategy.unwrap_model(actor)
-        actor_lora, engine_lora = getattr(module, "lora_rank", 0) > 0, getattr(engine, "lora_rank", 0) > 0
-        if actor_lora != engine_lora:
-            raise ValueError(f"the actor has --lora_rank {getattr(module, 'lora_rank', 0)} but the rollout engine was "
-                             f"built with lora_rank {getattr(engine, 'lora_rank', 0)}: build the engine with the "
-                             "actor's --lora_rank")
-        if not actor_lora:
-            return cls(engine, stream.checkpoint_buckets, weight_sync=getattr(engine, "weight_sync", "auto"))
+        actor_rank = getattr(module, "lora_rank", 0)
+        engine_rank = engine.lora_rank if "adapter" in capabilities.weight_syncs else 0
+        if actor_rank > 0 and not capabilities.lora:
+            raise ValueError(f"the actor has --lora_rank {actor_rank} but {type(engine).__name__} cannot serve a LoRA "
+                             "adapter: train all weights (--lora_rank 0) or pick an engine that serves LoRA")
+        if (actor_rank > 0) != (engine_rank > 0):
+            raise ValueError(f"the actor has --lora_rank {actor_rank} but the rollout engine was built with lora_rank "
+                             f"{engine_rank}: build the engine with the actor's --lora_rank")
+        if actor_rank == 0:
+            return cls(engine, stream.checkpoint_buckets, weight_sync=engine.weight_sync)
         return cls(engine, stream.adapter_buckets, adapter_config=stream.adapter_config())
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
@@ -231,22 +255,23 @@ class RolloutManager:
     def sleep(self) -> None:
         """Frees the engine's memory for the training passes (where the platform can)."""
         if not self.asleep:
-            self.engine.sleep()
+            if self.capabilities.sleep:
+                self.engine.sleep()
+                if not self.capabilities.keeps_weights_asleep:
+                    self.forget_sent_weights()  # the engine may wake with other weights: sync in full
             self.asleep = True
-            if not getattr(self.engine, "keeps_weights_asleep", False):
-                self.forget_sent_weights()  # the engine may wake with other weights: sync in full
 
     def wake_up(self) -> None:
         if self.asleep:
-            self.engine.wake_up()
+            if self.capabilities.sleep:
+                self.engine.wake_up()
             self.asleep = False
 
     def shutdown(self) -> None:
-        """Releases the engine (`VLLMEngine.shutdown`: every rank together, before the strategy
-        closes); nothing for an engine without a shutdown (`HFEngine`). Safe to call twice."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Releases an engine that `needs_shutdown` (`VLLMEngine.shutdown`: every rank together,
+        before the strategy closes); nothing for others (`HFEngine`). Safe to call twice."""
+        if self.capabilities.needs_shutdown:
+            self.engine.shutdown()
 
     def forget_sent_weights(self) -> None:
         """The next sync sends every layer (call it after loading weights into the engine other

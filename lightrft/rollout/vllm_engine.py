@@ -67,8 +67,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lightrft.rollout.base import RolloutOutput, SamplingParams, request_seeds_for, validate_prompts
+from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
+                                   validate_prompts)
 from lightrft.rollout.manager import replica_ranks
+from lightrft.rollout.registry import register_engine
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_rank, get_world_size
 
@@ -206,10 +208,14 @@ class VLLMEngine:
         llm_kwargs: passed to `vllm.LLM` (for example `max_model_len`, `dtype`, `enforce_eager`).
     """
 
-    shares_live_weights = False
     # Sleep level 1 moves the weights to host memory and back, bit for bit: a delta sync after a
-    # sleep may skip the layers that did not change (RolloutManager).
-    keeps_weights_asleep = True
+    # sleep may skip the layers that did not change (RolloutManager). Sleep mode exists on CUDA
+    # only; elsewhere `sleep` does nothing. Its teardown destroys the default process group, and it
+    # joins the process's distributed environment: one engine per process, shut down explicitly.
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,
+                                      tensor_parallel=True, sleep=True, keeps_weights_asleep=True,
+                                      needs_shutdown=True, one_per_process=True,
+                                      memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"))
 
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
@@ -401,3 +407,6 @@ def replica_leader_value(value, leader: int):
     values = [None] * get_world_size()
     dist.all_gather_object(values, value)
     return values[leader]
+
+
+register_engine("vllm", VLLMEngine, VLLMEngine.capabilities)

@@ -13,7 +13,7 @@ import torch
 
 from lightrft.models.vocabulary import check_vocabulary
 from lightrft.rollout.base import SamplingParams
-from lightrft.rollout.hf_engine import HFEngine
+from lightrft.rollout.hf_engine import hf_engine_for
 from lightrft.serving.records import tokenizer_fingerprint
 
 logger = logging.getLogger("lightrft.serve")
@@ -81,7 +81,7 @@ class ServedPolicy:
         if version is None:
             step = export_step(path)
             version = step if step is not None else self.version + 1
-        engine = HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.eos_token_ids)
+        engine = hf_engine_for(model, self.tokenizer, self.eos_token_ids)   # a request's samples at once
         with self._lock:
             self.model, self.engine, self.path, self.version = model, engine, path, version
             self.vocab_rows = rows

@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from lightrft.algorithms.advantages import get_advantage_estimator
 from lightrft.algorithms.kl import make_kl_controller
-from lightrft.builders.engines import build_hf_engine
 from lightrft.config.run import PPORunConfig
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
 from lightrft.experience.maker import NaiveExperienceMaker
@@ -25,7 +24,8 @@ from lightrft.experience.services import RolloutServices
 from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.checks import EngineGapCheck, engine_gap_tolerance
-from lightrft.rollout.manager import RolloutManager, WeightStream
+from lightrft.rollout.hf_engine import hf_engine_for
+from lightrft.rollout.manager import RolloutManager, WeightStream, engine_capabilities_of
 from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.callbacks import CallbackList
 from lightrft.trainer.evaluation import evaluate_policy
@@ -186,14 +186,17 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
 
         micro_rollout = rollout_config.micro_rollout_batch_size
         if rollout_engine is None:
-            rollout_engine = build_hf_engine(strategy.unwrap_model(models.actor).model, tokenizer, eos_token_ids,
-                                             micro_rollout,
-                                             synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
+            rollout_engine = hf_engine_for(strategy.unwrap_model(models.actor).model, tokenizer, eos_token_ids,
+                                           micro_rollout,
+                                           synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3)
         self.rollout_engine = rollout_engine
         # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
         # The actor's weights bucket by bucket: what syncs the engine, and what explorers are sent.
-        # Bucket size: the engine's own (--vllm_sync_bucket_mb), else the rollout section's, else 512 MB.
-        bucket_mb = getattr(rollout_engine, "sync_bucket_mb", None) or rollout_config.vllm_sync_bucket_mb or 512.0
+        # Bucket size: that of an engine with its own weights (--vllm_sync_bucket_mb), else
+        # the rollout section's, else 512 MB.
+        live = engine_capabilities_of(rollout_engine).shares_live_weights
+        engine_bucket_mb = None if live else rollout_engine.sync_bucket_mb
+        bucket_mb = engine_bucket_mb or rollout_config.vllm_sync_bucket_mb or 512.0
         self.weight_stream = WeightStream(strategy, models.actor, bucket_mb)
         self.rollout = RolloutManager.for_actor(rollout_engine, strategy, models.actor, stream=self.weight_stream)
         # Generation, scoring and experience building (`lightrft.experience.services`), built by the

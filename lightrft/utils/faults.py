@@ -161,7 +161,7 @@ def _install_ppo(trainer, plan: _Plan) -> None:
         return original(named_params)
 
     engine = trainer.rollout.engine
-    if not trainer.rollout.shares_live_weights and hasattr(engine, "update_weights"):
+    if trainer.rollout.capabilities.weight_syncs & {"full", "delta"}:     # it is synced through update_weights
         _wrap(engine, "update_weights", update_weights)
     _wrap(trainer, "make_experience", make_experience)
     _wrap(trainer, "save_checkpoint", save_checkpoint)

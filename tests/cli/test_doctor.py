@@ -17,7 +17,7 @@ import torch
 from lightrft.cli.doctor import run_doctor, strip_doctor_flags
 from lightrft.datasets.toy import write_jsonl
 from lightrft.doctor.report import CheckResult, DoctorReport, format_table, percentile
-from lightrft.rollout import HFEngine, RolloutManager
+from lightrft.rollout import EngineCapabilities, HFEngine, RolloutManager
 from lightrft.utils.tiny import save_tiny_arch, save_tiny_model
 from tests.conftest import REPO_ROOT, subprocess_env
 from tests.trainer.ppo_harness import LAUNCH_ENV, flags, make_task
@@ -173,8 +173,9 @@ def test_invariance_check_catches_dropout_left_on(task, tmp_path):
 class CopyEngine(HFEngine):
     """The Hugging Face engine decoding with its own copy of the model, synced by copying weights in."""
 
-    shares_live_weights = False
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"full"}))
     sync_bucket_mb = 1.0
+    weight_sync = "auto"
 
     def update_weights(self, named_params):
         params = dict(self.model.named_parameters())

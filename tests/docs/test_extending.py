@@ -1,7 +1,8 @@
 """The code blocks of docs/extending.md do what the page says, checked on hand-computed inputs.
 
 The blocks also run together in a short training job: tests/docs/test_doc_commands.py runs the
-page's `# cpu-test` block and checks what the callback logged.
+page's `# cpu-test` block and checks what the callback logged. The rollout engine's block trains
+here, in train_ppo's wiring run in this process.
 """
 
 from pathlib import Path
@@ -11,8 +12,14 @@ import torch
 
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, get_advantage_estimator
 from lightrft.rewards import make_reward_source
+from lightrft.rollout import (ROLLOUT_ENGINES, HFEngine, RolloutManager, SamplingParams, engine_capabilities,
+                              make_rollout_engine)
+from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+from lightrft.trainer import PPOTrainer, TrainerCallback
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
 from tests.conftest import load_file_module
 from tests.docs.test_doc_commands import doc_test_files
+from tests.trainer.ppo_harness import make_task, run
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
@@ -21,7 +28,8 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 def doc_files(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("extending")
     files = doc_test_files(PAGE)
-    assert {"my_reward.py", "reward_log.py", "curriculum.py", "minmax_estimator.py", "train_extended.py"} <= set(files)
+    assert {"my_reward.py", "reward_log.py", "curriculum.py", "minmax_estimator.py", "train_extended.py",
+            "copy_engine.py"} <= set(files)
     for name, source in files.items():
         (folder / name).write_text(source)
     return folder
@@ -76,3 +84,62 @@ def test_new_estimator_needs_groups(minmax):
 
     with pytest.raises(ValueError, match="--n_samples_per_prompt >= 2"):
         validate_group_size("group_minmax", 1)
+
+
+@pytest.fixture
+def copy_engine(doc_files):
+    """Registers the page's engine as "hf_copy" for one test, and removes it afterwards."""
+    module = import_file(doc_files / "copy_engine.py", "doc_copy_engine")
+    try:
+        yield module.CopyEngine
+    finally:
+        ROLLOUT_ENGINES.pop("hf_copy", None)
+
+
+def test_copy_engine_is_built_by_name_and_synced_as_its_capabilities_say(copy_engine):
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(tokenizer, seed=0).eval()
+    actor = torch.nn.Module()       # the ActorLanguage layout: the Hugging Face model under `.model`
+    actor.model = model
+    engine = make_rollout_engine("hf_copy", model=model, tokenizer=tokenizer, micro_batch_size=4)
+    assert isinstance(engine, copy_engine) and engine.capabilities == engine_capabilities("hf_copy")
+    assert not engine.capabilities.shares_live_weights and engine.decoder.model is not model
+
+    manager = RolloutManager.for_actor(engine, DeepspeedStrategy(StrategyConfig()), actor)
+    assert manager.stale and manager.sent is None           # "full": synced before the first generate
+    with torch.no_grad():
+        for param in model.parameters():                    # the trainer moves its weights
+            param.add_(0.05 * torch.randn_like(param))
+    manager.mark_stale()
+    prompts, params = [tokenizer.encode("1+2="), tokenizer.encode("ab")], SamplingParams(max_new_tokens=6, n=2)
+    out = manager.generate(prompts, params, seeds=[3, 4])
+    live = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id).generate(prompts, params, seeds=[3, 4])
+    assert manager.syncs == 1 and torch.equal(out.sequences, live.sequences)
+    assert torch.allclose(out.rollout_log_probs, live.rollout_log_probs, atol=1e-6)
+    manager.sleep(), manager.wake_up(), manager.shutdown()   # nothing declared: none reaches the engine
+    assert manager.generate(prompts, params, seeds=[3, 4]).sequences.equal(live.sequences) and manager.syncs == 1
+
+
+class SyncCount(TrainerCallback):
+    def __init__(self):
+        self.syncs = []
+
+    def on_rollout_end(self, trainer, experiences):
+        self.syncs.append(trainer.rollout.syncs)
+
+
+def test_a_ppo_run_trains_with_the_engine_selected_by_name(copy_engine, tmp_path):
+    class CopyEngineTrainer(PPOTrainer):
+        """The page's snippet inside train_ppo's wiring: the engine built by name replaces the default."""
+
+        def __init__(self, strategy, actor, *args, tokenizer=None, rollout_engine=None, **kwargs):
+            engine = make_rollout_engine("hf_copy", model=strategy.unwrap_model(actor).model, tokenizer=tokenizer,
+                                         micro_batch_size=16)
+            super().__init__(strategy, actor, *args, tokenizer=tokenizer, rollout_engine=engine, **kwargs)
+
+    counter = SyncCount()
+    logs, _ = run(make_task(tmp_path), tmp_path / "out", trainer_cls=CopyEngineTrainer, callbacks=[counter])
+    # One sync before each step's rollout (the first from the pretrained weights), and the engine
+    # samples from the trained weights: the engine check's gap stays at float32 rounding.
+    assert counter.syncs == [1, 2]
+    assert logs["rollout/engine_logprob_gap_mean"] < 1e-5

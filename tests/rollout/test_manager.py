@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from lightrft.rollout import HFEngine, RolloutManager, RolloutOutput, SamplingParams
+from lightrft.rollout import EngineCapabilities, HFEngine, RolloutManager, RolloutOutput, SamplingParams
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
 from lightrft.strategy.deepspeed_strategy import _fused_group_key
 from tests.rollout.contract import build_contract_model
@@ -13,8 +13,11 @@ from tests.rollout.contract import build_contract_model
 class RecordingEngine:
     """Records the calls a manager makes; refuses what a real separate engine refuses."""
 
-    shares_live_weights = False
+    # A separate copy of the weights that sleep may drop (it does not say it keeps them).
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"full", "delta"}), sleep=True)
     sync_bucket_mb = 0.25
+    weight_sync = "auto"
+    weight_dtype = None
 
     def __init__(self):
         self.calls = []

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightrft.config.sections import AlgorithmConfig
+from lightrft.rollout import HFEngine
 from lightrft.trainer.ppo_trainer import PPOTrainer
 
 
@@ -15,7 +16,7 @@ def build(critic=None, **kwargs) -> PPOTrainer:
     strategy = SimpleNamespace(config=config, world_size=1, rank=0, device="cpu")
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     return PPOTrainer(strategy, torch.nn.Linear(1, 1), critic, None, None, None, None, None, None, None,
-                      tokenizer=tokenizer, rollout_engine=SimpleNamespace(shares_live_weights=True),
+                      tokenizer=tokenizer, rollout_engine=SimpleNamespace(capabilities=HFEngine.capabilities),
                       reward_sources=[lambda queries, prompts, labels: torch.zeros(len(queries))], **kwargs)
 
 
@@ -83,7 +84,7 @@ def test_from_config_and_the_classic_constructor_build_the_same_trainer():
     strategy = SimpleNamespace(config=SimpleNamespace(seed=0, zero_stage=0, bf16=False), world_size=1, rank=0,
                                device="cpu")
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-    engine = SimpleNamespace(shares_live_weights=True)
+    engine = SimpleNamespace(capabilities=HFEngine.capabilities)
     actor = torch.nn.Linear(1, 1)
     built = PPOTrainer.from_config(strategy, PPOModels(actor), config, tokenizer=tokenizer, rollout_engine=engine,
                                    reward_sources=source)
