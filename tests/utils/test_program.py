@@ -13,7 +13,7 @@ PROGRAM = """
 import atexit, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from lightrft.utils.program import run_program
+from lightrft.utils.program import on_exit_without_teardown, run_program
 
 out = Path(sys.argv[1])
 how = sys.argv[2]
@@ -26,6 +26,8 @@ class Finalised:
 
 keep = Finalised()                       # collected only when the interpreter finalises
 atexit.register(lambda: (out / "atexit").write_text("yes"))
+# what an extension's C++ destructor would release at teardown: only when teardown is skipped
+on_exit_without_teardown(lambda: (out / "released").write_text("yes"))
 pool = ThreadPoolExecutor(2)             # idle non-daemon workers, never shut down
 pool.submit(time.sleep, 0.01).result()
 
@@ -65,7 +67,7 @@ def test_a_plain_exit_finalises_which_is_what_the_race_needs(tmp_path):
     collected), so the check below would see it."""
     result, written = run(tmp_path, "plain")
     assert result.returncode == 0, result.stderr
-    assert written == ["atexit", "finalised", "thread"]
+    assert written == ["atexit", "finalised", "thread"]          # teardown ran: nothing else released
 
 
 @pytest.mark.parametrize("code, status", [(None, 0), ("0", 0), ("3", 3)])
@@ -73,15 +75,16 @@ def test_run_program_does_the_exit_work_but_never_finalises(tmp_path, code, stat
     result, written = run(tmp_path, "program", *([code] if code is not None else []))
     assert result.returncode == status, result.stderr
     assert result.stdout == "unflushed output"
-    # non-daemon threads joined, thread pools stopped, atexit handlers run; no finalising
-    assert written == ["atexit", "thread"]
+    # non-daemon threads joined, thread pools stopped, atexit handlers and the registered
+    # releases run; no finalising
+    assert written == ["atexit", "released", "thread"]
 
 
 def test_a_message_exit_prints_it_and_gives_one(tmp_path):
     result, written = run(tmp_path, "program", "message")
     assert result.returncode == 1
     assert result.stderr.strip().endswith("stopped: a reason")
-    assert written == ["atexit", "thread"]
+    assert written == ["atexit", "released", "thread"]
 
 
 def test_an_error_keeps_its_traceback_and_the_normal_exit(tmp_path):
