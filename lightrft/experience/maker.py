@@ -55,12 +55,11 @@ class NaiveExperienceMaker:
                                     teacher=teacher, distill_coef=distill_coef, distill_mode=distill_mode)
         reward_models = [] if reward_model is None else (
             list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
-        reward_sources = list(reward_sources)
         if remote_rm_url:
-            from lightrft.rewards import make_reward_source
+            from lightrft.rewards import make_reward_sources
 
-            specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
-            reward_sources += [make_reward_source(spec.strip()) for spec in specs if spec.strip()]
+            reward_sources = [*reward_sources, *make_reward_sources(remote_rm_url)]
+        reward_sources = list(reward_sources)
         scorer = Scorer(tokenizer, reward_models=reward_models, reward_sources=reward_sources, reward_fn=reward_fn,
                         micro_batch_size=micro_rollout_batch_size,
                         device=strategy.device if strategy is not None else None,

@@ -7,7 +7,7 @@ is what every source's rewards of a batch combine into.
 
 from lightrft.rewards.base import RewardResult, RewardSource, RewardSourceError, as_reward_result
 from lightrft.rewards.batch import RewardBatch
-from lightrft.rewards.factory import make_reward_source
+from lightrft.rewards.factory import make_reward_source, make_reward_sources
 from lightrft.rewards.func import RewardFuncProcess, RewardFuncSource, RewardFuncStats, load_reward_func
 from lightrft.rewards.judge import (JUDGE_PARSERS, JudgeSettings, JudgeSource, JudgeStats, LocalJudge, OpenAIJudge,
                                     register_judge_parser)
@@ -29,6 +29,7 @@ __all__ = [
     "RULE_REWARDS", "RemoteRewardClient", "RemoteRewardStats", "RewardBatch", "RewardFuncProcess",
     "RewardFuncSource", "RewardFuncStats", "RewardResult", "RewardSource", "RewardSourceError", "RuleRewardSource",
     "answers_match", "as_reward_result", "extract_final_answer", "format_reward", "get_rule_reward",
-    "load_reward_func", "make_reward_source", "math_answer_reward", "overlong_penalty", "redact_url",
+    "load_reward_func", "make_reward_source", "make_reward_sources", "math_answer_reward", "overlong_penalty",
+    "redact_url",
     "register_judge_parser", "register_rule_reward",
 ]

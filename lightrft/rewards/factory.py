@@ -42,3 +42,12 @@ def make_reward_source(spec: str, *, timeout: float = 30.0, max_retries: int = 3
         f"unknown reward source {spec!r} (--remote_rm_url): give an http(s):// URL of a reward server, "
         f"a path to a .py file defining reward_func(queries, prompts, labels), judge:PATH_OR_URL for an LLM judge "
         f"(a model folder or an OpenAI-compatible server), or a builtin rule name: {', '.join(sorted(RULE_REWARDS))}")
+
+
+def make_reward_sources(remote_rm_url) -> list[RewardSource]:
+    """One source with default options per entry of `remote_rm_url`: a comma-separated string or
+    a list of specs (the classic `remote_rm_url` argument); empty entries are skipped."""
+    if not remote_rm_url:
+        return []
+    specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
+    return [make_reward_source(spec.strip()) for spec in specs if spec.strip()]

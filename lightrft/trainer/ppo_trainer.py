@@ -94,11 +94,9 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
                 engine_logprob_gap_threshold=engine_logprob_gap_threshold,
                 engine_logprob_gap_action=engine_logprob_gap_action, sync_bucket_mb=sync_bucket_mb)
             if remote_rm_url:
-                from lightrft.rewards import make_reward_source
+                from lightrft.rewards import make_reward_sources
 
-                specs = remote_rm_url if isinstance(remote_rm_url, (list, tuple)) else remote_rm_url.split(",")
-                reward_sources = [*reward_sources, *(make_reward_source(spec.strip()) for spec in specs
-                                                     if spec.strip())]
+                reward_sources = [*reward_sources, *make_reward_sources(remote_rm_url)]
         else:
             generate_kwargs = {**rollout_generate_kwargs(config.rollout), **generate_kwargs}
         models = legacy_models(actor, critic, reward_model, initial_model, ema_model, actor_optim, critic_optim,
@@ -283,7 +281,8 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.services.start(self)
         self.experience_source.load_state_dict(self.resumed_state)
         self.experience_source.start(SourceContext(
-            services=self.experience_services, strategy=self.strategy, algo=self.algo, generate_kwargs=self.generate_kwargs,
+            services=self.experience_services, strategy=self.strategy, algo=self.algo,
+            generate_kwargs=self.generate_kwargs,
             prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
             total_steps=total_steps, first_step=self.global_step, preempted=lambda: self.services.preemption.raised,
             weight_buckets=self.weight_stream.buckets))

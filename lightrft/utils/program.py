@@ -13,11 +13,11 @@ then, CPython ends the thread (pthread_exit), and the unwinding through a C++ de
 std::terminate.
 
 `run_program` ends the process the way the interpreter would, minus the finalising that races: it
-tells thread pools to stop and waits for non-daemon threads, runs the `atexit` handlers (logging, W&B, multiprocessing's child clean-up,
-weakref finalizers), flushes stdout and stderr, and then leaves with `os._exit`, so no thread ever
-meets a finalising interpreter. Everything lightrft writes is closed before that (trackers,
-checkpoints, exports, the run lock), and a command called as a function (tests, research code)
-is unaffected: only the `__main__` block uses this.
+tells thread pools to stop and waits for non-daemon threads, runs the `atexit` handlers (logging,
+W&B, multiprocessing's child clean-up, weakref finalizers), flushes stdout and stderr, and then
+leaves with `os._exit`, so no thread ever meets a finalising interpreter. Everything lightrft
+writes is closed before that (trackers, checkpoints, exports, the run lock), and a command called
+as a function (tests, research code) is unaffected: only the `__main__` block uses this.
 """
 
 import atexit
