@@ -69,7 +69,26 @@ def render() -> str:
         lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     lines += ["", "Build any of these tiny models with `lightrft.utils.tiny.build_tiny_arch(name)` "
               f"({', '.join(f'`{name}`' for name in TINY_ARCHS)}).", ""]
+    lines += family_lines()
     return "\n".join(lines)
+
+
+def family_lines() -> list[str]:
+    """The model families registered besides the causal LMs of the table, from their modules' docstrings."""
+    import inspect
+
+    from lightrft.models.families import MODEL_FAMILIES
+
+    families = list({id(family): family for family in MODEL_FAMILIES.values()}.values())
+    lines = ["## Model families", "",
+             "The rows above are causal LMs whose positions count tokens from 0. Models that lightrft must load or feed "
+             "otherwise have a model family (`lightrft/models/families/`, how to add one in "
+             "[extending](extending.md#adding-a-model-family)), checked in tests/models/test_families.py:", ""]
+    for family in families:
+        summary = inspect.getdoc(inspect.getmodule(type(family))).split("\n\n")[0].replace("\n", " ")
+        types = ", ".join(f"`{t}`" for t in family.model_types)
+        lines.append(f"- **{family.name}** (model_type {types}): {summary}")
+    return lines + [""]
 
 
 def main(argv=None) -> int:

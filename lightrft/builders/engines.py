@@ -74,6 +74,8 @@ def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int
     """A Hugging Face decoding engine over `module` (the policy's transformers model, shared
     live: it never needs a weight sync), decoding `micro_batch_size` samples at once
     (`lightrft.rollout.hf_engine_for`, which this names among the builders)."""
+    from lightrft.models.families import decoding_positions
     from lightrft.rollout.hf_engine import hf_engine_for
 
-    return hf_engine_for(module, tokenizer, eos_token_ids, micro_batch_size, synced_gpus=synced_gpus)
+    return hf_engine_for(module, tokenizer, eos_token_ids, micro_batch_size, synced_gpus=synced_gpus,
+                         positions=decoding_positions(module))

@@ -5,18 +5,16 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
+from lightrft.models.families import family_for, family_of
 from lightrft.models.hf_utils import (
     check_packed_row,
-    check_packing_support,
     default_attn_implementation,
     enable_gradient_checkpointing,
     explain_load_errors,
     model_dtype,
-    packed_forward_kwargs,
-    padded_forward_kwargs,
     resolve_pretrained,
     zero_dropout,
 )
@@ -52,7 +50,7 @@ class ActorLanguage(nn.Module):
             so that training forwards compute the function the rollouts were scored with and the
             first on-policy update has an importance ratio of exactly 1. LoRA dropout is kept.
         packing_samples: the model will get packed rows; an architecture that cannot be packed
-            exactly is refused here (`hf_utils.check_packing_support`) rather than at its first
+            exactly is refused here (`ModelFamily.check_packing`) rather than at its first
             packed forward.
         share_prompts: in padded forwards, rows with the same prompt columns share one prompt
             forward (`lightrft.models.shared_prompts`): the same log-probs and gradients, with a
@@ -60,7 +58,8 @@ class ActorLanguage(nn.Module):
             (its layers drop the KV cache) and for mixture-of-experts load-balancing losses.
             Packed rows given `prompt_groups` share too, gradient checkpointing included.
 
-    Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`.
+    Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`;
+    `.family` its `lightrft.models.families.ModelFamily`, which loads it and builds its forward inputs.
     """
 
     def __init__(
@@ -94,12 +93,17 @@ class ActorLanguage(nn.Module):
         else:
             path = resolve_pretrained(pretrain_or_model, "--pretrain")
             with explain_load_errors(path, "--pretrain"):
-                model = AutoModelForCausalLM.from_pretrained(
+                config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+                model = family_for(config).load(
                     path,
+                    config,
                     dtype=model_dtype(bf16),
                     attn_implementation=attn_implementation or default_attn_implementation(),
                     trust_remote_code=trust_remote_code,
                 )
+        # How this kind of model is loaded and fed (`lightrft.models.families`).
+        self.family = family_of(model)
+        self.family.check(model, "--pretrain")
         if disable_dropout:
             # Before LoRA wraps the model, so an explicit --lora_dropout stays in force.
             zero_dropout(model)
@@ -129,7 +133,7 @@ class ActorLanguage(nn.Module):
         """Raises if this architecture cannot be packed exactly with its attention; runs once,
         at construction with `packing_samples=True`, else before the first packed forward."""
         if not self.packing_checked:
-            check_packing_support(self.model, "--pretrain")
+            self.family.check_packing(self.model, "--pretrain")
             self.packing_checked = True
 
     @property
@@ -185,7 +189,7 @@ class ActorLanguage(nn.Module):
             raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
         extra = {"output_router_logits": True} if return_aux_loss and self.is_moe else {}
         if packed_seq_lens is None:
-            kwargs = {**padded_forward_kwargs(sequences, attention_mask), **extra}
+            kwargs = {**self.family.padded_inputs(self.model, sequences, attention_mask), **extra}
             result = self._forward_padded(kwargs, sequences, num_actions, return_output, return_entropy)
         else:
             self.check_packing()
@@ -228,7 +232,7 @@ class ActorLanguage(nn.Module):
         built only for the forward that runs (the shared row builds its own)."""
         check_packed_row(sequences, packed_seq_lens)
         if num_actions is None:
-            return self.model(**packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation), **extra)
+            return self.model(**self.family.packed_inputs(self.model, sequences, packed_seq_lens), **extra)
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         output = None
@@ -236,7 +240,7 @@ class ActorLanguage(nn.Module):
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
                                                  lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
         if output is None:
-            kwargs = packed_forward_kwargs(sequences, packed_seq_lens, self.attn_implementation)
+            kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens)
             output = self.model(**kwargs, **extra, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)

@@ -5,11 +5,10 @@ import os
 import torch
 from torch import nn
 
+from lightrft.models.families import family_of
 from lightrft.models.hf_utils import (
-    check_packing_support,
     enable_gradient_checkpointing,
     strip_prefix,
-    value_forward_kwargs,
     value_model_from,
     zero_dropout,
 )
@@ -63,6 +62,8 @@ class Critic(nn.Module):
         if disable_dropout:
             zero_dropout(self.model)
         self.share_prompts = share_prompts
+        self.family = family_of(self.model)
+        self.family.check(self.model, "--critic_pretrain")   # values must not see later tokens
         self.prompt_sharing = PackedPromptSharing(self.model, "--critic_pretrain")
         self.packing_checked = False
         if packing_samples:
@@ -71,7 +72,7 @@ class Critic(nn.Module):
     def check_packing(self) -> None:
         """Raises if this architecture cannot be packed exactly with its attention; runs once."""
         if not self.packing_checked:
-            check_packing_support(self.model, "--critic_pretrain")
+            self.family.check_packing(self.model, "--critic_pretrain")
             self.packing_checked = True
 
     @classmethod
@@ -104,13 +105,13 @@ class Critic(nn.Module):
             shared = self._shared_padded(sequences, attention_mask, num_actions)
             if shared is not None:
                 return shared
-            values = self.model(**value_forward_kwargs(self.model, sequences, attention_mask, None))  # (B, T)
+            values = self.model(**self.family.value_inputs(self.model, sequences, attention_mask, None))  # (B, T)
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         shared = self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)
         if shared is not None:
             return index.to_rows(shared)  # (N, A)
-        values = self.model(**value_forward_kwargs(self.model, sequences, None, packed_seq_lens))  # (1, P)
+        values = self.model(**self.family.value_inputs(self.model, sequences, None, packed_seq_lens))  # (1, P)
         return index.to_rows(values[0, index.predict_positions].float())  # (N, A)
 
     def _shared_values(self, sequences, seq_lens, num_actions, groups) -> torch.Tensor | None:

@@ -4,7 +4,7 @@
 - `default_attn_implementation` and the `VARLEN_ATTENTION` attention registered with transformers:
   how packed sequences are kept apart without ever building a (P x P) mask, for every layer type
   (full, sliding window, soft-capped).
-- `check_packing_support`: refuses, at model load, architectures that cannot be packed exactly.
+- `packing_problem`: why an architecture cannot be packed exactly (a model family refuses it at load).
 - `zero_dropout`: zeroes every dropout probability, so training forwards equal scoring forwards.
 - `padded_forward_kwargs` / `packed_forward_kwargs`: the keyword arguments of one forward call.
 - `value_model_class`: a backbone (`AutoModel`, no LM head) plus a scalar value head, as a
@@ -462,22 +462,6 @@ def packing_problem(model: nn.Module) -> tuple[str, bool] | None:
     return None
 
 
-def check_packing_support(model: nn.Module, flag: str) -> None:
-    """Raises, naming the model, its attention and the ways out, if `packing_problem` finds one."""
-    found = packing_problem(model)
-    if found is None:
-        return
-    problem, padded_only = found
-    remedy = "train without --packing_samples (padded batches)"
-    if not padded_only:
-        remedy += (", or pass --attn_implementation eager or sdpa (packed rows then get a block-diagonal mask "
-                   "built by transformers)")
-    raise ValueError(
-        f"{flag}: {problem}, so packed sequences would not get the log-probs and values they get alone "
-        f"(attn_implementation={model.config._attn_implementation!r}); {remedy}"
-    )
-
-
 DROPOUT_ATTRIBUTE = re.compile(r"(dropout|pdrop|jitter_noise)$|dropout_(p|prob|rate)$")
 
 
@@ -630,15 +614,6 @@ def value_model_from(
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model, head_loaded
-
-
-def value_forward_kwargs(
-    model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None, packed_seq_lens: list[int] | None
-) -> dict:
-    """Forward keyword arguments of a value model for a padded batch or a packed row."""
-    if packed_seq_lens is None:
-        return padded_forward_kwargs(sequences, attention_mask)
-    return packed_forward_kwargs(sequences, packed_seq_lens, model.config._attn_implementation)
 
 
 def strip_prefix(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

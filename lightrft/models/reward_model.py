@@ -6,11 +6,10 @@ import os
 import torch
 from torch import nn
 
+from lightrft.models.families import family_of
 from lightrft.models.hf_utils import (
-    check_packing_support,
     enable_gradient_checkpointing,
     strip_prefix,
-    value_forward_kwargs,
     value_model_from,
     zero_dropout,
 )
@@ -66,6 +65,7 @@ class RewardModel(nn.Module):
         if disable_dropout:
             zero_dropout(self.model)
         self.share_prompts = share_prompts
+        self.family = family_of(self.model)
         self.prompt_sharing = PackedPromptSharing(self.model, "--reward_pretrain")
         self.packing_checked = False
         if packing_samples:
@@ -84,7 +84,7 @@ class RewardModel(nn.Module):
     def check_packing(self) -> None:
         """Raises if this architecture cannot be packed exactly with its attention; runs once."""
         if not self.packing_checked:
-            check_packing_support(self.model, "--reward_pretrain")
+            self.family.check_packing(self.model, "--reward_pretrain")
             self.packing_checked = True
 
     @classmethod
@@ -119,7 +119,7 @@ class RewardModel(nn.Module):
         scores = self._shared_scores(sequences, attention_mask, prompt_len) if packed_seq_lens is None else None
         if scores is not None:
             return self._normalized(scores)
-        kwargs = value_forward_kwargs(self.model, sequences, attention_mask, packed_seq_lens)
+        kwargs = self.family.value_inputs(self.model, sequences, attention_mask, packed_seq_lens)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is not None:
             ends = torch.tensor(check_seq_lens(packed_seq_lens, sequences.size(-1))).cumsum(0) - 1  # (N,)

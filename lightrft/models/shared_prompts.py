@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, shared_prompt_forward_kwargs
+from lightrft.models.families import family_of
+from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY
 from lightrft.models.packing import SharedPromptLayout, pack_padded, shared_prompt_layout
 from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, returned_cache
 
@@ -65,7 +66,7 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
     prompt's cache (a forward that swallows a cache argument it does not know would otherwise
     give the responses' log-probs without their prompts, with no error).
 
-    `kwargs` are `padded_forward_kwargs`: input_ids (B, T), attention_mask, position_ids.
+    `kwargs` are `ModelFamily.padded_inputs`: input_ids (B, T), attention_mask, position_ids.
     """
     input_ids = kwargs["input_ids"]
     prompt_len = input_ids.size(1) - num_actions
@@ -133,7 +134,7 @@ class PackedPromptSharing:
         layout = shared_prompt_layout(seq_lens, num_actions, groups, sequences.device)
         if layout is None:
             return None
-        output = run(shared_prompt_forward_kwargs(sequences, layout), layout)
+        output = run(family_of(self.model).shared_inputs(self.model, sequences, layout), layout)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = getattr(text, "num_hidden_layers", None)
         if layout.calls == 0 or (layers is not None and layout.calls != layers):

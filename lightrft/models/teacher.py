@@ -86,7 +86,7 @@ def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | 
     (`max_position_embeddings`) shorter than `max_tokens`, the prompt + response it must score."""
     from transformers import AutoConfig
 
-    from lightrft.models.hf_utils import context_length
+    from lightrft.models.families import family_for
 
     try:
         hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -99,7 +99,7 @@ def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | 
                          "LM head): a teacher's log-probs would come from a randomly initialised LM head. Pass the "
                          "causal LM the reward model was trained from, or another causal LM with the student's "
                          "tokenizer")
-    context = context_length(hf_config)
+    context = family_for(hf_config).context_length(hf_config)
     if max_tokens is not None and context is not None and context < max_tokens:
         raise ValueError(f"--teacher_pretrain {folder} takes {context} positions (max_position_embeddings), but it "
                          f"scores prompt + response of up to {max_tokens} tokens (--prompt_max_len + "

@@ -310,9 +310,12 @@ class LocalJudge:
         self.tokenizer = tokenizer
         self.name = name
         self.max_new_tokens = max_new_tokens
-        positions = getattr(model.config, "max_position_embeddings", None)
-        self.context_len = positions if isinstance(positions, int) and positions > 0 else None
-        self.engine = hf_engine_for(model, tokenizer, stop_token_ids, micro_batch_size=batch_size)  # an input is one sample
+        from lightrft.models.families import family_of   # transformers, imported when a judge is built
+
+        family = family_of(model)
+        self.context_len = family.context_length(model.config)
+        self.engine = hf_engine_for(model, tokenizer, stop_token_ids, micro_batch_size=batch_size,  # an input is one sample
+                                    positions=family.decoding_positions(model))
         self._params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=JUDGE_SEED)
 
     @classmethod

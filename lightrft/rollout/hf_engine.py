@@ -14,7 +14,7 @@ next-token logits are copied to every sample), outputs and the attention mask ar
 and written column by column, and the sample streams come from one reseeded generator.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,12 @@ class HFEngine:
             decoding steps (a host sync each time). None: every STOP_CHECK_STEPS steps on CUDA, so
             the host queues steps ahead of the device, and every step on the CPU. The output is the
             same for any value; a larger one decodes up to that many steps of padding at the end.
+        positions: maps the positions below to the ones the model takes (its model family's
+            `decoding_positions`, e.g. RoBERTa's count from pad_token_id + 1); None keeps them.
 
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
-    them for its teacher-forced forward, so the rollout log-probs and the actor's agree.
+    them for its teacher-forced forward, so the rollout log-probs and the actor's agree; each new
+    token takes the next position.
     """
 
     # It decodes with the module it was given, the trainer's own: no weights to push after a step,
@@ -60,7 +63,8 @@ class HFEngine:
                                       memory_options=("micro_rollout_batch_size",))
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
-                 synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None):
+                 synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None,
+                 positions: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if eos_token_id is None:
             raise ValueError("HFEngine needs an eos_token_id: set tokenizer.eos_token_id or pass it explicitly")
         if pad_token_id is None:
@@ -70,6 +74,7 @@ class HFEngine:
         if stop_check_steps is not None and stop_check_steps < 1:
             raise ValueError(f"HFEngine stop_check_steps must be >= 1, got {stop_check_steps}")
         self.stop_check_steps = stop_check_steps
+        self.positions = positions
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
@@ -158,6 +163,8 @@ class HFEngine:
         steps = params.max_new_tokens
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, Tp)
+        if self.positions is not None:
+            position_ids = self.positions(position_ids)
         # Written in place, one column per step, and read as a prefix: no concatenation per step.
         attention_mask = torch.zeros((batch, prompt_len + steps), dtype=prompt_mask.dtype, device=device)
         attention_mask[:, :prompt_len] = prompt_mask
@@ -239,7 +246,8 @@ class HFEngine:
 
 
 def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None,
-                  micro_batch_size: int | None = None, synced_gpus: bool = False) -> HFEngine:
+                  micro_batch_size: int | None = None, synced_gpus: bool = False,
+                  positions: Callable[[torch.Tensor], torch.Tensor] | None = None) -> HFEngine:
     """The one place lightrft builds an `HFEngine`: over `model` (shared live, never synced),
     padding with the tokenizer's pad id and stopping at any of `eos_token_ids` (default: the
     tokenizer's end of sequence).
@@ -247,10 +255,12 @@ def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int
     `micro_batch_size` counts samples, prompts x n, decoded at once (None: every call at once);
     a caller whose batch counts prompts multiplies by its samples per prompt. It bounds memory
     only: the samples do not depend on it. `synced_gpus` keeps ranks decoding in step under ZeRO-3
-    with several ranks, where every forward gathers parameters."""
+    with several ranks, where every forward gathers parameters. `positions`: the model family's
+    `decoding_positions(model)` (`lightrft.models.families.decoding_positions`), which callers
+    above the models pass."""
     return HFEngine(model, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), synced_gpus=synced_gpus,
-                    micro_batch_size=micro_batch_size)
+                    micro_batch_size=micro_batch_size, positions=positions)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -64,7 +64,7 @@ class ServedPolicy:
         from the served one is refused: recorded token ids would mean other text."""
         from transformers import AutoModelForCausalLM
 
-        from lightrft.models.hf_utils import context_length
+        from lightrft.models.families import family_of
         from lightrft.models.tokenizer import build_tokenizer
 
         path = Path(path)
@@ -81,11 +81,13 @@ class ServedPolicy:
         if version is None:
             step = export_step(path)
             version = step if step is not None else self.version + 1
-        engine = hf_engine_for(model, self.tokenizer, self.eos_token_ids)   # a request's samples at once
+        family = family_of(model)
+        engine = hf_engine_for(model, self.tokenizer, self.eos_token_ids,   # a request's samples at once
+                               positions=family.decoding_positions(model))
         with self._lock:
             self.model, self.engine, self.path, self.version = model, engine, path, version
             self.vocab_rows = rows
-            self.context_len = context_length(model.config)
+            self.context_len = family.context_length(model.config)
         logger.info("serving %s as policy version %d", path, version)
 
     @torch.no_grad()

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, RobertaForCausalLM
 
+import lightrft.models.families.roberta as roberta_family
 from lightrft.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, get_advantage_estimator
 from lightrft.rewards import make_reward_source
 from lightrft.rollout import (ROLLOUT_ENGINES, HFEngine, RolloutManager, SamplingParams, engine_capabilities,
@@ -19,6 +21,7 @@ from lightrft.trainer import PPOTrainer, TrainerCallback
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
 from tests.conftest import load_file_module
 from tests.docs.test_doc_commands import doc_test_files
+from tests.models.test_families import tiny_roberta
 from tests.trainer.ppo_harness import make_task, run
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
@@ -143,3 +146,23 @@ def test_a_ppo_run_trains_with_the_engine_selected_by_name(copy_engine, tmp_path
     # samples from the trained weights: the engine check's gap stays at float32 rounding.
     assert counter.syncs == [1, 2]
     assert logs["rollout/engine_logprob_gap_mean"] < 1e-5
+
+
+def test_the_model_family_on_the_page_is_the_shipped_file_and_trains(tmp_path):
+    """The page's worked family is lightrft/models/families/roberta.py, word for word; a packed
+    GRPO step of train_ppo on a RoBERTa decoder folder is on-policy and its rollouts are the
+    model's (positions from pad_token_id + 1 in the engine as in the trainer)."""
+    source = Path(roberta_family.__file__).read_text()
+    assert f"```python\n{source}```" in PAGE.read_text()
+
+    task = make_task(tmp_path)
+    tokenizer = build_char_tokenizer()
+    tiny_roberta(tokenizer).save_pretrained(tmp_path / "roberta")
+    tokenizer.save_pretrained(tmp_path / "roberta")
+    task["model"] = tmp_path / "roberta"
+    logs, _ = run(task, tmp_path / "out", packing_samples=True, max_steps=1)
+    for key in ("train/ratio_max", "train/ratio_min"):
+        assert logs[key] == pytest.approx(1.0, abs=1e-5)
+    assert logs["rollout/engine_logprob_gap_max"] < 1e-5
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    assert type(saved) is RobertaForCausalLM and saved.config.is_decoder

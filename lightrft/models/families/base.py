@@ -1,0 +1,148 @@
+"""`ModelFamily`, the default family `CAUSAL_LM` and the registry (the package's docstring says
+what a family is; `lightrft.models.families` re-exports these names).
+"""
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from lightrft.models.hf_utils import (
+    context_length,
+    packed_forward_kwargs,
+    packing_problem,
+    padded_forward_kwargs,
+    shared_prompt_forward_kwargs,
+)
+from lightrft.models.packing import SharedPromptLayout
+
+
+class ModelFamily:
+    """The decoder-only causal LMs of transformers (Llama, Qwen, Mistral, Gemma, GPT-2, ...), and
+    the base of every other family: override the hooks (`load`, `check`, `position_ids`,
+    `context_length`, `packing_problem`) that differ; the input builders below are written on them.
+
+    `name` is how messages and docs call the family; `model_types` the `config.model_type` values it
+    serves (empty for the default family, which serves every type no family names)."""
+
+    name: str = "causal LM"
+    model_types: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ hooks
+    def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
+        """The model of a checkpoint folder (or Hub id) whose config is `config`; `options` are
+        `from_pretrained`'s (dtype, attn_implementation, trust_remote_code)."""
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **options)
+
+    def check(self, model: nn.Module, flag: str) -> None:
+        """Raises, naming `flag` and the fix, for a model of this family lightrft cannot train."""
+
+    def position_ids(self, config: PretrainedConfig, positions: torch.Tensor) -> torch.Tensor:
+        """The position ids the model takes for tokens that lightrft counts at `positions` (0 for the
+        first real token of each sequence, +1 per token; pads are masked out and may hold any value).
+        Decoding continues a sequence by one position per new token.
+        Shape: (B, T) long -> (B, T) long"""
+        return positions
+
+    def context_length(self, config: PretrainedConfig) -> int | None:
+        """The most tokens (prompt + answer) one sequence may hold, or None when the config names no limit."""
+        return context_length(config)
+
+    def packing_problem(self, model: nn.Module) -> tuple[str, bool] | None:
+        """Why `model` cannot be packed exactly, as (reason, whether only padded batches help), or
+        None (`hf_utils.packing_problem`: recurrent layers, ALiBi, chunked attention, ...)."""
+        return packing_problem(model)
+
+    # ------------------------------------------------------------------ built on the hooks
+    def has_own_positions(self) -> bool:
+        """Whether `position_ids` maps lightrft's positions to others (False: it returns them as they are)."""
+        return type(self).position_ids is not ModelFamily.position_ids
+
+    def check_packing(self, model: nn.Module, flag: str) -> None:
+        """Raises, naming the model, its attention and the ways out, if `packing_problem` finds one."""
+        found = self.packing_problem(model)
+        if found is None:
+            return
+        problem, padded_only = found
+        remedy = "train without --packing_samples (padded batches)"
+        if not padded_only:
+            remedy += (", or pass --attn_implementation eager or sdpa (packed rows then get a block-diagonal mask "
+                       "built by transformers)")
+        raise ValueError(
+            f"{flag}: {problem}, so packed sequences would not get the log-probs and values they get alone "
+            f"(attn_implementation={model.config._attn_implementation!r}); {remedy}"
+        )
+
+    def _mapped(self, model: nn.Module, kwargs: dict) -> dict:
+        if self.has_own_positions() and kwargs.get("position_ids") is not None:
+            kwargs["position_ids"] = self.position_ids(model.config, kwargs["position_ids"])
+        return kwargs
+
+    def padded_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        """Forward keyword arguments for a padded batch. Shape: sequences, attention_mask (B, T)"""
+        kwargs = padded_forward_kwargs(sequences, attention_mask)
+        if attention_mask is None and self.has_own_positions():
+            kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
+        return self._mapped(model, kwargs)
+
+    def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int]) -> dict:
+        """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`. Shape: (1, P)"""
+        return self._mapped(model, packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation))
+
+    def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
+        """Forward keyword arguments for the shared-prompt row of `layout`, built from the packed row (1, P)."""
+        return self._mapped(model, shared_prompt_forward_kwargs(input_ids, layout))
+
+    def value_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None,
+                     packed_seq_lens: list[int] | None) -> dict:
+        """Forward keyword arguments of a value model for a padded batch or a packed row."""
+        if packed_seq_lens is None:
+            return self.padded_inputs(model, sequences, attention_mask)
+        return self.packed_inputs(model, sequences, packed_seq_lens)
+
+    def decoding_positions(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What the Hugging Face rollout engine applies to its positions (`HFEngine(positions=...)`):
+        None when they are the model's already."""
+        if not self.has_own_positions():
+            return None
+        config = model.config
+        return lambda positions: self.position_ids(config, positions)
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name!r}>"
+
+
+CAUSAL_LM = ModelFamily()
+MODEL_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Makes `family` serve the configs whose `model_type` it names. Returns it."""
+    if not isinstance(family, ModelFamily):
+        raise TypeError(f"register_family needs a ModelFamily instance, got {type(family).__name__}")
+    if not family.model_types:
+        raise ValueError(f"model family {family.name!r} names no model_types to serve")
+    taken = [t for t in family.model_types if t in MODEL_FAMILIES]
+    if taken:
+        raise ValueError(f"model_type {taken[0]!r} is already served by the {MODEL_FAMILIES[taken[0]].name!r} family")
+    for model_type in family.model_types:
+        MODEL_FAMILIES[model_type] = family
+    return family
+
+
+def family_for(config: PretrainedConfig) -> ModelFamily:
+    """The family serving `config.model_type`; `CAUSAL_LM` for a type no family names."""
+    return MODEL_FAMILIES.get(getattr(config, "model_type", None), CAUSAL_LM)
+
+
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family of a Hugging Face model (a peft model answers for its base model)."""
+    config = getattr(model, "config", None)
+    return family_for(config) if isinstance(config, PretrainedConfig) else CAUSAL_LM
+
+
+def decoding_positions(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`family_of(model).decoding_positions(model)`: what `hf_engine_for(..., positions=...)` takes."""
+    return family_of(model).decoding_positions(model)

@@ -1,0 +1,177 @@
+"""Model families (lightrft/models/families): the registry, and the RoBERTa decoder family, whose
+positions count from pad_token_id + 1, checked against the model's own forward.
+
+The model's own forward (no position ids given) computes RoBERTa's positions itself, so it is the
+independent reference: the actor, critic, shared-prompt rows and the rollout engine must agree
+with it, padded and packed, and must not when the family is taken away (the check can fail).
+"""
+
+import pytest
+import torch
+from transformers import RobertaConfig, RobertaForCausalLM, RobertaModel
+
+from lightrft.models import ActorLanguage, Critic, RewardModel
+from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
+                                      family_of, register_family)
+from lightrft.models.families.roberta import RobertaDecoder
+from lightrft.models.hf_utils import value_model_class
+from lightrft.models.packing import prompt_group_ids
+from lightrft.rollout import SamplingParams, hf_engine_for
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+
+TEXTS = ("12+34=46", "7+8=15", "12+34=47")
+
+
+def tiny_roberta(tokenizer, is_decoder: bool = True, seed: int = 0) -> RobertaForCausalLM:
+    torch.manual_seed(seed)
+    config = RobertaConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=128, max_position_embeddings=64, is_decoder=is_decoder,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                           bos_token_id=None, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return RobertaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def roberta(tokenizer):
+    return tiny_roberta(tokenizer)
+
+
+def own_log_probs(model, ids: torch.Tensor, actions: int) -> torch.Tensor:
+    """The model's log-probs of the last `actions` tokens of one unpadded sequence, from its own
+    forward (RoBERTa derives its positions from the ids). Shape: (L,) -> (actions,)"""
+    with torch.no_grad():
+        logits = model(input_ids=ids[None]).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[-actions:, 0]
+
+
+def left_padded(seqs: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids, mask = torch.full((len(seqs), width), pad), torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq):], mask[row, width - len(seq):] = seq, 1
+    return ids, mask
+
+
+def test_registry_answers_by_model_type_and_refuses_clashes(tokenizer, roberta):
+    assert family_for(roberta.config) is MODEL_FAMILIES["roberta"] and isinstance(family_of(roberta), RobertaDecoder)
+    llama = build_tiny_causal_lm(tokenizer, arch="llama")
+    assert family_of(llama) is CAUSAL_LM and decoding_positions(llama) is None   # no mapping: nothing to apply
+    assert family_of(torch.nn.Linear(2, 2)) is CAUSAL_LM
+    with pytest.raises(ValueError, match="'roberta' is already served by the 'RoBERTa decoder' family"):
+        register_family(RobertaDecoder())
+    with pytest.raises(ValueError, match="names no model_types"):
+        register_family(ModelFamily())
+    with pytest.raises(TypeError, match="ModelFamily instance"):
+        register_family(RobertaDecoder)
+
+
+def test_positions_count_from_pad_plus_one(roberta):
+    family = family_of(roberta)
+    positions = torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3]])
+    assert torch.equal(family.position_ids(roberta.config, positions), positions + roberta.config.pad_token_id + 1)
+    assert family.context_length(roberta.config) == 64 - (roberta.config.pad_token_id + 1)
+    assert CAUSAL_LM.context_length(roberta.config) == 64
+
+
+def test_actor_log_probs_are_the_models_own_padded_and_packed(tokenizer, roberta):
+    seqs = [torch.tensor(tokenizer.encode(text)) for text in TEXTS]
+    expected = torch.stack([own_log_probs(roberta, s, 3) for s in seqs])               # (3, 3)
+    actor = ActorLanguage(roberta, packing_samples=True)
+    ids, mask = left_padded(seqs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        padded = actor(ids, num_actions=3, attention_mask=mask)                         # (3, 3)
+        packed = actor(torch.cat(seqs)[None], num_actions=[3] * 3, packed_seq_lens=[len(s) for s in seqs])
+    torch.testing.assert_close(padded, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=0)
+
+    # Without the family the actor feeds positions from 0: every token reads another position's
+    # embedding and the log-probs are not the model's.
+    actor.family = CAUSAL_LM
+    with torch.no_grad():
+        unmapped = actor(ids, num_actions=3, attention_mask=mask)
+    assert (unmapped - expected).abs().max() > 0.01
+
+
+def test_shared_prompt_rows_map_positions_too(tokenizer, roberta):
+    """Two samples of one prompt in a packed row share its forward (the shared row has its own
+    position ids, built by the family): the same log-probs as the unshared row."""
+    seqs = [torch.tensor(tokenizer.encode(text)) for text in TEXTS]
+    lens, actions = [len(s) for s in seqs], [2, 2, 2]
+    groups = prompt_group_ids(seqs, actions)
+    assert groups[0] == groups[2] != groups[1]               # "12+34=4" twice
+    actor = ActorLanguage(roberta, packing_samples=True)
+    with torch.no_grad():
+        shared = actor(torch.cat(seqs)[None], num_actions=actions, packed_seq_lens=lens, prompt_groups=groups)
+    assert actor.prompt_sharing.reason is None
+    expected = torch.stack([own_log_probs(roberta, s, 2) for s in seqs])
+    torch.testing.assert_close(shared, expected, atol=1e-5, rtol=0)
+
+
+def test_critic_values_packed_equal_padded(tokenizer, roberta, tmp_path):
+    roberta.save_pretrained(tmp_path / "decoder")
+    critic = Critic(str(tmp_path / "decoder"), packing_samples=True)
+    assert isinstance(critic.family, RobertaDecoder)
+    seqs = [torch.tensor(tokenizer.encode(text)) for text in TEXTS]
+    ids, mask = left_padded(seqs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        padded = critic(ids, num_actions=3, attention_mask=mask)
+        packed = critic(torch.cat(seqs)[None], num_actions=[3] * 3, packed_seq_lens=[len(s) for s in seqs])
+        # The backbone's own forward on one unpadded sequence (positions computed by RoBERTa).
+        own = critic.model.roberta(input_ids=seqs[1][None]).last_hidden_state
+        own_values = getattr(critic.model, critic.value_head_prefix)(own).squeeze(-1)[0, -4:-1]
+    torch.testing.assert_close(packed[:, :3], padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(padded[1], own_values, atol=1e-5, rtol=0)
+
+
+def test_rollout_engine_samples_with_the_models_positions(tokenizer, roberta):
+    """The Hugging Face engine's log-probs of its own samples equal the actor's on them; without
+    the family's positions they do not."""
+    prompts = [tokenizer.encode("12+3"), tokenizer.encode("4+5=")]
+    params = SamplingParams(max_new_tokens=5, n=2)
+    engine = hf_engine_for(roberta, tokenizer, positions=decoding_positions(roberta))
+    out = engine.generate(prompts, params, seeds=[1, 2])
+    actor = ActorLanguage(roberta)
+    actions = out.sequences.size(1) - out.prompt_len
+    with torch.no_grad():
+        scored = actor(out.sequences, num_actions=actions, attention_mask=out.attention_mask)
+    mask = out.action_mask.bool()
+    torch.testing.assert_close(scored[mask], out.rollout_log_probs[mask], atol=1e-5, rtol=0)
+
+    plain = hf_engine_for(roberta, tokenizer).generate(prompts, params, seeds=[1, 2])
+    plain_scored = actor(plain.sequences, num_actions=plain.sequences.size(1) - plain.prompt_len,
+                         attention_mask=plain.attention_mask).detach()
+    plain_mask = plain.action_mask.bool()
+    assert (plain_scored[plain_mask] - plain.rollout_log_probs[plain_mask]).abs().max() > 0.01
+
+
+def test_an_encoder_is_refused_as_policy_and_critic_and_packed_only_as_reward_model(tokenizer):
+    encoder = tiny_roberta(tokenizer, is_decoder=False)
+    with pytest.raises(ValueError, match=r"--pretrain: .*is_decoder.*\"is_decoder\": true"):
+        ActorLanguage(encoder)
+    with pytest.raises(ValueError, match="--critic_pretrain"):
+        Critic(_with_head(encoder))
+    with pytest.raises(ValueError, match=r"--reward_pretrain: a RoBERTa encoder .* without --packing_samples"):
+        RewardModel(_with_head(encoder), packing_samples=True)
+    RewardModel(_with_head(encoder))                    # padded scoring of a bidirectional reward model is fine
+
+
+def _with_head(model):
+    """The encoder's backbone plus a value head, as a critic or reward model folder would hold."""
+    cls = value_model_class(RobertaModel, "score")
+    value_model = cls(model.config)
+    value_model.roberta.load_state_dict(model.roberta.state_dict(), strict=False)
+    return value_model
+
+
+def test_actor_loads_a_folder_through_its_family(tokenizer, roberta, tmp_path):
+    roberta.save_pretrained(tmp_path / "decoder")
+    actor = ActorLanguage(str(tmp_path / "decoder"))
+    assert type(actor.model) is RobertaForCausalLM and isinstance(actor.family, RobertaDecoder)
+    ids = torch.tensor(tokenizer.encode(TEXTS[0]))
+    with torch.no_grad():
+        torch.testing.assert_close(actor(ids[None], num_actions=3)[0], own_log_probs(roberta, ids, 3), atol=1e-5, rtol=0)
