@@ -1,6 +1,8 @@
 """The rollout engine of a run, picked by `--rollout_engine` from the engine registry
 (`lightrft.rollout.register_engine`) and driven by the capabilities its name declares."""
 
+from pathlib import Path
+
 from lightrft.models.tokenizer import stop_token_ids
 from lightrft.config.sections import ConfigError
 
@@ -48,6 +50,7 @@ def build_rollout_engine(config, tokenizer, seed: int):
     from lightrft.rollout import engine_capabilities
 
     name = config.rollout.rollout_engine
+    check_engine_serves_family(config)
     if engine_capabilities(name).shares_live_weights:
         return None
     if name not in ENGINE_BUILDERS:
@@ -55,6 +58,27 @@ def build_rollout_engine(config, tokenizer, seed: int):
                           "one to lightrft.builders.engines.ENGINE_BUILDERS, or build it with make_rollout_engine "
                           "and pass it as PPOTrainer(..., rollout_engine=...)")
     return ENGINE_BUILDERS[name](config, tokenizer, seed)
+
+
+def check_engine_serves_family(config) -> None:
+    """Refuses a `--rollout_engine` that the model family of `--pretrain` does not list among its
+    `rollout_engines` (e.g. vLLM for a RoBERTa decoder, an architecture vLLM cannot load)."""
+    from transformers import AutoConfig
+
+    from lightrft.models.families import family_for
+
+    name, pretrain = config.rollout.rollout_engine, config.model.pretrain
+    if not (Path(pretrain).expanduser() / "config.json").is_file():
+        return      # a Hub id is not looked up here (no network call before the run)
+    try:
+        hf_config = AutoConfig.from_pretrained(Path(pretrain).expanduser(), trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError):
+        return      # loading the actor names what is wrong with the folder
+    family = family_for(hf_config)
+    if family.rollout_engines is not None and name not in family.rollout_engines:
+        raise ConfigError(f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model "
+                          f"(model_type {hf_config.model_type!r}), which only {', '.join(sorted(family.rollout_engines))} "
+                          f"can serve; pass --rollout_engine {sorted(family.rollout_engines)[0]}")
 
 
 def check_engine_roles(config) -> None:

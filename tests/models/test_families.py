@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import RobertaConfig, RobertaForCausalLM, RobertaModel
 
+from lightrft.builders.engines import build_rollout_engine
+from lightrft.config import ConfigError, PPORunConfig
 from lightrft.models import ActorLanguage, Critic, RewardModel
 from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
                                       family_of, register_family)
@@ -18,6 +20,7 @@ from lightrft.models.hf_utils import value_model_class
 from lightrft.models.packing import prompt_group_ids
 from lightrft.rollout import SamplingParams, hf_engine_for
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from tests.conftest import to_flags
 
 TEXTS = ("12+34=46", "7+8=15", "12+34=47")
 
@@ -175,3 +178,18 @@ def test_actor_loads_a_folder_through_its_family(tokenizer, roberta, tmp_path):
     ids = torch.tensor(tokenizer.encode(TEXTS[0]))
     with torch.no_grad():
         torch.testing.assert_close(actor(ids[None], num_actions=3)[0], own_log_probs(roberta, ids, 3), atol=1e-5, rtol=0)
+
+
+def test_a_run_asking_an_engine_the_family_does_not_list_stops_before_building(tokenizer, roberta, tmp_path):
+    roberta.save_pretrained(tmp_path / "decoder")
+
+    def run_config(engine: str) -> PPORunConfig:
+        values = dict(pretrain=tmp_path / "decoder", prompt_data="p.jsonl", remote_rm_url="math",
+                      advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8,
+                      train_batch_size=32, rollout_engine=engine)
+        return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+
+    with pytest.raises(ConfigError, match=r"--rollout_engine vllm: --pretrain .* is a RoBERTa decoder model "
+                                          r"\(model_type 'roberta'\), which only hf can serve; pass --rollout_engine hf"):
+        build_rollout_engine(run_config("vllm"), tokenizer, seed=0)
+    assert build_rollout_engine(run_config("hf"), tokenizer, seed=0) is None

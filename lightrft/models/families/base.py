@@ -25,10 +25,14 @@ class ModelFamily:
     `context_length`, `packing_problem`) that differ; the input builders below are written on them.
 
     `name` is how messages and docs call the family; `model_types` the `config.model_type` values it
-    serves (empty for the default family, which serves every type no family names)."""
+    serves (empty for the default family, which serves every type no family names);
+    `rollout_engines` the engines that load it (a run with another `--rollout_engine` stops before
+    building anything)."""
 
     name: str = "causal LM"
     model_types: tuple[str, ...] = ()
+    # The rollout engines (registered names) that can serve this family; None: every engine.
+    rollout_engines: frozenset[str] | None = None
 
     # ------------------------------------------------------------------ hooks
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:

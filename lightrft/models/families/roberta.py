@@ -17,6 +17,7 @@ from lightrft.models.families.base import ModelFamily, register_family
 class RobertaDecoder(ModelFamily):
     name = "RoBERTa decoder"
     model_types = ("roberta",)
+    rollout_engines = frozenset({"hf"})     # vLLM has no RobertaForCausalLM
 
     def check(self, model: nn.Module, flag: str) -> None:
         if not getattr(model.config, "is_decoder", False):
