@@ -138,8 +138,8 @@ class Evaluator:
         """(model, tokenizer, folder of its tokenizer and generation config) of one checkpoint;
         CheckpointReadError when a DeepSpeed checkpoint cannot be read or has no base model."""
         import torch
-        from transformers import AutoModelForCausalLM
 
+        from lightrft.models.families import load_model
         from lightrft.models.tokenizer import build_tokenizer
         from lightrft.serving.checkpoint_weights import CheckpointReadError, load_deepspeed_policy, require_complete
 
@@ -158,8 +158,7 @@ class Evaluator:
         else:
             source = str(checkpoint.path)
             try:
-                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                             trust_remote_code=args.trust_remote_code)
+                model = load_model(source, dtype=dtype, trust_remote_code=args.trust_remote_code)
             except Exception as err:  # a torn or foreign folder raises many types (OSError, safetensors, ...)
                 raise CheckpointReadError(f"{source}: not a loadable Hugging Face model ({type(err).__name__}: "
                                           f"{err})") from err

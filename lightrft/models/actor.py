@@ -5,10 +5,10 @@ import os
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
-from lightrft.models.families import family_for, family_of
+from lightrft.models.families import family_of, load_model
 from lightrft.models.hf_utils import (
     check_packed_row,
     default_attn_implementation,
@@ -93,10 +93,8 @@ class ActorLanguage(nn.Module):
         else:
             path = resolve_pretrained(pretrain_or_model, "--pretrain")
             with explain_load_errors(path, "--pretrain"):
-                config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-                model = family_for(config).load(
+                model = load_model(
                     path,
-                    config,
                     dtype=model_dtype(bf16),
                     attn_implementation=attn_implementation or default_attn_implementation(),
                     trust_remote_code=trust_remote_code,

@@ -322,8 +322,7 @@ class LocalJudge:
     def from_pretrained(cls, path: str | Path, device: torch.device | None = None, **kwargs) -> "LocalJudge":
         """The judge of the model folder `path` on `device` (default `default_device()`): bfloat16
         on a GPU, float32 on the CPU. FileNotFoundError naming the flag when `path` holds no model."""
-        from transformers import AutoModelForCausalLM
-
+        from lightrft.models.families import load_model
         from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
 
         folder = Path(path).expanduser()
@@ -333,7 +332,7 @@ class LocalJudge:
         device = device or default_device()
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         tokenizer = build_tokenizer(str(folder), padding_side="left")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        model = load_model(folder, dtype=dtype).to(device)
         return cls(model, tokenizer, f"judge:{path}", stop_token_ids=stop_token_ids(tokenizer, str(folder)), **kwargs)
 
     def encode(self, text: str) -> list[int]:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import yaml
 from torch import nn
-from transformers import AutoModelForCausalLM
+
+from lightrft.models.families import load_model
 
 # Reading DeepSpeed's own files is the strategy's business (deepspeed is imported there only).
 from lightrft.strategy.ds_weights import CheckpointReadError, module_state_dict, require_complete  # noqa: F401
@@ -88,8 +89,7 @@ def load_deepspeed_policy(ckpt_dir: str | Path, pretrain: str | Path, *, dtype: 
         raise CheckpointReadError(f"{ckpt_dir}: DeepSpeed files cannot be read ({type(err).__name__}: {err})") from err
     lora_alpha = run_lora_alpha(ckpt_dir) if any(".lora_A." in k for k in state) else None
     # The base weights are overwritten below; from_pretrained gives the architecture and dtype handling.
-    model = AutoModelForCausalLM.from_pretrained(str(pretrain), dtype=torch.float32,
-                                                 trust_remote_code=trust_remote_code)
+    model = load_model(str(pretrain), dtype=torch.float32, trust_remote_code=trust_remote_code)
     try:
         if lora_alpha is not None:
             model = merge_lora(model, state, lora_alpha)

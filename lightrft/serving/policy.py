@@ -62,9 +62,7 @@ class ServedPolicy:
         """Loads the weights of `path` and makes them the served policy at `version` (default: the
         step in the folder name, else the previous version + 1). A folder whose tokenizer differs
         from the served one is refused: recorded token ids would mean other text."""
-        from transformers import AutoModelForCausalLM
-
-        from lightrft.models.families import family_of
+        from lightrft.models.families import family_of, load_model
         from lightrft.models.tokenizer import build_tokenizer
 
         path = Path(path)
@@ -74,8 +72,7 @@ class ServedPolicy:
                 raise ValueError(f"{path} has a different tokenizer from the served model; serve it with its own "
                                  "server (--pretrain) instead of loading it as new weights")
         kwargs = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
-                                                     **kwargs).to(self.device).eval()
+        model = load_model(path, dtype=self.dtype, trust_remote_code=self.trust_remote_code, **kwargs).to(self.device).eval()
         # Requests are checked against the rows as they come (OpenAIServer.check_prompt_ids).
         rows = check_vocabulary(model, self.tokenizer, str(path), chat_template=True)
         if version is None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from lightrft.models.hf_utils import (
     context_length,
@@ -145,6 +145,13 @@ def family_of(model: nn.Module) -> ModelFamily:
     """The family of a Hugging Face model (a peft model answers for its base model)."""
     config = getattr(model, "config", None)
     return family_for(config) if isinstance(config, PretrainedConfig) else CAUSAL_LM
+
+
+def load_model(path: str | os.PathLike, *, trust_remote_code: bool = False, **options) -> PreTrainedModel:
+    """The model of a checkpoint folder (or Hub id), loaded by the family of its config;
+    `options` are `from_pretrained`'s (dtype, attn_implementation)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return family_for(config).load(path, config, trust_remote_code=trust_remote_code, **options)
 
 
 def decoding_positions(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
