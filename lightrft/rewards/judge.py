@@ -35,11 +35,9 @@ import json
 import logging
 import math
 import os
-import queue
 import re
 import urllib.parse
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -382,6 +380,8 @@ class OpenAIJudge:
 
     def __init__(self, url: str, max_new_tokens: int = 32, batch_size: int = 8, model: str | None = None,
                  timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5, api_key: str | None = None):
+        if batch_size < 1:
+            raise ValueError(f"--judge_batch_size must be >= 1 (requests in flight at once), got {batch_size}")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"judge URL must look like http(s)://host[:port][/v1], got {redact_url(url)}")
@@ -396,41 +396,33 @@ class OpenAIJudge:
         self.max_new_tokens = max_new_tokens
         self.model = model
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._clients = [RemoteRewardClient(endpoint, timeout=timeout, max_retries=max_retries, backoff=backoff,
-                                            headers=headers, batch_size=None) for _ in range(batch_size)]
-        self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        for client in self._clients:
-            self._idle.put(client)
+        # One pooled client: a batch's requests go out together, `batch_size` at a time.
+        self._client = RemoteRewardClient(endpoint, timeout=timeout, max_retries=max_retries, backoff=backoff,
+                                          headers=headers, batch_size=None, max_concurrency=batch_size)
 
     @property
     def requests(self) -> int:
-        return sum(c.stats.requests for c in self._clients)
+        return self._client.stats.requests
 
     @property
     def retries(self) -> int:
-        return sum(c.stats.retries for c in self._clients)
+        return self._client.stats.retries
 
     def answer(self, texts: Sequence[str]) -> list[JudgeAnswer]:
         """The answer to each judge input, `batch_size` requests at a time."""
-        if len(texts) <= 1:
-            return [self._ask(t) for t in texts]
-        with ThreadPoolExecutor(max_workers=min(len(self._clients), len(texts)),
-                                thread_name_prefix="lightrft-judge") as pool:
-            return list(pool.map(self._ask, texts))
+        raws = self._client.post_many([json.dumps(self._request(text)).encode() for text in texts])
+        return [self._read(raw) for raw in raws]
 
-    def _ask(self, text: str) -> JudgeAnswer:
-        # Each request in flight has a client of its own, so the clients' counters need no lock.
+    def _request(self, text: str) -> dict:
         body = {"temperature": 0.0, "seed": JUDGE_SEED, "max_tokens": self.max_new_tokens, "n": 1, "stream": False}
         body.update({"messages": [{"role": "user", "content": text}]} if self.chat else {"prompt": text})
         if self.model is not None:
             body["model"] = self.model
-        client = self._idle.get()
-        try:
-            raw = client.post_with_retries(json.dumps(body).encode())
-        except RemoteRequestFailure as failure:
-            return JudgeAnswer(None, str(failure), "timeouts" if failure.timed_out else "errors")
-        finally:
-            self._idle.put(client)
+        return body
+
+    def _read(self, raw: bytes | RemoteRequestFailure) -> JudgeAnswer:
+        if isinstance(raw, RemoteRequestFailure):
+            return JudgeAnswer(None, str(raw), "timeouts" if raw.timed_out else "errors")
         try:
             choice = json.loads(raw)["choices"][0]
             content = choice["message"]["content"] if self.chat else choice["text"]

@@ -22,22 +22,21 @@ The server is not trusted: redirects are never followed (so credentials go to th
 origin only), an answer is read only up to `max_response_bytes`, and `timeout` bounds the whole
 request (connecting, sending and every byte of the answer), not each socket read.
 
+Transport: one `httpx.AsyncClient` per client (pooled keep-alive connections), run on the
+process's background event loop (`lightrft.utils.event_loop`): the requests of one batch go out
+together, at most `max_concurrency` at a time, and a request past its deadline is cancelled
+(`asyncio.wait_for`), which a per-read socket timeout cannot do against a server trickling bytes.
+
 URLs in messages and logs never show credentials: `http://user:secret@host/?token=abc` appears as
 `http://***@host/?token=***`.
 """
 
+import asyncio
 import base64
-import functools
-import http.client
-import io
 import json
 import logging
 import random
-import socket
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,6 +46,7 @@ import torch
 from lightrft.utils.secrets import redact_url  # noqa: F401  (re-exported: lightrft.rewards.redact_url)
 from lightrft.rewards.base import (FailurePolicySource, RewardResult, RewardSourceError, check_batch_lengths,
                                    is_finite_number)
+from lightrft.utils.event_loop import run_blocking
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ ON_FAILURE_POLICIES = ("error", "drop")
 RETRYABLE_STATUS = 429  # plus every 5xx
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 2 ** 20  # a reward answer needs ~20 bytes per query; this is ~3M queries
 ERROR_BODY_BYTES = 1024  # read of an HTTP error's body, for the message only
-READ_BLOCK_BYTES = 2 ** 16
+DEFAULT_MAX_CONCURRENCY = 4  # requests of one batch in flight at once
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -76,6 +76,10 @@ class RemoteRewardStats:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class _RetryableStatus(Exception):
+    """A 5xx or 429 answer: the server may answer the same request later."""
 
 
 class RemoteRequestFailure(Exception):
@@ -105,6 +109,8 @@ class RemoteRewardClient(FailurePolicySource):
         headers: extra HTTP headers (e.g. an API key); their values never appear in messages.
         max_response_bytes: the largest answer read; a longer one is refused (a failed request)
             as soon as its declared length, or the bytes read, pass the cap.
+        max_concurrency: requests in flight at once (the chunks of one batch, or `post_many`'s
+            bodies), and the connections kept open to the server.
 
     Redirects are refused, not followed: a reward server has no reason to redirect a POST, and
     following one would send the credentials and the queries wherever it points. The error names
@@ -113,7 +119,8 @@ class RemoteRewardClient(FailurePolicySource):
 
     def __init__(self, url: str, timeout: float = 30.0, max_retries: int = 3, backoff: float = 0.5,
                  on_failure: str = "error", batch_size: int | None = 256, max_backoff: float = 10.0,
-                 headers: dict[str, str] | None = None, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
+                 headers: dict[str, str] | None = None, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY):
         if on_failure not in ON_FAILURE_POLICIES:
             raise ValueError(f"on_failure must be one of {ON_FAILURE_POLICIES} (--reward_on_failure), "
                              f"got {on_failure!r}")
@@ -127,6 +134,8 @@ class RemoteRewardClient(FailurePolicySource):
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
         if isinstance(max_response_bytes, bool) or not isinstance(max_response_bytes, int) or max_response_bytes < 1:
             raise ValueError(f"max_response_bytes must be a positive number of bytes, got {max_response_bytes!r}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"reward server URL must look like http(s)://host[:port]/path, got {redact_url(url)}")
@@ -138,8 +147,10 @@ class RemoteRewardClient(FailurePolicySource):
         self.on_failure = on_failure
         self.batch_size = batch_size
         self.max_response_bytes = max_response_bytes
+        self.max_concurrency = max_concurrency
         self.stats = RemoteRewardStats()
-        self._headers = {"Content-Type": "application/json", **(headers or {})}
+        # identity: the byte cap counts what the server sends, and no decompression bomb is opened.
+        self._headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", **(headers or {})}
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
             password = urllib.parse.unquote(parts.password or "")
@@ -148,7 +159,8 @@ class RemoteRewardClient(FailurePolicySource):
             parts = parts._replace(netloc=parts.netloc.rsplit("@", 1)[1])
         self._request_url = urllib.parse.urlunsplit(parts)
         self._jitter = random.Random()  # retry spacing only, never training randomness
-        self._opener = urllib.request.build_opener(_RefuseRedirects, _DeadlineHTTPHandler, _DeadlineHTTPSHandler)
+        self._http = None       # an httpx.AsyncClient, made on the background loop at first use
+        self._http_loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         return f"RemoteRewardClient({self.url!r}, on_failure={self.on_failure!r})"
@@ -156,20 +168,26 @@ class RemoteRewardClient(FailurePolicySource):
     def score(self, queries: Sequence[str], prompts: Sequence[str], labels: Sequence[Any],
               truncated: Sequence[bool] | None = None) -> RewardResult:
         """Rewards and validity of every sample; raises `RewardSourceError` under "error". The
-        request carries "truncated" (per query: cut at the length limit) when it is known."""
+        request carries "truncated" (per query: cut at the length limit) when it is known. The
+        chunks of `batch_size` queries are sent together (`max_concurrency` at a time)."""
         check_batch_lengths(queries, prompts, labels)
         total = len(queries)
         rewards = torch.zeros(total, dtype=torch.float32)
         valid = torch.zeros(total, dtype=torch.bool)
         step = self.batch_size or max(total, 1)
-        for start in range(0, total, step):
-            end = min(start + step, total)
+        spans = [(start, min(start + step, total)) for start in range(0, total, step)]
+        bodies = []
+        for start, end in spans:
             payload = {"query": list(queries[start:end]), "prompts": list(prompts[start:end]),
                        "labels": list(labels[start:end])}
             if truncated is not None:
                 payload["truncated"] = [bool(t) for t in truncated[start:end]]
+            bodies.append(self._encode(payload))
+        for (start, end), answer in zip(spans, self.post_many(bodies)):
             try:
-                scores = self._score_chunk(payload)
+                if isinstance(answer, RemoteRequestFailure):
+                    raise answer
+                scores = self._parse(answer, end - start)
             except RemoteRequestFailure as failure:
                 self._fail(f"queries {start}..{end - 1}: {failure}", end - start)
                 continue
@@ -193,19 +211,21 @@ class RemoteRewardClient(FailurePolicySource):
         self.stats.dropped += num_samples
         logger.warning("%s; dropping %d samples (on_failure='drop')", message, num_samples)
 
-    def _score_chunk(self, payload: dict) -> list:
-        """Posts one chunk and returns its raw score entries (numbers, or None/NaN/inf)."""
+    def _encode(self, payload: dict) -> bytes:
         try:
-            body = json.dumps(payload).encode()
+            return json.dumps(payload).encode()
         except (TypeError, ValueError) as err:
             raise RewardSourceError(f"reward server {self.url}: labels and prompts must be JSON-serialisable "
                                     f"({err})") from None
-        answer = self.post_with_retries(body)
+
+    @staticmethod
+    def _parse(answer: bytes, expected: int) -> list:
+        """The raw score entries (numbers, or None/NaN/inf) of one answer to `expected` queries."""
         try:
             data = json.loads(answer, parse_int=_json_int)
         except RecursionError:
             raise RemoteRequestFailure("the answer nests lists or objects too deeply to parse (a reward answer is "
-                                "a flat list of numbers)") from None
+                                       "a flat list of numbers)") from None
         except ValueError as err:
             raise RemoteRequestFailure(f"the answer is not JSON: {_snippet(answer)} ({err})") from None
         if isinstance(data, dict):
@@ -216,7 +236,6 @@ class RemoteRewardClient(FailurePolicySource):
             data = data[key]
         if not isinstance(data, list):
             raise RemoteRequestFailure(f"the rewards must be a JSON list, got {type(data).__name__}")
-        expected = len(payload["query"])
         if len(data) != expected:
             raise RemoteRequestFailure(f"{len(data)} scores returned for {expected} queries")
         for i, score in enumerate(data):
@@ -224,25 +243,72 @@ class RemoteRewardClient(FailurePolicySource):
                 raise RemoteRequestFailure(f"score {i} is not a number: {_describe(score)}")
         return data
 
-    def post_with_retries(self, body: bytes) -> bytearray:
+    # ------------------------------------------------------------------ requests
+    def post_with_retries(self, body: bytes) -> bytes:
         """POSTs `body` with the client's retries, deadline, size cap and redirect refusal; the answer's
         bytes, or `RemoteRequestFailure` after the last attempt."""
+        answer = self.post_many([body])[0]
+        if isinstance(answer, RemoteRequestFailure):
+            raise answer
+        return answer
+
+    def post_many(self, bodies: Sequence[bytes]) -> list[bytes | RemoteRequestFailure]:
+        """POSTs every body as `post_with_retries` does, `max_concurrency` at a time; each one's
+        answer or failure, in order."""
+        if not bodies:
+            return []
+        return run_blocking(self._post_all(list(bodies)))
+
+    def close(self) -> None:
+        """Closes the pooled connections (a later request opens new ones)."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            run_blocking(http.aclose())
+
+    def _client(self):
+        """The pooled `httpx.AsyncClient` of the running (background) loop."""
+        import httpx    # here, not at the top: it takes ~0.15 s, and lightrft.config imports this module
+
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            limits = httpx.Limits(max_connections=self.max_concurrency,
+                                  max_keepalive_connections=self.max_concurrency)
+            self._http = httpx.AsyncClient(follow_redirects=False, timeout=httpx.Timeout(self.timeout),
+                                           limits=limits)
+            self._http_loop = loop
+        return self._http
+
+    async def _post_all(self, bodies: list[bytes]) -> list[bytes | RemoteRequestFailure]:
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def post(body: bytes) -> bytes | RemoteRequestFailure:
+            async with gate:
+                try:
+                    return await self._post_with_retries(body)
+                except RemoteRequestFailure as failure:
+                    return failure
+
+        return list(await asyncio.gather(*(post(body) for body in bodies)))
+
+    async def _post_with_retries(self, body: bytes) -> bytes:
+        import httpx
+
         attempt = 0
         while True:
             self.stats.requests += 1
             timed_out = False
             try:
-                return self._post(body)
-            except urllib.error.HTTPError as err:
-                cause = self._http_error(err)
-            except TimeoutError:
+                return await asyncio.wait_for(self._post(body), self.timeout)
+            except _RetryableStatus as err:
+                cause = str(err)
+            except httpx.ConnectTimeout:
+                cause, timed_out = f"no connection within timeout={self.timeout}s", True
+            except (TimeoutError, httpx.TimeoutException):
                 cause = f"no answer within timeout={self.timeout}s (the whole answer must arrive within it)"
                 timed_out = True
-            except urllib.error.URLError as err:
-                timed_out = isinstance(err.reason, TimeoutError)
-                cause = (f"no connection within timeout={self.timeout}s" if timed_out
-                         else f"connection failed: {err.reason}")
-            except (ConnectionError, http.client.HTTPException, OSError) as err:
+            except httpx.ConnectError as err:
+                cause = f"connection failed: {err}"
+            except (httpx.TransportError, OSError) as err:       # a reset or a broken answer
                 cause = f"connection error: {type(err).__name__}: {err}"
             if attempt == self.max_retries:
                 raise RemoteRequestFailure(f"{cause} (gave up after {attempt + 1} attempts)", timed_out)
@@ -250,148 +316,50 @@ class RemoteRewardClient(FailurePolicySource):
             wait = retry_wait(attempt, self.backoff, self.max_backoff, self._jitter)
             logger.warning("reward server %s: %s; retry %d/%d in %.2fs", self.url, cause, attempt + 1,
                            self.max_retries, wait)
-            time.sleep(wait)
+            await asyncio.sleep(wait)
             attempt += 1
 
-    def _post(self, body: bytes) -> bytearray:
-        """One POST; its answer read whole, all of it within `timeout` and `max_response_bytes`."""
-        request = _TimedRequest(self._request_url, data=body, headers=self._headers, method="POST",
-                                deadline=time.monotonic() + self.timeout)
-        with self._opener.open(request, timeout=self.timeout) as response:
+    async def _post(self, body: bytes) -> bytes:
+        """One POST; its answer read whole within `max_response_bytes` (the caller bounds the time)."""
+        async with self._client().stream("POST", self._request_url, content=body, headers=self._headers) as response:
+            if not 200 <= response.status_code < 300:
+                await self._refuse_status(response)
             cap = self.max_response_bytes
             declared = response.headers.get("Content-Length", "")
             if declared.isascii() and declared.isdigit() and int(declared) > cap:
                 raise RemoteRequestFailure(f"the answer is {int(declared)} bytes, over max_response_bytes={cap}; "
-                                    "refused unread (is the URL a reward server?)")
+                                           "refused unread (is the URL a reward server?)")
             answer = bytearray()
-            while block := response.read(READ_BLOCK_BYTES):
+            async for block in response.aiter_raw():
                 answer += block
                 if len(answer) > cap:
                     raise RemoteRequestFailure(f"the answer is over max_response_bytes={cap}; refused after reading "
-                                        f"{len(answer)} bytes (is the URL a reward server?)")
-            return answer
+                                               f"{len(answer)} bytes (is the URL a reward server?)")
+            return bytes(answer)
 
-    def _http_error(self, err: urllib.error.HTTPError) -> str:
-        """The retryable cause of a non-2xx answer; raises `RemoteRequestFailure` for a permanent one."""
-        with err:
-            if 300 <= err.code < 400:
-                target = _redirect_target(self._request_url, err.headers.get("Location"))
-                raise RemoteRequestFailure(f"HTTP {err.code} redirect to {target}: redirects are not followed (the "
-                                    f"request and its credentials go to {self.url} only); if the server moved, "
-                                    "give its new URL (--remote_rm_url)")
-            detail = _snippet(_read_error_body(err))
-            if err.code < 500 and err.code != RETRYABLE_STATUS:
-                raise RemoteRequestFailure(f"HTTP {err.code} {err.reason}: {detail} (client errors are not retried)")
-            return f"HTTP {err.code} {err.reason}: {detail}"
+    async def _refuse_status(self, response) -> None:
+        """Raises `_RetryableStatus` for a 5xx or 429 answer (an `httpx.Response`), `RemoteRequestFailure`
+        for any other."""
+        import httpx
 
-
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """Hands every 3xx on as an `HTTPError` instead of following it (see `RemoteRewardClient`)."""
-
-    def http_error_302(self, req, fp, code, msg, headers):
-        return None
-
-    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
-
-
-class _TimedRequest(urllib.request.Request):
-    """A request that must be done by `deadline` (a `time.monotonic()` value)."""
-
-    def __init__(self, *args, deadline: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
-
-
-def _time_left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the request deadline has passed")
-    return left
-
-
-class _DeadlineConnection:
-    """Mixin for `http.client` connections: connecting, sending and every read of the answer end by
-    the request's deadline. A socket timeout alone restarts at each read, so a server sending one
-    byte a second could hold a request for minutes."""
-
-    def __init__(self, *args, deadline: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._deadline = deadline
-        # http.client opens its socket through this attribute; setting the time left on the new
-        # socket bounds the TLS handshake that follows (https) by the same deadline.
-        self._create_connection = self._open_socket
-
-    def _open_socket(self, address, timeout, source_address=None):
-        sock = socket.create_connection(address, _time_left(self._deadline), source_address)
+        code, reason = response.status_code, response.reason_phrase
+        if 300 <= code < 400:
+            target = _redirect_target(self._request_url, response.headers.get("Location"))
+            raise RemoteRequestFailure(f"HTTP {code} redirect to {target}: redirects are not followed (the "
+                                       f"request and its credentials go to {self.url} only); if the server moved, "
+                                       "give its new URL (--remote_rm_url)")
+        head = bytearray()
         try:
-            sock.settimeout(_time_left(self._deadline))
-        except TimeoutError:
-            sock.close()
-            raise
-        return sock
-
-    def connect(self):
-        super().connect()
-        self.sock = _DeadlineSocket(self.sock, self._deadline)
-
-
-class _DeadlineHTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
-    pass
-
-
-class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
-    pass
-
-
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req):
-        return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=req.deadline), req)
-
-
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def https_open(self, req):
-        return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=req.deadline), req,
-                            context=self._context)
-
-
-class _DeadlineSocket:
-    """A connected socket whose `sendall` and reads (through `makefile`, as http.client reads)
-    stop at `deadline`; everything else is the socket's own."""
-
-    def __init__(self, sock: socket.socket, deadline: float):
-        self._sock = sock
-        self._deadline = deadline
-
-    def sendall(self, data) -> None:
-        self._sock.settimeout(_time_left(self._deadline))  # a total for the whole sendall (Python >= 3.5)
-        self._sock.sendall(data)
-
-    def makefile(self, mode: str = "rb", *args, **kwargs) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
-
-    def __getattr__(self, name: str):
-        return getattr(self._sock, name)
-
-
-class _DeadlineReader(io.RawIOBase):
-    """The socket's own reader (which keeps the socket open while in use), each read given only
-    the time left."""
-
-    def __init__(self, sock: socket.socket, deadline: float):
-        self._sock = sock
-        self._raw = sock.makefile("rb", buffering=0)
-        self._deadline = deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        self._sock.settimeout(_time_left(self._deadline))
-        return self._raw.readinto(buffer)
-
-    def close(self) -> None:
-        self._raw.close()
-        super().close()
+            async for block in response.aiter_raw():
+                head += block
+                if len(head) >= ERROR_BODY_BYTES:
+                    break
+        except httpx.TransportError:
+            pass                        # the message goes without the body
+        detail = _snippet(bytes(head[:ERROR_BODY_BYTES]))
+        if code < 500 and code != RETRYABLE_STATUS:
+            raise RemoteRequestFailure(f"HTTP {code} {reason}: {detail} (client errors are not retried)")
+        raise _RetryableStatus(f"HTTP {code} {reason}: {detail}")
 
 
 def _json_int(text: str) -> int | float:
@@ -409,13 +377,6 @@ def _redirect_target(base: str, location: str | None) -> str:
         return redact_url(urllib.parse.urljoin(base, location.strip()))[:300]
     except ValueError:
         return "(an unreadable Location header)"
-
-
-def _read_error_body(err: urllib.error.HTTPError) -> bytes:
-    try:
-        return err.read(ERROR_BODY_BYTES)
-    except (OSError, http.client.HTTPException):
-        return b""
 
 
 def _describe(value: Any) -> str:

@@ -38,7 +38,8 @@ class ScriptedServer:
     def __init__(self):
         self.script: list[str] = ["ok"]
         self.requests: list[dict] = []  # {"body": parsed JSON, "headers": dict, "path": request path and query}
-        self._lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0     # requests being answered now, and the most at once
+        self._lock = threading.Condition()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,7 +51,17 @@ class ScriptedServer:
                 with server._lock:
                     server.requests.append({"body": body, "headers": dict(self.headers), "path": self.path})
                     behaviour = server.script.pop(0) if len(server.script) > 1 else server.script[0]
-                server.respond(self, behaviour, body["query"])
+                    server.in_flight += 1
+                    server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    server._lock.notify_all()
+                    if behaviour == "pair":      # wait (up to 1 s) for a second request to be in flight
+                        server._lock.wait_for(lambda: server.in_flight >= 2, timeout=1.0)
+                        behaviour = "ok"
+                try:
+                    server.respond(self, behaviour, body["query"])
+                finally:
+                    with server._lock:
+                        server.in_flight -= 1
 
             def finish(self):
                 try:
@@ -138,9 +149,20 @@ def test_scores_key_and_bare_list_answers_are_accepted(server, behaviour):
 def test_large_batches_go_in_chunks(server):
     rm = client(server.url, batch_size=2)
     torch.testing.assert_close(rm(QUERIES, PROMPTS, LABELS), EXPECTED)
-    assert [r["body"]["query"] for r in server.requests] == [["a", "bb"], ["ccc", "dddd"], ["eeeee"]]
-    assert [r["body"]["labels"] for r in server.requests] == [[None, "x"], [3, {"k": 1}], [[1, 2]]]
+    # The chunks go out together, so they may arrive in any order; the scores come back in order.
+    chunks = sorted((r["body"]["query"], r["body"]["labels"]) for r in server.requests)
+    assert chunks == [(["a", "bb"], [None, "x"]), (["ccc", "dddd"], [3, {"k": 1}]), (["eeeee"], [[1, 2]])]
     assert rm.stats.requests == 3
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_a_batchs_requests_are_in_flight_together_up_to_the_bound(server, concurrency):
+    """Five one-query chunks; the server holds each request until a second one is in flight (or
+    1 s passes): a client sending them one by one never has two in flight, a bound of two always."""
+    server.script = ["pair"]
+    rm = client(server.url, batch_size=1, max_concurrency=concurrency, timeout=5.0)
+    torch.testing.assert_close(rm(QUERIES, PROMPTS, LABELS), EXPECTED)
+    assert len(server.requests) == 5 and server.most_in_flight == concurrency
 
 
 @pytest.mark.parametrize("script", [["500", "503", "ok"], ["429", "ok"], ["slow", "ok"], ["reset", "reset", "ok"]])
@@ -204,9 +226,10 @@ def test_non_finite_scores_are_errors(server, behaviour, bad):
 
 
 def test_drop_policy_marks_only_the_failed_samples_invalid(server):
-    # Chunks of 2: the first chunk succeeds, the second fails for good, the third has a null score.
+    # Chunks of 2, sent one at a time (the script follows the order of arrival): the first chunk
+    # succeeds, the second fails for good, the third has a null score.
     server.script = ["ok", "500", "500", "nan"]
-    rm = client(server.url, batch_size=2, max_retries=1, on_failure="drop")
+    rm = client(server.url, batch_size=2, max_retries=1, on_failure="drop", max_concurrency=1)
     result = rm(QUERIES, PROMPTS, LABELS)
     assert isinstance(result, RewardResult)
     assert result.valid.tolist() == [True, True, False, False, False]

@@ -218,7 +218,8 @@ def test_deeply_nested_json_is_a_counted_failure_and_the_run_goes_on(serve, capl
     is dropped and the next chunks are scored."""
     answers = iter([b"[" * 100_000 + b"]" * 100_000, b'{"rewards": [0.3, 0.4]}'])
     server = serve(lambda h: send(h, 200, next(answers)))
-    rm = RemoteRewardClient(server.url, timeout=5.0, max_retries=0, batch_size=2, on_failure="drop")
+    rm = RemoteRewardClient(server.url, timeout=5.0, max_retries=0, batch_size=2, on_failure="drop",
+                            max_concurrency=1)      # the answers follow the order of arrival
     with caplog.at_level(logging.WARNING, logger="lightrft.rewards.remote"):
         result = rm.score(QUERIES[:4], PROMPTS[:4], LABELS[:4])
     assert result.valid.tolist() == [False, False, True, True]
