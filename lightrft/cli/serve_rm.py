@@ -30,7 +30,7 @@ import torch
 from lightrft.datasets import encode_for_reward
 from lightrft.datasets.padding import right_pad
 from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
-                                   add_http_flags, address_problem, bind_error, longest_token_chars,
+                                   add_http_flags, address_problem, bind_error, check_fields, longest_token_chars,
                                    prompt_char_limit, settings_from_flags, shown, warn_if_exposed)
 from lightrft.utils.program import run_program
 
@@ -76,12 +76,18 @@ class RewardScorer:
         return scores
 
 
+# What `RemoteRewardClient` sends: the texts to score, and the prompts, labels and truncation flags
+# that a rule-based server would use (this one scores the texts alone).
+REQUEST_FIELDS = frozenset({"query", "prompts", "labels", "truncated"})
+
+
 def parse_request(payload: Any, max_chars: int) -> list[str]:
     """The "query" list of a parsed request body; a `RequestError` naming the field otherwise
     (413 for a query over `max_chars` characters)."""
     if not isinstance(payload, dict):
         raise RequestError("the request body must be a JSON object like {\"query\": [\"full text\", ...]}, got a "
                            + type(payload).__name__)
+    check_fields(payload, REQUEST_FIELDS, "the reward endpoint")
     if "query" not in payload:
         raise RequestError("missing field 'query': a list of full texts (prompt + response) to score", "query")
     queries = payload["query"]

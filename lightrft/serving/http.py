@@ -47,6 +47,9 @@ _CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 SHOWN_CHARS = 60           # how much of a client's value an error message repeats
+MAX_JSON_ITEMS = 1_000_000  # arrays, objects and commas in one request body (64 MB of `[{},...]`: 42M)
+MAX_JSON_DEPTH = 32        # arrays and objects inside each other (an OpenAI request needs 4)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string, escapes included
 
 
 class RequestError(ValueError):
@@ -169,22 +172,46 @@ def _problem(value: Any) -> str | None:
     return None
 
 
+def json_items(body: bytes) -> int:
+    """The `[`, `{` and `,` of a JSON text outside its strings (a bound on the values it holds, and
+    on the objects parsing it builds). Counted on the bytes before parsing; strings are skipped
+    only when the plain count is over MAX_JSON_ITEMS (commas inside texts)."""
+    count = body.count(b",") + body.count(b"[") + body.count(b"{")
+    if count <= MAX_JSON_ITEMS:
+        return count
+    bare = _JSON_STRING.sub(b"", body)
+    return bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+
+
+def check_fields(payload: dict, allowed: frozenset[str], endpoint: str) -> None:
+    """Refuses a field `endpoint` does not take (a misspelt option would otherwise be ignored)."""
+    unknown = sorted(set(payload) - allowed)
+    if unknown:
+        raise RequestError(f"unknown field {shown(unknown[0])} for {endpoint}; it takes "
+                           f"{', '.join(sorted(allowed))}", unknown[0][:SHOWN_CHARS])
+
+
 def _check_tree(value: Any) -> None:
     """Walks a parsed body without recursion and refuses, naming the field: NaN/Infinity, floats
-    that overflowed to inf, integers outside 64 bits, strings (and keys) with lone surrogates.
-    Paths are built only for containers and for the value refused."""
+    that overflowed to inf, integers outside 64 bits, strings (and keys) with lone surrogates,
+    containers more than MAX_JSON_DEPTH deep. Paths are built only for containers and for the
+    value refused."""
     if not isinstance(value, (dict, list)):
         if (problem := _problem(value)) is not None:
             raise RequestError(f"the request body {problem}")
         return
-    stack = [(value, None)]
+    stack = [(value, None, 1)]
     while stack:
-        item, path = stack.pop()
+        item, path, depth = stack.pop()
         for key, child in item.items() if isinstance(item, dict) else enumerate(item):
             if isinstance(key, str) and (problem := _problem(key)) is not None:
                 raise RequestError(f"a key of {f'{path!r}' if path else 'the request body'} {problem}", path)
             if isinstance(child, (dict, list)):
-                stack.append((child, _path(path, key)))
+                field = _path(path, key)
+                if depth >= MAX_JSON_DEPTH:
+                    raise RequestError(f"'{field}' nests JSON arrays or objects more than {MAX_JSON_DEPTH} deep; "
+                                       "send a flatter value", field)
+                stack.append((child, field, depth + 1))
             elif (problem := _problem(child)) is not None:
                 field = _path(path, key)
                 raise RequestError(f"'{field}' {problem}", field)
@@ -229,6 +256,12 @@ def parse_json(body: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: it is not UTF-8 (byte {e.start}: "
                            f"{e.reason})") from None
+    items = json_items(body)
+    if items > MAX_JSON_ITEMS:
+        # Parsing 64 MB of `[{},{},...]` would build ten million objects (gigabytes, a minute of CPU).
+        raise RequestError(f"the request body has {items:,} JSON arrays, objects and commas, over this server's "
+                           f"limit of {MAX_JSON_ITEMS:,}; send fewer values per request", None,
+                           HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
     try:
         value = json.loads(text, parse_constant=_NonFinite, parse_int=_parse_int)
     except RecursionError:

@@ -26,7 +26,7 @@ from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.seeds import mix_seed
 from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
-                                   prompt_char_limit, shown)
+                                   check_fields, prompt_char_limit, shown)
 from lightrft.serving.policy import Sample, ServedPolicy
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, RecordWriteError
 from lightrft.utils import json_out
@@ -34,6 +34,14 @@ from lightrft.utils import json_out
 logger = logging.getLogger("lightrft.serve")
 MAX_CHOICES = 16
 MAX_ID_CHARS = 256
+# The fields each endpoint takes; any other is refused by name (an option this server does not
+# implement, or a misspelt one, would otherwise change nothing without a word). "user" is
+# OpenAI's caller label, accepted and unused.
+SAMPLING_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
+                             "seed", "stop", "stream", "logprobs", "user"})
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages"}
+FEEDBACK_FIELDS = frozenset({"id", "reward", "index"})
 
 __all__ = ["GenerationRequest", "OpenAIServer", "RequestError", "ServeLimits", "build_server", "finish_choice",
            "parse_chat_request", "parse_completion_request"]
@@ -147,6 +155,7 @@ def parse_completion_request(payload: Any, tokenizer: Any, limits: ServeLimits) 
     """A `/v1/completions` body: `prompt` is one string or one list of token ids."""
     if not isinstance(payload, dict):
         raise RequestError("the request body must be a JSON object")
+    check_fields(payload, COMPLETION_FIELDS, "/v1/completions")
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -173,6 +182,7 @@ def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> Gen
     the generation prompt."""
     if not isinstance(payload, dict):
         raise RequestError("the request body must be a JSON object")
+    check_fields(payload, CHAT_FIELDS, "/v1/chat/completions")
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
@@ -328,6 +338,7 @@ class OpenAIServer:
         if not isinstance(payload, dict) or not isinstance(payload.get("id"), str):
             raise RequestError("send {\"id\": \"<response id>\", \"reward\": <number>} (optional \"index\": the "
                                "choice, default 0)", "id")
+        check_fields(payload, FEEDBACK_FIELDS, "/v1/feedback")
         if len(payload["id"]) > MAX_ID_CHARS:
             raise RequestError(f"'id' is {len(payload['id'])} characters; response ids are the 'id' of a response "
                                "this server sent", "id")

@@ -73,6 +73,7 @@ class ServedPolicy:
                                  "server (--pretrain) instead of loading it as new weights")
         kwargs = {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
         model = load_model(path, dtype=self.dtype, trust_remote_code=self.trust_remote_code, **kwargs).to(self.device).eval()
+        check_finite_weights(model, path)
         # Requests are checked against the rows as they come (OpenAIServer.check_prompt_ids).
         rows = check_vocabulary(model, self.tokenizer, str(path), chat_template=True)
         if version is None:
@@ -102,33 +103,47 @@ class ServedPolicy:
         return samples
 
 
-def newest_weights(folder: Path) -> tuple[Path, int | None] | None:
-    """The newest complete export in `folder`: its `global_stepN_hf` folder with the largest N
-    (train_ppo --save_hf_ckpt under --ckpt_path), else `folder` itself when it is a Hugging Face
-    folder (train_ppo's final export at --save_path). Exports appear by an atomic rename, so a
-    folder that is there is complete. None when there is none yet."""
+def check_finite_weights(model: torch.nn.Module, path: Path) -> None:
+    """Refuses weights holding NaN or infinity (a run that diverged, a torn write): served, they
+    would answer with NaN log-probs, and recorded, train on them."""
+    bad = [name for name, param in model.named_parameters() if not bool(torch.isfinite(param).all())]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} weight tensors hold NaN or infinite values ({', '.join(bad[:3])}"
+                         f"{', ...' if len(bad) > 3 else ''}); not served")
+
+
+def export_candidates(folder: Path) -> list[tuple[Path, int | None]]:
+    """The exports in `folder`, newest first: its `global_stepN_hf` folders holding a config.json
+    (train_ppo --save_hf_ckpt under --ckpt_path) by decreasing N; else `folder` itself when it is a
+    Hugging Face folder (train_ppo's final export at --save_path). Empty when there is none yet."""
     if not folder.is_dir():
-        return None
+        return []
     steps = [(export_step(p), p) for p in folder.iterdir() if p.is_dir() and export_step(p) is not None]
-    steps = [(n, p) for n, p in steps if (p / "config.json").exists()]
+    steps = sorted(((n, p) for n, p in steps if (p / "config.json").exists()), reverse=True)
     if steps:
-        n, path = max(steps)
-        return path, n
-    if (folder / "config.json").exists():
-        return folder, None
-    return None
+        return [(path, n) for n, path in steps]
+    return [(folder, None)] if (folder / "config.json").exists() else []
+
+
+def newest_weights(folder: Path) -> tuple[Path, int | None] | None:
+    """The newest export in `folder` (`export_candidates`), or None."""
+    candidates = export_candidates(folder)
+    return candidates[0] if candidates else None
 
 
 def _stamp(path: Path) -> tuple:
-    """Changes when the folder is replaced by a new export (a new inode and mtime)."""
-    stat = (path / "config.json").stat()
-    return path.resolve(), stat.st_ino, stat.st_mtime_ns
+    """What an export folder holds: its identity and every file's name, size and modification time.
+    It changes when the folder is replaced (a new inode) and while a copy into it goes on."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    return path.resolve(), path.stat().st_ino, tuple(files)
 
 
 class WeightWatcher:
-    """Polls `folder` every `interval` seconds and loads newer weights into `policy` (see
-    `newest_weights`). A load that fails (a different tokenizer, a broken folder) is logged once
-    and the old weights keep serving."""
+    """Polls `folder` every `interval` seconds and loads the newest export newer than the served
+    policy (`export_candidates`). An export that fails to load (a different tokenizer, a folder
+    still being copied, NaN weights) is logged once and skipped while its files stay as they are:
+    the next older new export is tried, the old weights keep serving, and the failed one is tried
+    again when its files change (a copy that finished)."""
 
     def __init__(self, policy: ServedPolicy, folder: str | Path, interval: float = 10.0):
         if interval <= 0:
@@ -137,6 +152,7 @@ class WeightWatcher:
         self.folder = Path(folder)
         self.interval = interval
         self._seen = None
+        self._failed: dict[Path, tuple] = {}     # export -> its stamp when it failed to load
         found = newest_weights(self.folder)
         # What is already there when the server starts counts as seen unless it is newer.
         if found is not None and (found[1] is None or found[1] <= policy.version):
@@ -153,26 +169,27 @@ class WeightWatcher:
         self._thread.join()
 
     def poll(self) -> bool:
-        """Loads the newest export if it is new; True when the served weights changed."""
-        found = newest_weights(self.folder)
-        if found is None:
-            return False
-        path, step = found
-        try:
-            stamp = _stamp(path)
-        except FileNotFoundError:
-            return False
-        if stamp == self._seen or (step is not None and step <= self.policy.version):
-            return False
-        try:
-            self.policy.load(path, version=step if step is not None else self.policy.version + 1)
-        except Exception:  # keep serving the old weights; exports are written whole, so retrying is useless
-            logger.exception("loading new weights from %s failed; still serving version %d", path,
-                             self.policy.version)
+        """Loads the newest new export that loads; True when the served weights changed."""
+        for path, step in export_candidates(self.folder):
+            if step is not None and step <= self.policy.version:
+                return False                     # this one and the rest are not newer
+            try:
+                stamp = _stamp(path)
+            except FileNotFoundError:            # removed while we looked
+                continue
+            if stamp == self._seen or self._failed.get(path) == stamp:
+                continue
+            try:
+                self.policy.load(path, version=step if step is not None else self.policy.version + 1)
+            except Exception:  # keep serving the old weights; retried once the folder's files change
+                logger.exception("loading new weights from %s failed; still serving version %d", path,
+                                 self.policy.version)
+                self._failed[path] = stamp
+                continue
+            self._failed.pop(path, None)
             self._seen = stamp
-            return False
-        self._seen = stamp
-        return True
+            return True
+        return False
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

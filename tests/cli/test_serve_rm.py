@@ -110,6 +110,7 @@ def test_long_queries_keep_their_last_tokens(server, rm_dir):
     (b'{"query": "just one string"}', 400, "field 'query' must be a list of strings, got str"),
     (b'{"query": ["ok", 5]}', 400, "field 'query[1]' must be a string, got int"),
     (b"\xff\xfe", 400, "not valid JSON"),
+    (b'{"query": ["a"], "quary": ["b"]}', 400, "unknown field 'quary' for the reward endpoint"),
 ])
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, direct_scores, body, status, message):
     got_status, reply = post(server, body)

@@ -116,15 +116,41 @@ DEEP = b"[" * 100_000 + b"]" * 100_000
     ("/v1/completions", b'{"prompt": "' + b"x" * 50 + b'"}', "prompt", "context of 48"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"x" * 50 + b'"}]}', "messages",
      "context of 48"),
+    # Fields an endpoint does not take are named, not ignored.
+    ("/v1/completions", b'{"prompt": "hi", "temprature": 0.5}', "temprature", "unknown field 'temprature' for "
+     "/v1/completions; it takes"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": []}', "tools",
+     "unknown field 'tools'"),
+    ("/v1/feedback", b'{"id": "x", "reward": 1, "comment": "nice"}', "comment", "unknown field 'comment'"),
+    # Forty arrays deep is parseable, but no request needs more than a few levels.
+    ("/v1/completions", b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}", "prompt" + "[0]" * 31, "more than 32 deep"),
 ], ids=["nan-temperature", "nan-top_p", "infinity", "1e999", "5000-digit-int", "30-digit-int", "deep-nesting",
         "surrogate", "chat-surrogate", "401-digit-reward", "nan-reward", "prompt+answer-over-context",
-        "prompt-over-context", "chat-over-context"])
+        "prompt-over-context", "chat-over-context", "misspelt-field", "unsupported-field", "feedback-field",
+        "40-deep"])
 def test_hostile_values_get_a_400_naming_the_field(api, port, path, body, param, words):
     status, reply, _ = call(port, "POST", path, body=body)
     assert status == 400, reply
     assert reply["error"]["param"] == param and words in reply["error"]["message"], reply
     assert reply["error"]["type"] == "invalid_request_error"
     assert completion(port)[0] == 200                    # and the server keeps serving
+
+
+def test_a_body_of_millions_of_tiny_values_is_refused_before_parsing(port):
+    """63 MB of `[{},{},...]` (21 million objects) is under the 64 MB body cap; parsed, it took the
+    server from 1.1 to 5.1 GB and 75 s of CPU. Counted first, it is a 413."""
+    body = b'{"prompt": [' + b"{}," * 20_999_999 + b'{}]}'
+    status, reply, _ = call(port, "POST", "/v1/completions", body=body, timeout=60)
+    assert status == 413 and "has 42,000,001 JSON arrays, objects and commas, over this server's limit of " \
+        "1,000,000" in reply["error"]["message"]
+    assert completion(port)[0] == 200
+
+
+def test_parse_json_counts_values_outside_strings():
+    # 1.5 million commas inside one string are one value, not 1.5 million.
+    assert parse_json(json.dumps({"prompt": "a,\\\",b" + "," * 1_500_000}).encode())["prompt"].count(",") == 1_500_002
+    with pytest.raises(RequestError, match="has 1,000,002 JSON arrays, objects and commas"):
+        parse_json(b"[" + b"0," * 1_000_001 + b"0]")
 
 
 def test_a_prompt_within_the_context_gets_the_room_left_as_its_default_budget(port):
