@@ -85,7 +85,7 @@ def family_lines() -> list[str]:
              "otherwise have a model family (`lightrft/models/families/`, how to add one in "
              "[extending](extending.md#adding-a-model-family)), checked in tests/models/test_families.py:", ""]
     for family in families:
-        summary = inspect.getdoc(inspect.getmodule(type(family))).split("\n\n")[0].replace("\n", " ")
+        summary = " ".join(inspect.getdoc(inspect.getmodule(type(family))).split())
         types = ", ".join(f"`{t}`" for t in family.model_types)
         lines.append(f"- **{family.name}** (model_type {types}): {summary}")
     return lines + [""]

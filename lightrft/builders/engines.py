@@ -76,9 +76,11 @@ def check_engine_serves_family(config) -> None:
         return      # loading the actor names what is wrong with the folder
     family = family_for(hf_config)
     if family.rollout_engines is not None and name not in family.rollout_engines:
-        raise ConfigError(f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model "
-                          f"(model_type {hf_config.model_type!r}), which only {', '.join(sorted(family.rollout_engines))} "
-                          f"can serve; pass --rollout_engine {sorted(family.rollout_engines)[0]}")
+        what = f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model (model_type {hf_config.model_type!r})"
+        if not family.rollout_engines:
+            raise ConfigError(f"{what}, which no rollout engine can serve yet (its rollouts need inputs no engine takes)")
+        raise ConfigError(f"{what}, which only {', '.join(sorted(family.rollout_engines))} can serve; pass "
+                          f"--rollout_engine {sorted(family.rollout_engines)[0]}")
 
 
 def check_engine_roles(config) -> None:

@@ -153,6 +153,7 @@ class ActorLanguage(nn.Module):
         return_entropy: bool = False,
         return_aux_loss: bool = False,
         prompt_groups: list[int] | None = None,
+        media: dict[str, torch.Tensor] | None = None,
     ):
         """Log-probabilities of the action tokens (the last `num_actions` tokens of each sequence).
 
@@ -182,17 +183,22 @@ class ActorLanguage(nn.Module):
         computes it: over the real tokens of the batch, pads excluded, unscaled by
         `router_aux_loss_coef`), a scalar tensor; None for a model without one. Packed and padded
         layouts give the same value, as both count exactly the real tokens.
+
+        `media` carries the images (and the like) of a vision-language model's batch or packed row,
+        in the order of their placeholder tokens (`lightrft.models.families.merge_media` joins the
+        samples'); the model family computes their features apart from the decoder
+        (`ModelFamily.media_inputs`). Prompts are not shared in such a forward.
         """
         if return_aux_loss and num_actions is not None and not return_output:
             raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
         extra = {"output_router_logits": True} if return_aux_loss and self.is_moe else {}
         if packed_seq_lens is None:
-            kwargs = {**self.family.padded_inputs(self.model, sequences, attention_mask), **extra}
+            kwargs = {**self.family.padded_inputs(self.model, sequences, attention_mask, media), **extra}
             result = self._forward_padded(kwargs, sequences, num_actions, return_output, return_entropy)
         else:
             self.check_packing()
             result = self._forward_packed(extra, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
-                                          prompt_groups)
+                                          prompt_groups, media)
         if return_aux_loss:
             output = result[1] if isinstance(result, tuple) else result
             aux_loss = output.get("aux_loss") if extra else None
@@ -216,7 +222,8 @@ class ActorLanguage(nn.Module):
 
     def _shared_prompt_forward(self, kwargs, num_actions):
         """The padded output with one prompt forward per distinct prompt, or None for the plain forward."""
-        if not self.share_prompts or "output_router_logits" in kwargs or not sharing_possible(self.model):
+        if (not self.share_prompts or "output_router_logits" in kwargs or "input_ids" not in kwargs
+                or "mm_encoder_outputs" in kwargs or not sharing_possible(self.model)):
             return None
         try:
             return shared_prompt_forward(self.model, kwargs, num_actions)
@@ -225,20 +232,20 @@ class ActorLanguage(nn.Module):
             return None
 
     def _forward_packed(self, extra, sequences, num_actions, packed_seq_lens, return_output, return_entropy,
-                        prompt_groups=None):
-        """`extra`: keyword arguments beyond the packed row's (router logits); the row's own are
-        built only for the forward that runs (the shared row builds its own)."""
+                        prompt_groups=None, media=None):
+        """`extra`: keyword arguments beyond the packed row's (router logits); the row's own (with
+        its media) are built only for the forward that runs (the shared row builds its own)."""
         check_packed_row(sequences, packed_seq_lens)
         if num_actions is None:
-            return self.model(**self.family.packed_inputs(self.model, sequences, packed_seq_lens), **extra)
+            return self.model(**self.family.packed_inputs(self.model, sequences, packed_seq_lens, media), **extra)
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         output = None
-        if self.share_prompts and prompt_groups is not None and not extra:
+        if self.share_prompts and prompt_groups is not None and not extra and not media:
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
                                                  lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
         if output is None:
-            kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens)
+            kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
             output = self.model(**kwargs, **extra, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)

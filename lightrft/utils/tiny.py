@@ -221,3 +221,38 @@ def save_tiny_arch(path: str | Path, arch: str, seed: int = 0) -> Path:
     build_tiny_arch(arch, tokenizer, seed=seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------------- vision-language models
+IDEFICS3_IMAGE_TOKENS = ("<image>", "<fake_token_around_image>")
+
+
+def build_vlm_tokenizer() -> PreTrainedTokenizerFast:
+    """`build_char_tokenizer` plus Idefics3's image tokens: `<image>` (id 100), the placeholder one
+    image's features replace, and `<fake_token_around_image>` (id 101), which brackets each run."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(IDEFICS3_IMAGE_TOKENS)})
+    return tokenizer
+
+
+def build_tiny_idefics3(tokenizer: PreTrainedTokenizerFast | None = None, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised tiny Idefics3 (the SmolVLM architecture) in float32: a Llama decoder
+    (hidden 64, 2 layers, head dimension 32, one KV head) and a SigLIP vision tower (56 x 56
+    images, 14-pixel patches, 2 layers) whose pixel shuffle (scale 2) makes 4 `<image>` tokens per
+    image. Same seed, same weights."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    tokenizer = tokenizer or build_vlm_tokenizer()
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                max_position_embeddings=256, initializer_range=0.1, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    config = Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config)
+    return model.float().eval()

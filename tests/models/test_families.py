@@ -1,5 +1,6 @@
-"""Model families (lightrft/models/families): the registry, and the RoBERTa decoder family, whose
-positions count from pad_token_id + 1, checked against the model's own forward.
+"""Model families (lightrft/models/families): the registry; the RoBERTa decoder family, whose
+positions count from pad_token_id + 1; Idefics3, whose images are encoded apart from the decoder.
+Each is checked against the model's own forward.
 
 The model's own forward (no position ids given) computes RoBERTa's positions itself, so it is the
 independent reference: the actor, critic, shared-prompt rows and the rollout engine must agree
@@ -14,12 +15,13 @@ from lightrft.builders.engines import build_rollout_engine
 from lightrft.config import ConfigError, PPORunConfig
 from lightrft.models import ActorLanguage, Critic, RewardModel
 from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
-                                      family_of, register_family)
+                                      family_of, merge_media, register_family)
+from lightrft.models.families.idefics3 import Idefics3
 from lightrft.models.families.roberta import RobertaDecoder
 from lightrft.models.hf_utils import value_model_class
 from lightrft.models.packing import prompt_group_ids
 from lightrft.rollout import SamplingParams, hf_engine_for
-from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm, build_tiny_idefics3, build_vlm_tokenizer
 from tests.conftest import to_flags
 
 TEXTS = ("12+34=46", "7+8=15", "12+34=47")
@@ -193,3 +195,88 @@ def test_a_run_asking_an_engine_the_family_does_not_list_stops_before_building(t
                                           r"\(model_type 'roberta'\), which only hf can serve; pass --rollout_engine hf"):
         build_rollout_engine(run_config("vllm"), tokenizer, seed=0)
     assert build_rollout_engine(run_config("hf"), tokenizer, seed=0) is None
+
+
+# ================================================================ Idefics3: images beside the text
+def vlm_samples(tokenizer):
+    """Three samples: one image, none (a text-only sample in a vision-language batch), two images;
+    each image a run of 4 `<image>` tokens between `<fake_token_around_image>`s. Returns the token
+    sequences and each sample's media (None without images)."""
+    image, around = tokenizer.convert_tokens_to_ids(["<image>", "<fake_token_around_image>"])
+    generator = torch.Generator().manual_seed(0)
+    seqs, media = [], []
+    for prompt, images, answer in [("see", 1, "red"), ("c", 0, "blue"), ("two", 2, "ok")]:
+        ids = tokenizer.encode(prompt)
+        for _ in range(images):
+            ids += [around] + [image] * 4 + [around]
+        seqs.append(torch.tensor(ids + tokenizer.encode(answer)))
+        media.append({"pixel_values": torch.randn(images, 3, 56, 56, generator=generator)} if images else None)
+    return seqs, media
+
+
+def own_vlm_log_probs(model, seqs, media, actions: int) -> torch.Tensor:
+    """Each sample alone through transformers' own forward (pixel values in, the model merges
+    them). Shape: (N, actions)"""
+    rows = []
+    for ids, sample in zip(seqs, media):
+        pixels = {} if sample is None else {"pixel_values": sample["pixel_values"][None]}
+        logits = model(input_ids=ids[None], **pixels).logits[0, :-1]
+        rows.append(torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[-actions:, 0])
+    return torch.stack(rows)
+
+
+def test_idefics3_packed_and_padded_equal_each_sample_alone_values_and_gradients():
+    tokenizer = build_vlm_tokenizer()
+    model = build_tiny_idefics3(tokenizer)
+    actor = ActorLanguage(model, packing_samples=True)
+    assert isinstance(actor.family, Idefics3)
+    seqs, media = vlm_samples(tokenizer)
+    batch_media = merge_media(media)
+    assert batch_media["pixel_values"].shape == (3, 3, 56, 56)
+
+    expected = own_vlm_log_probs(model, seqs, media, 2)
+    expected.sum().backward()
+    own_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    assert any("vision_model" in n for n in own_grads)          # the image path trains too
+
+    packed = actor(torch.cat(seqs)[None], num_actions=[2] * 3, packed_seq_lens=[len(s) for s in seqs],
+                   media=batch_media)
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=0)
+    packed.sum().backward()
+    for name, grad in own_grads.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+    ids, mask = left_padded(seqs, tokenizer.pad_token_id)
+    with torch.no_grad():
+        padded = actor(ids, num_actions=2, attention_mask=mask, media=batch_media)
+    torch.testing.assert_close(padded, expected.detach(), atol=1e-5, rtol=0)
+
+
+def test_media_that_does_not_match_the_placeholders_is_refused():
+    tokenizer = build_vlm_tokenizer()
+    actor = ActorLanguage(build_tiny_idefics3(tokenizer))
+    seqs, media = vlm_samples(tokenizer)
+    one_image_short = {"pixel_values": merge_media(media)["pixel_values"][:2]}
+    with pytest.raises(ValueError, match=r"12 <image> tokens \(id 100\) for 2 images of 4 tokens each \(8\)"):
+        actor(torch.cat(seqs)[None], num_actions=[2] * 3, packed_seq_lens=[len(s) for s in seqs],
+              media=one_image_short)
+    with pytest.raises(ValueError, match="different media fields"):
+        merge_media([{"pixel_values": torch.zeros(1)}, {"pixel_values": torch.zeros(1), "extra": torch.zeros(1)}])
+    text_actor = ActorLanguage(build_tiny_causal_lm(tokenizer))
+    with pytest.raises(ValueError, match="causal LM models take token ids only; this batch also carries pixel_values"):
+        text_actor(seqs[0][None], num_actions=2, media=media[0])
+
+
+def test_an_idefics3_folder_loads_through_its_family_and_a_run_stops_before_its_engine(tmp_path):
+    tokenizer = build_vlm_tokenizer()
+    build_tiny_idefics3(tokenizer).save_pretrained(tmp_path / "vlm")
+    actor = ActorLanguage(str(tmp_path / "vlm"))
+    assert type(actor.model).__name__ == "Idefics3ForConditionalGeneration"
+    values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math",
+                  advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
+    config = PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which no rollout "
+                                          "engine can serve yet"):
+        build_rollout_engine(config, tokenizer, seed=0)

@@ -17,9 +17,9 @@ docs/extending.md ("Adding a model family").
 """
 
 from lightrft.models.families.base import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
-                                           family_of, load_model, register_family)
+                                           family_of, load_model, merge_media, register_family)
 # The families shipped with lightrft: importing a module registers it.
-from lightrft.models.families import roberta  # noqa: E402,F401  (registers "roberta")
+from lightrft.models.families import idefics3, roberta  # noqa: E402,F401  (register "idefics3", "roberta")
 
 __all__ = ["CAUSAL_LM", "MODEL_FAMILIES", "ModelFamily", "decoding_positions", "family_for", "family_of",
-           "load_model", "register_family"]
+           "load_model", "merge_media", "register_family"]

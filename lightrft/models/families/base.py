@@ -3,7 +3,7 @@ what a family is; `lightrft.models.families` re-exports these names).
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -54,6 +54,14 @@ class ModelFamily:
         """The most tokens (prompt + answer) one sequence may hold, or None when the config names no limit."""
         return context_length(config)
 
+    def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
+        """Forward keyword arguments that carry `media` (the images of a batch or packed row, in the
+        order of their placeholder tokens in `input_ids`, row by row; keys as the family's processor
+        names them), their features computed in a call of their own: the vision tower runs apart
+        from the decoder, so a packed row's attention arguments never reach it. The default family
+        takes token ids only."""
+        raise ValueError(f"{self.name} models take token ids only; this batch also carries {', '.join(sorted(media))}")
+
     def packing_problem(self, model: nn.Module) -> tuple[str, bool] | None:
         """Why `model` cannot be packed exactly, as (reason, whether only padded batches help), or
         None (`hf_utils.packing_problem`: recurrent layers, ALiBi, chunked attention, ...)."""
@@ -84,16 +92,25 @@ class ModelFamily:
             kwargs["position_ids"] = self.position_ids(model.config, kwargs["position_ids"])
         return kwargs
 
-    def padded_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
-        """Forward keyword arguments for a padded batch. Shape: sequences, attention_mask (B, T)"""
+    def padded_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None,
+                      media: dict[str, torch.Tensor] | None = None) -> dict:
+        """Forward keyword arguments for a padded batch, with the batch's `media` (`media_inputs`)
+        when it has any. Shape: sequences, attention_mask (B, T)"""
         kwargs = padded_forward_kwargs(sequences, attention_mask)
         if attention_mask is None and self.has_own_positions():
             kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
+        if media:
+            kwargs.update(self.media_inputs(model, sequences, media))
         return self._mapped(model, kwargs)
 
-    def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int]) -> dict:
-        """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`. Shape: (1, P)"""
-        return self._mapped(model, packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation))
+    def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int],
+                      media: dict[str, torch.Tensor] | None = None) -> dict:
+        """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`, with the
+        row's `media` when it has any. Shape: (1, P)"""
+        kwargs = packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation)
+        if media:
+            kwargs.update(self.media_inputs(model, input_ids, media))
+        return self._mapped(model, kwargs)
 
     def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
         """Forward keyword arguments for the shared-prompt row of `layout`, built from the packed row (1, P)."""
@@ -145,6 +162,19 @@ def family_of(model: nn.Module) -> ModelFamily:
     """The family of a Hugging Face model (a peft model answers for its base model)."""
     config = getattr(model, "config", None)
     return family_for(config) if isinstance(config, PretrainedConfig) else CAUSAL_LM
+
+
+def merge_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+    """The media of a batch or packed row from its samples' (None for a text-only sample): each
+    key's tensors concatenated along dim 0 in sample order, the order of their placeholders in the
+    row-major batch. None when no sample has any. Shape: per key, (n_i, ...) -> (sum n_i, ...)"""
+    present = [sample for sample in samples if sample]
+    if not present:
+        return None
+    keys = sorted(present[0])
+    if any(sorted(sample) != keys for sample in present):
+        raise ValueError(f"the samples of one batch carry different media fields: {sorted({tuple(sorted(s)) for s in present})}")
+    return {key: torch.cat([sample[key] for sample in present]) for key in keys}
 
 
 def load_model(path: str | os.PathLike, *, trust_remote_code: bool = False, **options) -> PreTrainedModel:
