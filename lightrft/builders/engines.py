@@ -78,7 +78,8 @@ def check_engine_serves_family(config) -> None:
     if family.rollout_engines is not None and name not in family.rollout_engines:
         what = f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model (model_type {hf_config.model_type!r})"
         if not family.rollout_engines:
-            raise ConfigError(f"{what}, which no rollout engine can serve yet (its rollouts need inputs no engine takes)")
+            raise ConfigError(f"{what}, which no run can roll out yet (the data and experience do not carry its "
+                              "images to an engine)")
         raise ConfigError(f"{what}, which only {', '.join(sorted(family.rollout_engines))} can serve; pass "
                           f"--rollout_engine {sorted(family.rollout_engines)[0]}")
 
@@ -100,8 +101,8 @@ def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int
     """A Hugging Face decoding engine over `module` (the policy's transformers model, shared
     live: it never needs a weight sync), decoding `micro_batch_size` samples at once
     (`lightrft.rollout.hf_engine_for`, which this names among the builders)."""
-    from lightrft.models.families import decoding_positions
+    from lightrft.models.families import family_of
     from lightrft.rollout.hf_engine import hf_engine_for
 
     return hf_engine_for(module, tokenizer, eos_token_ids, micro_batch_size, synced_gpus=synced_gpus,
-                         positions=decoding_positions(module))
+                         family=family_of(module))

@@ -175,7 +175,7 @@ class Evaluator:
         from lightrft.datasets.prompt_dataset import encode_prompts
         from lightrft.models.tokenizer import stop_token_ids
         from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
-        from lightrft.models.families import decoding_positions
+        from lightrft.models.families import family_of
         from lightrft.rollout.hf_engine import hf_engine_for
         from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
@@ -190,7 +190,7 @@ class Evaluator:
         # --micro_rollout_batch_size counts prompts here, each sampled --eval_n_samples times.
         engine = hf_engine_for(model, tokenizer, eos,
                                micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples,
-                               positions=decoding_positions(model))
+                               family=family_of(model))
         # Generation and scoring alone (no experience is built); every evaluation seeds alike.
         services = RolloutServices(
             Generator(RolloutManager(engine), tokenizer, prompt_max_len=args.prompt_max_len,

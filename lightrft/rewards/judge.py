@@ -313,7 +313,7 @@ class LocalJudge:
         family = family_of(model)
         self.context_len = family.context_length(model.config)
         self.engine = hf_engine_for(model, tokenizer, stop_token_ids, micro_batch_size=batch_size,  # an input is one sample
-                                    positions=family.decoding_positions(model))
+                                    family=family)
         self._params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, seed=JUDGE_SEED)
 
     @classmethod

@@ -14,7 +14,7 @@ next-token logits are copied to every sample), outputs and the attention mask ar
 and written column by column, and the sample streams come from one reseeded generator.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,11 @@ class HFEngine:
             decoding steps (a host sync each time). None: every STOP_CHECK_STEPS steps on CUDA, so
             the host queues steps ahead of the device, and every step on the CPU. The output is the
             same for any value; a larger one decodes up to that many steps of padding at the end.
-        positions: maps the positions below to the ones the model takes (its model family's
-            `decoding_positions`, e.g. RoBERTa's count from pad_token_id + 1); None keeps them.
+        family: the model's `lightrft.models.families.ModelFamily` (None: a plain causal LM). It
+            maps the positions below to the model's (`decoding_positions`, e.g. RoBERTa's count
+            from pad_token_id + 1), turns the media of prompts into the prefill's arguments
+            (`merge_media`, `media_inputs`: a vision-language model's images) and names the tokens
+            never to sample (`banned_token_ids`: image placeholders).
 
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree; each new
@@ -59,12 +62,12 @@ class HFEngine:
 
     # It decodes with the module it was given, the trainer's own: no weights to push after a step,
     # nothing to free while the trainer runs, and a LoRA actor is served as it trains.
-    capabilities = EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True,
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True, multimodal=True,
                                       memory_options=("micro_rollout_batch_size",))
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None,
-                 positions: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 family=None):
         if eos_token_id is None:
             raise ValueError("HFEngine needs an eos_token_id: set tokenizer.eos_token_id or pass it explicitly")
         if pad_token_id is None:
@@ -74,7 +77,10 @@ class HFEngine:
         if stop_check_steps is not None and stop_check_steps < 1:
             raise ValueError(f"HFEngine stop_check_steps must be >= 1, got {stop_check_steps}")
         self.stop_check_steps = stop_check_steps
-        self.positions = positions
+        self.family = family
+        self.positions = None if family is None else family.decoding_positions(model)
+        banned = () if family is None else family.banned_token_ids(model.config)
+        self._banned = torch.tensor(sorted(banned), dtype=torch.long)
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
@@ -90,12 +96,20 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, media: list[dict | None] | None = None) -> RolloutOutput:
         """Samples `params.n` responses for each prompt; sample j of prompt i draws from
-        `sample_seed(seeds[i], j)`. See `RolloutOutput` for the layout."""
+        `sample_seed(seeds[i], j)`. `media`: per prompt, its images (and the like) as its model
+        family takes them, or None; the prompt's placeholder tokens are in its ids. See
+        `RolloutOutput` for the layout."""
         validate_prompts(prompt_token_ids)
         request_seeds = request_seeds_for(prompt_token_ids, params, seeds)
+        if media is not None and (len(media) != len(prompt_token_ids) or (self.family is None and any(media))):
+            raise ValueError(f"HFEngine.generate: {len(media)} media entries for {len(prompt_token_ids)} prompts"
+                             if len(media) != len(prompt_token_ids) else
+                             "HFEngine.generate got media for a model built without its family (hf_engine_for(..., "
+                             "family=family_of(model)))")
         prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
+        rows_media = [m for m in media or [None] * len(prompt_token_ids) for _ in range(params.n)]
         sample_seeds = [sample_seed(s, j) for s in request_seeds for j in range(params.n)]
         chunk = self.micro_batch_size or len(prompts)
         starts = list(range(0, len(prompts), chunk))
@@ -105,13 +119,13 @@ class HFEngine:
         for k in range(rounds):
             if k < len(starts):
                 rows = slice(starts[k], starts[k] + chunk)
-                parts.append(self._generate_chunk(prompts[rows], sample_seeds[rows], params))
+                parts.append(self._generate_chunk(prompts[rows], sample_seeds[rows], params, rows_media[rows]))
             else:  # a rank with fewer chunks keeps the others company with a throwaway row
-                self._generate_chunk(prompts[:1], sample_seeds[:1], params)
+                self._generate_chunk(prompts[:1], sample_seeds[:1], params, rows_media[:1])
         return RolloutOutput.concat(parts, self.pad_token_id)
 
-    def _generate_chunk(self, prompts: list[list[int]], sample_seeds: list[int],
-                        params: SamplingParams) -> RolloutOutput:
+    def _generate_chunk(self, prompts: list[list[int]], sample_seeds: list[int], params: SamplingParams,
+                        media: list[dict | None]) -> RolloutOutput:
         device = self.device
         uniforms = None if params.greedy else self._uniforms(sample_seeds, params.max_new_tokens).to(device)
         input_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
@@ -122,7 +136,7 @@ class HFEngine:
         try:
             with torch.no_grad():
                 tokens, log_probs, action_mask, unfinished = self._decode(
-                    input_ids, prompt_mask, distinct_rows(prompts), params, uniforms)
+                    input_ids, prompt_mask, distinct_rows(prompts, media), params, uniforms, media)
         finally:
             self.model.train(was_training)
 
@@ -151,8 +165,8 @@ class HFEngine:
         return uniforms
 
     def _decode(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
-                params: SamplingParams,
-                uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                params: SamplingParams, uniforms: torch.Tensor | None,
+                media: list[dict | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The cached decoding loop. `rows` is `distinct_rows(prompts)`: the prefill runs on the
         distinct prompts only and its KV cache and last logits are then copied to every sample.
         Returns tokens (B, S) long, log-probs (B, S) float32, the action mask (B, S) bool, where S
@@ -162,6 +176,8 @@ class HFEngine:
         device = input_ids.device
         steps = params.max_new_tokens
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
+        never = self._banned.to(device)            # (K,) placeholder ids: banned at every step
+        early = torch.cat([eos, never])            # before min_new_tokens, EOS too
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, Tp)
         if self.positions is not None:
             position_ids = self.positions(position_ids)
@@ -178,7 +194,7 @@ class HFEngine:
         # last EOS are padding, which the caller trims. On the CPU each step checks (no queue).
         check_every = self.stop_check_steps or (STOP_CHECK_STEPS if device.type == "cuda" else 1)
 
-        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra)
+        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, media)
         decoded = 0
         for step in range(steps):
             if step > 0:
@@ -186,7 +202,7 @@ class HFEngine:
                                  position_ids=position_ids[:, -1:] + step, use_cache=True,
                                  **{self._cache_name: cache}, **extra)
                 logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
-            banned = eos if step < params.min_new_tokens else None
+            banned = early if step < params.min_new_tokens else never
             next_tokens, next_log_probs = sample_next_tokens(
                 logits, params.temperature, params.top_k, params.top_p,
                 None if uniforms is None else uniforms[:, step], banned)
@@ -202,15 +218,23 @@ class HFEngine:
         return tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished
 
     def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
-                 rows: tuple[torch.Tensor, torch.Tensor], extra: dict) -> tuple[torch.Tensor, object]:
+                 rows: tuple[torch.Tensor, torch.Tensor], extra: dict,
+                 media: list[dict | None]) -> tuple[torch.Tensor, object]:
         """The prompt forward, once per distinct prompt: the n samples of a prompt share its KV
         cache and next-token logits, so a group of G samples costs one prompt forward instead of
-        G. Returns the last position's logits (B, V) and the cache, both expanded to all B rows."""
+        G. The prompts' media (images) enter here, through the model family; the decoding steps
+        after it see tokens only. Returns the last position's logits (B, V) and the cache, both
+        expanded to all B rows."""
         first, expand = rows  # (U,), (B,)
         dedupe = first.numel() < input_ids.shape[0]
+        kept = first.tolist() if dedupe else range(input_ids.shape[0])
         if dedupe:
             first = first.to(input_ids.device)
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
+        merged = self.family.merge_media([media[row] for row in kept]) if self.family is not None else None
+        if merged:
+            merged = {key: value.to(input_ids.device) for key, value in merged.items()}
+            extra = {**extra, **self.family.media_inputs(self.model, input_ids, merged)}
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
                          use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
@@ -246,8 +270,7 @@ class HFEngine:
 
 
 def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None,
-                  micro_batch_size: int | None = None, synced_gpus: bool = False,
-                  positions: Callable[[torch.Tensor], torch.Tensor] | None = None) -> HFEngine:
+                  micro_batch_size: int | None = None, synced_gpus: bool = False, family=None) -> HFEngine:
     """The one place lightrft builds an `HFEngine`: over `model` (shared live, never synced),
     padding with the tokenizer's pad id and stopping at any of `eos_token_ids` (default: the
     tokenizer's end of sequence).
@@ -255,12 +278,11 @@ def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int
     `micro_batch_size` counts samples, prompts x n, decoded at once (None: every call at once);
     a caller whose batch counts prompts multiplies by its samples per prompt. It bounds memory
     only: the samples do not depend on it. `synced_gpus` keeps ranks decoding in step under ZeRO-3
-    with several ranks, where every forward gathers parameters. `positions`: the model family's
-    `decoding_positions(model)` (`lightrft.models.families.decoding_positions`), which callers
-    above the models pass."""
+    with several ranks, where every forward gathers parameters. `family`: the model's family
+    (`lightrft.models.families.family_of(model)`, which callers above the models pass)."""
     return HFEngine(model, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), synced_gpus=synced_gpus,
-                    micro_batch_size=micro_batch_size, positions=positions)
+                    micro_batch_size=micro_batch_size, family=family)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,10 +296,13 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor,
     return input_ids, mask.long()
 
 
-def distinct_rows(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first row of every run of equal consecutive prompts, and for each row the index of its
-    run: `first[expand]` maps every row to a row with the same prompt. Shape: (U,), (B,) long."""
-    starts = [row for row in range(len(prompts)) if row == 0 or prompts[row] != prompts[row - 1]]
+def distinct_rows(prompts: list[list[int]], media: list[dict | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of every run of equal consecutive prompts (equal ids and the same media
+    object: the samples of one prompt), and for each row the index of its run: `first[expand]`
+    maps every row to a row with the same prompt. Shape: (U,), (B,) long."""
+    media = media or [None] * len(prompts)
+    starts = [row for row in range(len(prompts))
+              if row == 0 or prompts[row] != prompts[row - 1] or media[row] is not media[row - 1]]
     expand = torch.zeros(len(prompts), dtype=torch.long)
     expand[starts[1:]] = 1
     return torch.tensor(starts, dtype=torch.long), expand.cumsum(dim=0)

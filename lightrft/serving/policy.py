@@ -81,7 +81,7 @@ class ServedPolicy:
             version = step if step is not None else self.version + 1
         family = family_of(model)
         engine = hf_engine_for(model, self.tokenizer, self.eos_token_ids,   # a request's samples at once
-                               positions=family.decoding_positions(model))
+                               family=family)
         with self._lock:
             self.model, self.engine, self.path, self.version = model, engine, path, version
             self.vocab_rows = rows

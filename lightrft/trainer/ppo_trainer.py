@@ -22,7 +22,7 @@ from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.experience.samples import Experience
 from lightrft.experience.services import RolloutServices
 from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext
-from lightrft.models.families import decoding_positions
+from lightrft.models.families import family_of
 from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
 from lightrft.rollout.checks import EngineGapCheck, engine_gap_tolerance
 from lightrft.rollout.hf_engine import hf_engine_for
@@ -188,7 +188,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
             policy = strategy.unwrap_model(models.actor).model
             rollout_engine = hf_engine_for(policy, tokenizer, eos_token_ids, micro_rollout,
                                            synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3,
-                                           positions=decoding_positions(policy))
+                                           family=family_of(policy))
         self.rollout_engine = rollout_engine
         # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
         # The actor's weights bucket by bucket: what syncs the engine, and what explorers are sent.

@@ -14,8 +14,8 @@ from transformers import RobertaConfig, RobertaForCausalLM, RobertaModel
 from lightrft.builders.engines import build_rollout_engine
 from lightrft.config import ConfigError, PPORunConfig
 from lightrft.models import ActorLanguage, Critic, RewardModel
-from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
-                                      family_of, merge_media, register_family)
+from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_for, family_of, merge_media,
+                                      register_family)
 from lightrft.models.families.idefics3 import Idefics3
 from lightrft.models.families.roberta import RobertaDecoder
 from lightrft.models.hf_utils import value_model_class
@@ -65,7 +65,7 @@ def left_padded(seqs: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch
 def test_registry_answers_by_model_type_and_refuses_clashes(tokenizer, roberta):
     assert family_for(roberta.config) is MODEL_FAMILIES["roberta"] and isinstance(family_of(roberta), RobertaDecoder)
     llama = build_tiny_causal_lm(tokenizer, arch="llama")
-    assert family_of(llama) is CAUSAL_LM and decoding_positions(llama) is None   # no mapping: nothing to apply
+    assert family_of(llama) is CAUSAL_LM and CAUSAL_LM.decoding_positions(llama) is None   # nothing to apply
     assert family_of(torch.nn.Linear(2, 2)) is CAUSAL_LM
     with pytest.raises(ValueError, match="'roberta' is already served by the 'RoBERTa decoder' family"):
         register_family(RobertaDecoder())
@@ -135,10 +135,10 @@ def test_critic_values_packed_equal_padded(tokenizer, roberta, tmp_path):
 
 def test_rollout_engine_samples_with_the_models_positions(tokenizer, roberta):
     """The Hugging Face engine's log-probs of its own samples equal the actor's on them; without
-    the family's positions they do not."""
+    the family they do not."""
     prompts = [tokenizer.encode("12+3"), tokenizer.encode("4+5=")]
     params = SamplingParams(max_new_tokens=5, n=2)
-    engine = hf_engine_for(roberta, tokenizer, positions=decoding_positions(roberta))
+    engine = hf_engine_for(roberta, tokenizer, family=family_of(roberta))
     out = engine.generate(prompts, params, seeds=[1, 2])
     actor = ActorLanguage(roberta)
     actions = out.sequences.size(1) - out.prompt_len
@@ -277,6 +277,46 @@ def test_an_idefics3_folder_loads_through_its_family_and_a_run_stops_before_its_
     values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math",
                   advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
     config = PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
-    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which no rollout "
-                                          "engine can serve yet"):
+    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which no run can "
+                                          "roll out yet"):
         build_rollout_engine(config, tokenizer, seed=0)
+
+
+def test_the_hf_engine_samples_with_images_and_its_log_probs_are_the_actors():
+    """Two prompts with the same token ids and different images (so the engine's shared prefill
+    must keep them apart), one text-only prompt, two samples each; the `<image>` placeholder is
+    never sampled although it is the likeliest token (its logit raised)."""
+    tokenizer = build_vlm_tokenizer()
+    model = build_tiny_idefics3(tokenizer)
+    image, around = tokenizer.convert_tokens_to_ids(["<image>", "<fake_token_around_image>"])
+    with torch.no_grad():
+        model.lm_head.weight[image] *= 50            # the placeholder dominates the next-token logits
+    prompt = tokenizer.encode("col") + [around] + [image] * 4 + [around] + tokenizer.encode("=")
+    generator = torch.Generator().manual_seed(1)
+    media = [{"pixel_values": torch.randn(1, 3, 56, 56, generator=generator)} for _ in range(2)] + [None]
+    prompts = [prompt, prompt, tokenizer.encode("text=")]
+    engine = hf_engine_for(model, tokenizer, family=family_of(model))
+    assert engine.capabilities.multimodal
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=2), seeds=[5, 6, 7], media=media)
+
+    responses = out.sequences[:, out.prompt_len:]
+    assert not (responses[out.action_mask.bool()] == image).any()
+    assert not torch.equal(out.sequences[0], out.sequences[2])      # other image, other answer
+    actor = ActorLanguage(model)
+    with torch.no_grad():
+        scored = actor(out.sequences, num_actions=responses.size(1), attention_mask=out.attention_mask,
+                       media=merge_media([m for m in media for _ in range(2)]))
+    # The engine samples from the distribution without the placeholder: its log-probs are the
+    # actor's renormalised over the other tokens, so compare the allowed distribution's.
+    mask = out.action_mask.bool()
+    with torch.no_grad():
+        kwargs = actor.family.padded_inputs(actor.model, out.sequences, out.attention_mask,
+                                            merge_media([m for m in media for _ in range(2)]))
+        logits = actor.model(**kwargs).logits[:, out.prompt_len - 1:-1].float()
+        logits[..., image] = float("-inf")
+        allowed = torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+    torch.testing.assert_close(allowed[mask], out.rollout_log_probs[mask], atol=1e-5, rtol=0)
+    assert (scored[mask] <= allowed[mask] + 1e-6).all()          # the full softmax gives the placeholder mass
+
+    with pytest.raises(ValueError, match="built without its family"):
+        hf_engine_for(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=2), media=media)

@@ -25,7 +25,7 @@ def test_the_builtin_engines_declare_what_they_do():
     assert engine_names() == BUILTIN
     hf, vllm = engine_capabilities("hf"), engine_capabilities("vllm")
     assert hf == EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True, tensor_parallel=False, sleep=False,
-                                    keeps_weights_asleep=False, multimodal=False, rollout_log_probs=True,
+                                    keeps_weights_asleep=False, multimodal=True, rollout_log_probs=True,
                                     needs_shutdown=False, one_per_process=False,
                                     memory_options=("micro_rollout_batch_size",))
     assert vllm == EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,

@@ -6,8 +6,9 @@ makes a model untrainable (`check`) or unpackable (`packing_problem`), how long 
 (`context_length`) and the position ids its forward takes (`position_ids`, from lightrft's own
 count of real tokens). The actor, critic,
 reward model, their shared-prompt forwards and the Hugging Face rollout engine take their forward
-inputs from the family (`padded_inputs`, `packed_inputs`, `shared_inputs`, `decoding_positions`),
-so a family changes them everywhere at once.
+inputs from the family (`padded_inputs`, `packed_inputs`, `shared_inputs`; the engine
+`decoding_positions`, `media_inputs` and `banned_token_ids`), so a family changes them everywhere
+at once.
 
 A family serves the `model_type`s of the configs it names; `register_family(family)` adds one (a
 family shipped with lightrft is a module of this package, imported below), and
@@ -16,10 +17,10 @@ positions count tokens from 0) for any type no family names. Adding a family is 
 docs/extending.md ("Adding a model family").
 """
 
-from lightrft.models.families.base import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, decoding_positions, family_for,
-                                           family_of, load_model, merge_media, register_family)
+from lightrft.models.families.base import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_for, family_of, load_model,
+                                           merge_media, register_family)
 # The families shipped with lightrft: importing a module registers it.
 from lightrft.models.families import idefics3, roberta  # noqa: E402,F401  (register "idefics3", "roberta")
 
-__all__ = ["CAUSAL_LM", "MODEL_FAMILIES", "ModelFamily", "decoding_positions", "family_for", "family_of",
-           "load_model", "merge_media", "register_family"]
+__all__ = ["CAUSAL_LM", "MODEL_FAMILIES", "ModelFamily", "family_for", "family_of", "load_model", "merge_media",
+           "register_family"]

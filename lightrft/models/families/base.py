@@ -62,6 +62,11 @@ class ModelFamily:
         takes token ids only."""
         raise ValueError(f"{self.name} models take token ids only; this batch also carries {', '.join(sorted(media))}")
 
+    def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
+        """Token ids a rollout must never sample: a vision-language model's image placeholders
+        (sampled, one would be taken for an image that is not there)."""
+        return ()
+
     def packing_problem(self, model: nn.Module) -> tuple[str, bool] | None:
         """Why `model` cannot be packed exactly, as (reason, whether only padded batches help), or
         None (`hf_utils.packing_problem`: recurrent layers, ALiBi, chunked attention, ...)."""
@@ -122,6 +127,11 @@ class ModelFamily:
         if packed_seq_lens is None:
             return self.padded_inputs(model, sequences, attention_mask)
         return self.packed_inputs(model, sequences, packed_seq_lens)
+
+    @staticmethod
+    def merge_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
+        """`merge_media(samples)`, for code that holds a family but cannot import this module (the engines)."""
+        return merge_media(samples)
 
     def decoding_positions(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the Hugging Face rollout engine applies to its positions (`HFEngine(positions=...)`):
@@ -184,6 +194,3 @@ def load_model(path: str | os.PathLike, *, trust_remote_code: bool = False, **op
     return family_for(config).load(path, config, trust_remote_code=trust_remote_code, **options)
 
 
-def decoding_positions(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`family_of(model).decoding_positions(model)`: what `hf_engine_for(..., positions=...)` takes."""
-    return family_of(model).decoding_positions(model)

@@ -3,9 +3,10 @@ whose image features take the places of the `<image>` tokens of a Llama decoder 
 
 The vision tower runs in its own call (`media_inputs`), and the decoder gets the features as
 `mm_encoder_outputs`: the packed row's attention arguments (`packed_seq_lens`) then reach the
-decoder's attention only, never the image patches. Rollouts with images are not wired yet (no
-engine takes media), so a run with an Idefics3 policy stops before building its engine; the
-trainer-side forward (padded, packed) is exact and tested (tests/models/test_families.py).
+decoder's attention only, never the image patches. The Hugging Face engine samples with images
+(they enter the prefill; `<image>` is never sampled) and its log-probs are the actor's; the run
+pipeline does not carry images from the data to the engine and the experience yet, so a run with
+an Idefics3 policy stops before building its engine (tests/models/test_families.py).
 """
 
 import os
@@ -20,10 +21,13 @@ from lightrft.models.families.base import ModelFamily, register_family
 class Idefics3(ModelFamily):
     name = "Idefics3 (SmolVLM)"
     model_types = ("idefics3",)
-    rollout_engines = frozenset()           # no engine takes images yet
+    rollout_engines = frozenset()           # no run carries images to an engine yet
 
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
         return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
+
+    def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
+        return (config.image_token_id,)
 
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
         """`media`: "pixel_values" (N, C, H, W) and optionally "pixel_attention_mask" (N, H, W), the
