@@ -184,13 +184,17 @@ def run_torchrun_many(runs: list, folder: Path, nproc: int = 2, timeout: int = 6
     spec = Path(folder) / "runs.json"
     spec.write_text(json.dumps([entry(run) for run in runs]))
     proc = run_torchrun(["tests/e2e/run_many.py", spec], nproc=nproc, timeout=timeout, env=env)
+    # A marker may share its line with output another process wrote without a newline (a
+    # progress bar's carriage returns, an engine process's log): split on the marker itself.
     outputs = []
-    for line in proc.stdout.splitlines(keepends=True):
-        if line.strip() == MARKER.format(len(outputs)):
-            outputs.append("")
-            continue
+    rest = proc.stdout
+    while (at := rest.find(MARKER.format(len(outputs)))) >= 0:
         if outputs:
-            outputs[-1] += line
+            outputs[-1] += rest[:at]
+        rest = rest[at + len(MARKER.format(len(outputs))):].removeprefix("\n")
+        outputs.append("")
+    if outputs:
+        outputs[-1] += rest
     if len(outputs) != len(runs):
         pytest.fail(f"run_many printed {len(outputs)} of {len(runs)} run markers\n{proc.stdout[-4000:]}")
     return outputs

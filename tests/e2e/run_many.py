@@ -43,7 +43,7 @@ if __name__ == "__main__":
         os.environ.update(launched, MASTER_PORT=str(run["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
         os.environ.update(run.get("env", {}))
         if launched["RANK"] == "0":
-            print(MARKER.format(index), flush=True)
+            print(f"\n{MARKER.format(index)}", flush=True)   # on a line of its own, whatever came before
         train(parse_args(run["argv"]))
         # Rank 0 hosts the run's store: no rank leaves (or starts the next run) while a peer may
         # still be closing its groups over it.
