@@ -6,7 +6,9 @@ deadlines, the bound on connection threads, and 50 parallel clients beside slowl
 import base64
 import http.client
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -364,3 +366,42 @@ def test_fifty_parallel_clients_lose_nothing_beside_slowloris_connections(api):
     answers = [body for _, j, _, body in results if j < 2]
     assert len({a["id"] for a in answers}) == 100 and all(a["usage"]["completion_tokens"] <= 2 for a in answers)
     assert max(cut) < 10                            # every slowloris connection was cut near the 2 s deadline
+
+
+# ------------------------------------------------------------------------- standard clients
+def test_the_openai_client_gets_n_choices_stops_seeds_and_streams(api, port):
+    """The official client, as an agent framework calls it: n > 1, stop strings, seeds, log-probs,
+    and streaming that gives the same choices as the plain answer."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    full = client.completions.create(model="tiny", prompt="1+2=", max_tokens=MAX_NEW, n=3, seed=11, logprobs=1)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.text for c in full.choices]
+    assert len(set(texts)) > 1                            # n samples of one seed are not copies
+    stop = next(t[1:3] for t in texts if len(t) >= 3)     # a string the seeded answer is known to contain
+    cut = client.completions.create(model="tiny", prompt="1+2=", max_tokens=MAX_NEW, n=3, seed=11, stop=[stop])
+    for plain, stopped in zip(full.choices, cut.choices):
+        if stop in plain.text:
+            assert stopped.text == plain.text[:plain.text.index(stop)] and stopped.finish_reason == "stop"
+        else:
+            assert stopped.text == plain.text
+    assert all(len(c.logprobs.token_logprobs) == len(c.logprobs.tokens) > 0 for c in full.choices)
+
+    messages = [{"role": "user", "content": "2+2="}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_NEW, n=2, seed=4)
+    streamed = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_NEW, n=2, seed=4,
+                                                stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed on this machine")
+def test_curl_posts_a_completion(port):
+    """A plain `curl`, as a shell script would call the server."""
+    reply = subprocess.run(["curl", "-sS", "--max-time", "30", "-H", "Content-Type: application/json",
+                            "-d", json.dumps({"prompt": "1+1=", "max_tokens": 2, "seed": 3}),
+                            f"http://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True, timeout=60)
+    assert reply.returncode == 0, reply.stderr
+    body = json.loads(reply.stdout)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == completion(port)[1]["choices"][0]["text"]
