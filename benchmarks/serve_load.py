@@ -6,12 +6,15 @@ thread with its own `httpx.Client` (one keep-alive connection) sending `/v1/comp
 (a short prompt, --max_tokens new tokens, a seed per request) back to back for --seconds.
 Reported per client count: completed requests/s, p50 and p99 latency, errors; and the latency of
 `GET /health` sent while the generating clients run, which shows whether the server answers other
-clients while it generates (generation itself holds the policy's lock, one request at a time).
+clients while it generates. Each --max_batch_prompts setting (serve's flag: requests waiting with
+the same sampling options are generated in one engine call of at most that many prompts; 1 is one
+request at a time) gets its own server and rows.
 
 The figures are the "before" of the server's move to an ASGI stack (issue: HTTP on kept
 libraries); run it again after. A benchmark, not a test: nothing asserts on time.
 
-    python benchmarks/serve_load.py [--clients 1 8 32 --seconds 10 --max_tokens 8 --json OUT]
+    python benchmarks/serve_load.py [--clients 1 8 32 --seconds 10 --max_tokens 8 --max_batch_prompts 1 16
+                                     --json OUT]
 """
 
 import argparse
@@ -94,35 +97,40 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--max_tokens", type=int, default=8)
+    parser.add_argument("--max_batch_prompts", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    rows = []
     with tempfile.TemporaryDirectory() as root:
         model = save_tiny_model(Path(root) / "model", seed=0)
         tokenizer = build_tokenizer(str(model), False)
-        policy = ServedPolicy(model, tokenizer, stop_token_ids(tokenizer, str(model)))
-        limits = ServeLimits(args.max_tokens, 64, context_len=policy.context_len,
-                             token_chars=longest_token_chars(tokenizer))
-        server = build_server(OpenAIServer(policy, limits, "tiny", seed=0), "127.0.0.1", 0,
-                              HTTPSettings(max_connections=64))
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        try:
-            load(url, 1, min(2.0, args.seconds), args.max_tokens)            # warm-up
-            rows = [load(url, n, args.seconds, args.max_tokens) for n in args.clients]
-        finally:
-            server.shutdown()
-            server.server_close()
+        for batch in args.max_batch_prompts:
+            policy = ServedPolicy(model, tokenizer, stop_token_ids(tokenizer, str(model)), max_batch_prompts=batch)
+            limits = ServeLimits(args.max_tokens, 64, context_len=policy.context_len,
+                                 token_chars=longest_token_chars(tokenizer))
+            server = build_server(OpenAIServer(policy, limits, "tiny", seed=0), "127.0.0.1", 0,
+                                  HTTPSettings(max_connections=64))
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            try:
+                load(url, 1, min(2.0, args.seconds), args.max_tokens)            # warm-up
+                for n in args.clients:
+                    rows.append({"max_batch_prompts": batch, **load(url, n, args.seconds, args.max_tokens),
+                                 "engine_calls": policy.batches})
+            finally:
+                server.shutdown()
+                server.server_close()
     print(f"serve (threaded http.server), tiny Qwen2 policy, {args.max_tokens} new tokens per request, "
           f"{args.seconds:g} s per row; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch threads {args.threads}")
-    print("| clients | requests/s | p50 s | p99 s | errors | /health p50 s | /health max s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| max_batch_prompts | clients | requests/s | p50 s | p99 s | errors | /health p50 s | /health max s |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['clients']} | {row['requests_per_s']:.1f} | {row['p50_s']:.3f} | {row['p99_s']:.3f} | "
-              f"{row['errors']} | {row['health_p50_s']:.4f} | {row['health_max_s']:.4f} |")
+        print(f"| {row['max_batch_prompts']} | {row['clients']} | {row['requests_per_s']:.1f} | {row['p50_s']:.3f} | "
+              f"{row['p99_s']:.3f} | {row['errors']} | {row['health_p50_s']:.4f} | {row['health_max_s']:.4f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--generate_max_len", type=int, default=1024,
                         help="most new tokens per response, and the default max_tokens")
     parser.add_argument("--prompt_max_len", type=int, default=4096, help="most prompt tokens per request")
+    parser.add_argument("--max_batch_prompts", type=int, default=16,
+                        help="requests with the same sampling options that wait while the policy generates are "
+                             "generated together, at most this many prompts per engine call (1: one at a time)")
     parser.add_argument("--seed", type=int, default=42,
                         help="seeds the requests that send none (request k draws from a seed mixed from it and k)")
     parser.add_argument("--bf16", action="store_true", help="load the model in bfloat16")
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("generate_max_len", "prompt_max_len"):
+    for name in ("generate_max_len", "prompt_max_len", "max_batch_prompts"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
     if not (args.watch_interval > 0 and math.isfinite(args.watch_interval)):
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = build_tokenizer(args.pretrain, args.trust_remote_code)
         policy = ServedPolicy(args.pretrain, tokenizer, stop_token_ids(tokenizer, args.pretrain), bf16=args.bf16,
                               device=device, attn_implementation=args.attn_implementation,
-                              trust_remote_code=args.trust_remote_code)
+                              trust_remote_code=args.trust_remote_code, max_batch_prompts=args.max_batch_prompts)
     except (OSError, ValueError) as err:       # a folder that is not a loadable model: named by the loaders
         parser.error(str(err))
     limits = ServeLimits(args.generate_max_len, args.prompt_max_len, context_len=policy.context_len,

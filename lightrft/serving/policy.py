@@ -5,7 +5,7 @@ are loaded (`WeightWatcher` loads the exports a training run writes)."""
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +36,40 @@ def export_step(path: str | Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@dataclass
+class _Request:
+    """One prompt waiting in `ServedPolicy.generate`."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    done: threading.Event = field(default_factory=threading.Event)
+    samples: list[Sample] | None = None
+    error: BaseException | None = None
+
+
 class ServedPolicy:
     """Generates with the weights of one Hugging Face folder at a time; `load` swaps them.
 
     Generation and loading hold one lock, so a request is answered by one set of weights and its
     `policy_version` says which: the training step of the export (`global_stepN_hf` is version N;
-    a folder with no step in its name is version 0, or one more than the previous weights)."""
+    a folder with no step in its name is version 0, or one more than the previous weights).
+
+    Requests that arrive while a generation runs wait in a queue, and the next generation takes
+    the oldest one together with the others that ask for the same sampling options (up to
+    `max_batch_prompts` prompts): one engine call for them all. Each prompt keeps its own seed, so
+    its samples do not depend on the company it was generated in. A lone request is never held
+    back to wait for company."""
 
     def __init__(self, path: str | Path, tokenizer: Any, eos_token_ids: list[int], *, bf16: bool = False,
                  device: str | torch.device = "cpu", attn_implementation: str | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, max_batch_prompts: int = 16):
+        if max_batch_prompts < 1:
+            raise ValueError(f"--max_batch_prompts must be at least 1, got {max_batch_prompts}")
+        self.max_batch_prompts = max_batch_prompts
+        self._queue: list[_Request] = []
+        self._queue_lock = threading.Lock()
+        self.batches = 0            # engine calls made for requests, for logs and tests
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
@@ -88,19 +112,48 @@ class ServedPolicy:
             self.context_len = family.context_length(model.config)
         logger.info("serving %s as policy version %d", path, version)
 
-    @torch.no_grad()
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> list[Sample]:
-        """`params.n` responses to one prompt; sample j draws from `sample_seed(seed, j)`."""
-        with self._lock:
-            rollout = self.engine.generate([list(prompt_token_ids)], params, seeds=[seed])
-            version = self.version
-        samples = []
-        for j in range(rollout.sequences.size(0)):
-            mask = rollout.action_mask[j]
-            samples.append(Sample(token_ids=rollout.responses[j][mask].tolist(),
-                                  log_probs=rollout.rollout_log_probs[j][mask].tolist(),
-                                  truncated=bool(rollout.truncated[j]), policy_version=version))
-        return samples
+        """`params.n` responses to one prompt; sample j draws from `sample_seed(seed, j)`. Thread
+        safe: concurrent callers are generated in shared engine calls (class docstring)."""
+        request = _Request(list(prompt_token_ids), params, seed)
+        with self._queue_lock:
+            self._queue.append(request)
+        while not request.done.is_set():
+            with self._lock:          # one batch at a time, never across a weight swap
+                if not request.done.is_set():
+                    self._run(self._take_batch())
+        if request.error is not None:
+            raise request.error
+        return request.samples
+
+    def _take_batch(self) -> list[_Request]:
+        """The oldest waiting request and the later ones with the same sampling options."""
+        with self._queue_lock:
+            first = self._queue[0]
+            batch = [r for r in self._queue if r.params == first.params][:self.max_batch_prompts]
+            self._queue = [r for r in self._queue if not any(r is b for b in batch)]
+        return batch
+
+    @torch.no_grad()
+    def _run(self, batch: list[_Request]) -> None:
+        """One engine call for `batch` (the lock held); every request gets its samples or the error."""
+        try:
+            params = batch[0].params
+            rollout = self.engine.generate([r.prompt_token_ids for r in batch], params, seeds=[r.seed for r in batch])
+            self.batches += 1
+            for i, request in enumerate(batch):
+                request.samples = []
+                for j in range(i * params.n, (i + 1) * params.n):        # rows: prompt-major, n per prompt
+                    mask = rollout.action_mask[j]
+                    request.samples.append(Sample(token_ids=rollout.responses[j][mask].tolist(),
+                                                  log_probs=rollout.rollout_log_probs[j][mask].tolist(),
+                                                  truncated=bool(rollout.truncated[j]), policy_version=self.version))
+        except Exception as err:      # each caller answers its client; the server stays up
+            for request in batch:
+                request.error = err
+        finally:
+            for request in batch:
+                request.done.set()
 
 
 def check_finite_weights(model: torch.nn.Module, path: Path) -> None:
