@@ -26,7 +26,7 @@ def texts(samples) -> list[tuple]:
 
 
 def test_waiting_requests_share_engine_calls_and_keep_their_samples(policy):
-    prompts = [policy.tokenizer.encode(f"{k}+{k}=") for k in range(7)]
+    prompts = [policy.tokenizer.encode(f"{k}+{10 ** k}=") for k in range(7)]     # 4 to 10 tokens: left padding
     alone = [policy.generate(p, PARAMS, seed=10 + k) for k, p in enumerate(prompts)]
     other = SamplingParams(temperature=1.0, max_new_tokens=3, n=1)
     alone_other = policy.generate(prompts[0], other, seed=99)
