@@ -24,7 +24,7 @@ import torch
 from lightrft.builders.ppo_run import check_world_size  # noqa: F401  (the docs' recipe checks call it)
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
-from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, MemoryProbe, check_data, check_engine,
+from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, check_data, check_engine,
                              check_invariance, check_memory, check_rewards, check_workflow)
 from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params

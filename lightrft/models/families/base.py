@@ -22,7 +22,8 @@ from lightrft.models.packing import SharedPromptLayout
 class ModelFamily:
     """The decoder-only causal LMs of transformers (Llama, Qwen, Mistral, Gemma, GPT-2, ...), and
     the base of every other family: override the hooks (`load`, `check`, `position_ids`,
-    `context_length`, `packing_problem`) that differ; the input builders below are written on them.
+    `context_length`, `media_inputs`, `banned_token_ids`, `packing_problem`) that differ; the input
+    builders below are written on them.
 
     `name` is how messages and docs call the family; `model_types` the `config.model_type` values it
     serves (empty for the default family, which serves every type no family names);
