@@ -52,7 +52,7 @@ class HFEngine:
         family: the model's `lightrft.models.families.ModelFamily` (None: a plain causal LM). It
             maps the positions below to the model's (`decoding_positions`, e.g. RoBERTa's count
             from pad_token_id + 1), turns the media of prompts into the prefill's arguments
-            (`merge_media`, `media_inputs`: a vision-language model's images) and names the tokens
+            (`merge_media`, `encode_media`: a vision-language model's images) and names the tokens
             never to sample (`banned_token_ids`: image placeholders).
 
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
@@ -233,8 +233,7 @@ class HFEngine:
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
         merged = self.family.merge_media([media[row] for row in kept]) if self.family is not None else None
         if merged:
-            merged = {key: value.to(input_ids.device) for key, value in merged.items()}
-            extra = {**extra, **self.family.media_inputs(self.model, input_ids, merged)}
+            extra = {**extra, **self.family.encode_media(self.model, input_ids, merged)}
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
                          use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)

@@ -131,7 +131,8 @@ class ServedPolicy:
         with self._queue_lock:
             first = self._queue[0]
             batch = [r for r in self._queue if r.params == first.params][:self.max_batch_prompts]
-            self._queue = [r for r in self._queue if not any(r is b for b in batch)]
+            taken = {id(r) for r in batch}
+            self._queue = [r for r in self._queue if id(r) not in taken]
         return batch
 
     @torch.no_grad()
@@ -187,7 +188,8 @@ def newest_weights(folder: Path) -> tuple[Path, int | None] | None:
 def _stamp(path: Path) -> tuple:
     """What an export folder holds: its identity and every file's name, size and modification time.
     It changes when the folder is replaced (a new inode) and while a copy into it goes on."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    files = sorted((p.name, stat.st_size, stat.st_mtime_ns) for p in path.iterdir() if p.is_file()
+                   for stat in [p.stat()])
     return path.resolve(), path.stat().st_ino, tuple(files)
 
 

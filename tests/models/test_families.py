@@ -23,6 +23,7 @@ from lightrft.models.packing import prompt_group_ids
 from lightrft.rollout import SamplingParams, hf_engine_for
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_causal_lm, build_tiny_idefics3, build_vlm_tokenizer
 from tests.conftest import to_flags
+from tests.device.elsewhere import DeviceMixError, elsewhere
 
 TEXTS = ("12+34=46", "7+8=15", "12+34=47")
 
@@ -320,3 +321,32 @@ def test_the_hf_engine_samples_with_images_and_its_log_probs_are_the_actors():
 
     with pytest.raises(ValueError, match="built without its family"):
         hf_engine_for(model, tokenizer).generate(prompts, SamplingParams(max_new_tokens=2), media=media)
+
+
+def test_images_from_another_device_reach_the_models_device_at_the_family():
+    """Pixel values that live "on another device" (tests/device/elsewhere.py: mixing them with the
+    model's tensors raises as CUDA would) are moved by the family, in the actor's packed and padded
+    forwards and in the engine's prefill, with the same log-probs as host tensors."""
+    tokenizer = build_vlm_tokenizer()
+    model = build_tiny_idefics3(tokenizer)
+    actor = ActorLanguage(model)
+    seqs, media = vlm_samples(tokenizer)
+    here = merge_media(media)
+    away = {key: elsewhere(value) for key, value in here.items()}
+    with pytest.raises(DeviceMixError):
+        model.model.vision_model.embeddings.patch_embedding(away["pixel_values"])   # an unmoved image meets a weight
+    lens = [len(s) for s in seqs]
+    with torch.no_grad():
+        expected = actor(torch.cat(seqs)[None], num_actions=[2] * 3, packed_seq_lens=lens, media=here)
+        torch.testing.assert_close(actor(torch.cat(seqs)[None], num_actions=[2] * 3, packed_seq_lens=lens,
+                                         media=away), expected, atol=0, rtol=0)
+        ids, mask = left_padded(seqs, tokenizer.pad_token_id)
+        torch.testing.assert_close(actor(ids, num_actions=2, attention_mask=mask, media=away), expected,
+                                   atol=1e-5, rtol=0)
+    engine = hf_engine_for(model, tokenizer, family=family_of(model))
+    params = SamplingParams(max_new_tokens=4)
+    prompt = [seqs[0][:-3].tolist()]
+    plain = engine.generate(prompt, params, seeds=[3], media=[media[0]])
+    moved = engine.generate(prompt, params, seeds=[3],
+                            media=[{"pixel_values": elsewhere(media[0]["pixel_values"])}])
+    assert torch.equal(plain.sequences, moved.sequences)

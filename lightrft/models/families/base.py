@@ -93,6 +93,12 @@ class ModelFamily:
             f"(attn_implementation={model.config._attn_implementation!r}); {remedy}"
         )
 
+    def encode_media(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
+        """`media_inputs` on `media` moved to the device of `input_ids`: the one place a batch's
+        images (from a dataset, an engine's caller, a replay buffer) reach the model's device."""
+        media = {key: value.to(input_ids.device) for key, value in media.items()}
+        return self.media_inputs(model, input_ids, media)
+
     def _mapped(self, model: nn.Module, kwargs: dict) -> dict:
         if self.has_own_positions() and kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = self.position_ids(model.config, kwargs["position_ids"])
@@ -106,7 +112,7 @@ class ModelFamily:
         if attention_mask is None and self.has_own_positions():
             kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
         if media:
-            kwargs.update(self.media_inputs(model, sequences, media))
+            kwargs.update(self.encode_media(model, sequences, media))
         return self._mapped(model, kwargs)
 
     def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int],
@@ -115,7 +121,7 @@ class ModelFamily:
         row's `media` when it has any. Shape: (1, P)"""
         kwargs = packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation)
         if media:
-            kwargs.update(self.media_inputs(model, input_ids, media))
+            kwargs.update(self.encode_media(model, input_ids, media))
         return self._mapped(model, kwargs)
 
     def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
