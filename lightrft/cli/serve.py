@@ -20,9 +20,7 @@ uses, so give it an API key before exposing it.
 import argparse
 import logging
 import math
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from lightrft.serving.http import (add_http_flags, address_problem, bind_error, settings_from_flags,
@@ -89,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server
     from lightrft.serving.policy import ServedPolicy, WeightWatcher
     from lightrft.serving.records import ExperienceRecorder
+    from lightrft.serving.server import freeze_loaded_objects
     from lightrft.utils.run_lock import RunLockError
 
     # The record folder first: a folder another server records into is refused before the model loads.
@@ -117,16 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     host, port = server.server_address[:2]
     warn_if_exposed(args.host, settings, "generate with the policy and send rewards that training on --record "
                                          "data will use")
-    # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     extras = "".join([f", recording to {args.record}" if args.record else "",
                       f", watching {args.watch}" if args.watch else "",
                       ", API key required" if settings.api_key else ""])
     print(f"serve: policy {args.pretrain} (version {policy.version}) on http://{host}:{port}/v1{extras}", flush=True)
+    freeze_loaded_objects()
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever()                 # until SIGINT or SIGTERM (a job scheduler, `kill`)
     finally:
         if watcher is not None:
             watcher.stop()

@@ -19,19 +19,23 @@ before it is tokenized.
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from http import HTTPStatus
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.routing import Route
 
 from lightrft.datasets import encode_for_reward
 from lightrft.datasets.padding import right_pad
-from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
-                                   add_http_flags, address_problem, bind_error, check_fields, longest_token_chars,
-                                   prompt_char_limit, settings_from_flags, shown, warn_if_exposed)
+from lightrft.serving.http import (HTTPSettings, RequestError, add_http_flags, address_problem, bind_error,
+                                   longest_token_chars, parse_json, prompt_char_limit, settings_from_flags, validated,
+                                   warn_if_exposed)
+from lightrft.serving.server import HTTPServer, build_app, freeze_loaded_objects, json_response, read_body
 from lightrft.utils.program import run_program
 
 logger = logging.getLogger("lightrft.serve_rm")
@@ -76,78 +80,62 @@ class RewardScorer:
         return scores
 
 
-# What `RemoteRewardClient` sends: the texts to score, and the prompts, labels and truncation flags
-# that a rule-based server would use (this one scores the texts alone).
-REQUEST_FIELDS = frozenset({"query", "prompts", "labels", "truncated"})
+class RewardRequest(BaseModel):
+    """What `RemoteRewardClient` sends: the texts to score, and the prompts, labels and truncation
+    flags that a rule-based server would use (this one scores the texts alone)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    query: list[str]
+    prompts: list | None = None
+    labels: list | None = None
+    truncated: list | None = None
 
 
 def parse_request(payload: Any, max_chars: int) -> list[str]:
     """The "query" list of a parsed request body; a `RequestError` naming the field otherwise
     (413 for a query over `max_chars` characters)."""
-    if not isinstance(payload, dict):
-        raise RequestError("the request body must be a JSON object like {\"query\": [\"full text\", ...]}, got a "
-                           + type(payload).__name__)
-    check_fields(payload, REQUEST_FIELDS, "the reward endpoint")
-    if "query" not in payload:
-        raise RequestError("missing field 'query': a list of full texts (prompt + response) to score", "query")
-    queries = payload["query"]
-    if not isinstance(queries, list):
-        raise RequestError(f"field 'query' must be a list of strings, got {type(queries).__name__}", "query")
+    queries = validated(RewardRequest, payload, "the reward endpoint",
+                        {"query": "must be a list of full texts (prompt + response) to score"}).query
     for i, query in enumerate(queries):
-        if not isinstance(query, str):
-            raise RequestError(f"field 'query[{i}]' must be a string, got {type(query).__name__}", f"query[{i}]")
         if len(query) > max_chars:
-            raise RequestError(f"field 'query[{i}]' is {len(query)} characters, over this server's limit of "
+            raise RequestError(f"'query[{i}]' is {len(query)} characters, over this server's limit of "
                                f"{max_chars} (--max_len tokens of at most the tokenizer's longest token); only the "
                                "last --max_len tokens are scored, so send the end of the text", f"query[{i}]",
                                HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
     return queries
 
 
-def make_handler(scorer: RewardScorer) -> type[JSONRequestHandler]:
-    class RewardHandler(JSONRequestHandler):
-        server_version = "lightrft-serve-rm"
-
-        def do_GET(self) -> None:
-            try:
-                self.check_api_key()
-            except RequestError as e:
-                self.reply_error(e)
-                return
-            if self.path.rstrip("/") == "/health":
-                self.reply_json(HTTPStatus.OK, {"status": "ok"})
-            else:
-                self.reply_error(RequestError(f"no GET route {shown(self.path)}; POST texts to score, or GET /health",
-                                              status=HTTPStatus.NOT_FOUND))
-
-        def do_POST(self) -> None:
-            try:
-                self.check_api_key()
-                queries = parse_request(self.read_json(), scorer.max_chars)
-            except RequestError as e:
-                self.reply_error(e)
-                return
-            try:
-                rewards = scorer.score(queries)
-            except Exception as e:  # a failed forward answers this request and leaves the server up
-                logger.exception("scoring failed")
-                self.reply_error(RequestError(f"scoring failed: {type(e).__name__}: {e}",
-                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
-                return
-            self.reply_json(HTTPStatus.OK, {"rewards": rewards})
-
-        def error_body(self, error: RequestError) -> dict:
-            return {"error": str(error)}
-
-    return RewardHandler
+def error_body(error: RequestError) -> dict:
+    return {"error": str(error)}
 
 
 def build_server(scorer: RewardScorer, host: str = "127.0.0.1", port: int = 5000,
-                 settings: HTTPSettings | None = None) -> BoundedHTTPServer:
+                 settings: HTTPSettings | None = None) -> HTTPServer:
     """An HTTP server bound to (host, port) answering with `scorer` under `settings` (API key,
-    timeouts, connection bound); port 0 picks a free port (read it back from
-    `server.server_address`). Call `serve_forever()` to run it."""
-    return BoundedHTTPServer((host, port), make_handler(scorer), settings or HTTPSettings())
+    deadlines, connection bounds); port 0 picks a free port (read it back from
+    `server.server_address`). Call `serve_forever()` to run it. Parsing and scoring run in worker
+    threads; `RewardScorer` keeps one forward at a time."""
+    settings = settings or HTTPSettings()
+
+    def answer(body: bytes):
+        queries = parse_request(parse_json(body), scorer.max_chars)
+        try:
+            rewards = scorer.score(queries)
+        except Exception as e:  # a failed forward answers this request and leaves the server up
+            logger.exception("scoring failed")
+            raise RequestError(f"scoring failed: {type(e).__name__}: {e}", None,
+                               HTTPStatus.INTERNAL_SERVER_ERROR) from None
+        return json_response(HTTPStatus.OK, {"rewards": rewards})
+
+    async def score(request: Request):
+        return await run_in_threadpool(answer, await read_body(request, settings))
+
+    async def health(request: Request):
+        return json_response(HTTPStatus.OK, {"status": "ok"})
+
+    routes = [Route("/health", health, methods=["GET"]), Route("/{path:path}", score, methods=["POST"])]
+    app = build_app(routes, settings, error_body, "POST texts to score (any path), or GET /health")
+    return HTTPServer(app, host, port, settings, error_body)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,15 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(bind_error(args.host, args.port, err))
     host, port = server.server_address[:2]
     warn_if_exposed(args.host, settings, "score texts with the reward model")
-    # SIGTERM (from a job scheduler or `kill`) stops serving cleanly, like Ctrl-C.
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     key = ", API key required" if settings.api_key else ""
     print(f"serve_rm: scoring with {args.reward_pretrain} on http://{host}:{port} (POST texts, GET /health{key})",
           flush=True)
+    freeze_loaded_objects()
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server.serve_forever()                 # until SIGINT or SIGTERM (a job scheduler, `kill`)
     finally:
         server.server_close()
 

@@ -1,24 +1,17 @@
-"""What the two HTTP servers (`lightrft.cli.serve`, `lightrft.cli.serve_rm`) share against hostile
-or careless clients.
+"""What the two HTTP servers (`lightrft.cli.serve`, `lightrft.cli.serve_rm`) share apart from the
+HTTP stack itself (`lightrft.serving.server`: uvicorn and starlette):
 
-- `BoundedHTTPServer`: a threading HTTP server with a listen backlog, a bound on the connections
-  handled at once (more wait in the backlog) and a deadline per request: a client has
-  `request_timeout` seconds to send the headers and body of each request (an idle keep-alive
-  connection counts as a request not yet sent), so a slow client cannot hold a thread for long.
-- `JSONRequestHandler`: the API key (`Authorization: Bearer <key>`, or HTTP basic authentication
-  with the key as the password), the content type (`application/json` only: a web page can post
-  `text/plain` or a form to any address without the browser asking, never JSON), a body read
-  against a byte cap with a strictly checked `Content-Length`, and strict JSON (`parse_json`).
-- `prompt_char_limit`: a character cap for texts that are tokenised, checked before tokenising.
+- `HTTPSettings`: the API key, the request deadline, the connection bounds and the body cap, from
+  the flags every server takes (`add_http_flags`);
+- `parse_json`: strict JSON for request bodies (no NaN/Infinity, integers within 64 bits, no lone
+  surrogates, bounded nesting and value counts), each refusal naming the field;
+- `prompt_char_limit`: a character cap for texts that are tokenised, checked before tokenising;
+- `address_problem`: whether (host, port) can be bound, checked before a model loads.
 
 A request that fails any check is answered with a 4xx naming the header or field
 (`RequestError`); the server keeps serving.
 """
 
-import base64
-import binascii
-import hmac
-import io
 import ipaddress
 import json
 import logging
@@ -26,24 +19,15 @@ import math
 import os
 import re
 import socket
-import sys
-import threading
-import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-
-from lightrft.utils import json_out
 
 logger = logging.getLogger("lightrft.serving.http")
 
 API_KEY_ENV = "LIGHTRFT_API_KEY"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 INT_LIMIT = 2**63          # integers in a request must lie in [-2**63, 2**63)
-LINGER_BYTES = 1024 * 1024  # unread body drained after an early error reply, so the reply is not lost
-LINGER_SECONDS = 1.0
-_CONTENT_LENGTH = re.compile(r"[0-9]{1,19}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 SHOWN_CHARS = 60           # how much of a client's value an error message repeats
@@ -71,12 +55,14 @@ def shown(value: Any) -> str:
 # ------------------------------------------------------------------------------------ settings
 @dataclass(frozen=True)
 class HTTPSettings:
-    """How a server treats its clients (flags `--api_key`, `--request_timeout`, `--max_connections`)."""
+    """How a server treats its clients (flags `--api_key`, `--request_timeout`, `--max_connections`,
+    `--max_connections_per_client`)."""
 
     api_key: str | None = None        # None: every client is served
-    request_timeout: float = 30.0     # seconds to send a request's headers and body; also per reply write
-    max_connections: int = 64         # connections handled at once (one thread each)
-    backlog: int = 128                # connections the kernel queues while all are busy
+    request_timeout: float = 30.0     # seconds to send a request's headers and body; also a stalled reply
+    max_connections: int = 512        # connections open at once; more are answered 503
+    max_connections_per_client: int = 128   # of them from one client address
+    backlog: int = 1024               # connections the kernel queues before the server accepts them
     max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self):
@@ -86,6 +72,8 @@ class HTTPSettings:
             raise ValueError(f"--request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.max_connections < 1:
             raise ValueError(f"--max_connections must be at least 1, got {self.max_connections}")
+        if self.max_connections_per_client < 1:
+            raise ValueError(f"--max_connections_per_client must be at least 1, got {self.max_connections_per_client}")
         if self.backlog < 1 or self.max_body_bytes < 1:
             raise ValueError(f"backlog and max_body_bytes must be positive, got {self.backlog}, {self.max_body_bytes}")
 
@@ -99,15 +87,20 @@ def add_http_flags(parser) -> None:
     parser.add_argument("--request_timeout", type=float, default=30.0,
                         help="seconds a client has to send each request (headers and body); slower clients and idle "
                              "keep-alive connections are closed")
-    parser.add_argument("--max_connections", type=int, default=64,
-                        help="connections handled at once, one thread each; more wait until one closes")
+    parser.add_argument("--max_connections", type=int, default=512,
+                        help="connections open at once; a request on one over the bound is answered 503")
+    parser.add_argument("--max_connections_per_client", type=int, default=128,
+                        help="connections open at once from one client address (so one client cannot hold them "
+                             "all); behind a reverse proxy every client has the proxy's address, so raise it to "
+                             "--max_connections there")
 
 
 def settings_from_flags(args) -> HTTPSettings:
     """`HTTPSettings` from the parsed flags of `add_http_flags`; the key falls back to $LIGHTRFT_API_KEY
     (an empty variable counts as unset)."""
     key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
-    return HTTPSettings(api_key=key, request_timeout=args.request_timeout, max_connections=args.max_connections)
+    return HTTPSettings(api_key=key, request_timeout=args.request_timeout, max_connections=args.max_connections,
+                        max_connections_per_client=args.max_connections_per_client)
 
 
 def is_loopback(host: str) -> bool:
@@ -189,6 +182,47 @@ def check_fields(payload: dict, allowed: frozenset[str], endpoint: str) -> None:
     if unknown:
         raise RequestError(f"unknown field {shown(unknown[0])} for {endpoint}; it takes "
                            f"{', '.join(sorted(allowed))}", unknown[0][:SHOWN_CHARS])
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def validated(model: type, payload: Any, endpoint: str, hints: dict[str, str] | None = None):
+    """`payload` (parsed by `parse_json`) validated by the pydantic `model` of `endpoint`, or a
+    `RequestError` naming the first field that fails: a field the model does not have, a missing
+    one, or a value of the wrong type or range. `hints` says, per field, what to send: added to
+    "is missing", and instead of pydantic's message for a field of several shapes (where pydantic
+    lists one failure per shape)."""
+    from pydantic import ValidationError
+
+    if not isinstance(payload, dict):
+        raise RequestError(f"the request body must be a JSON object of {endpoint}'s fields, got "
+                           f"{_json_type(payload)}")
+    check_fields(payload, frozenset(model.model_fields), endpoint)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        problem = error.errors(include_url=False)[0]
+    loc = problem["loc"]
+    hint = (hints or {}).get(loc[0])
+    if problem["type"] == "missing":
+        field = _loc_path(loc)
+        raise RequestError(f"'{field}' is missing" + (f": it {hint}" if hint and len(loc) == 1 else ""), field)
+    if hint is not None and len(loc) > 1 and isinstance(loc[1], str):   # one failure per shape of a union
+        raise RequestError(f"'{loc[0]}' {hint}, got {shown(payload[loc[0]])}", str(loc[0]))
+    field = _loc_path(loc)
+    message = problem["msg"]
+    raise RequestError(f"'{field}': {message[:1].lower()}{message[1:]}, got {shown(problem['input'])}", field)
+
+
+def _loc_path(loc: tuple) -> str:
+    """("messages", 0, "content") as "messages[0].content"."""
+    path = None
+    for key in loc:
+        path = _path(path, key)
+    return path or "the request body"
 
 
 def _check_tree(value: Any) -> None:
@@ -288,28 +322,7 @@ def prompt_char_limit(tokens: int, token_chars: int) -> int:
     return tokens * token_chars
 
 
-# ------------------------------------------------------------------------------------ the server
-class _DeadlineReader(io.RawIOBase):
-    """The socket as a raw stream whose reads fail with `TimeoutError` once `deadline` (a
-    `time.monotonic()` value, None for no deadline) has passed: a client sending one byte a
-    second cannot stretch a request past it."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.deadline: float | None = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the client took too long to send its request")
-            self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
-
-
+# ------------------------------------------------------------------------------------ the socket
 def address_problem(host: str, port: int) -> str | None:
     """Why a server cannot listen on (host, port) right now (the port is taken, the address is not
     this machine's), or None. The commands check it before loading a model, so a busy port costs
@@ -327,195 +340,3 @@ def address_problem(host: str, port: int) -> str | None:
 def bind_error(host: str, port: int, err: OSError) -> str:
     return (f"cannot listen on --host {host} --port {port}: {err.strerror or err}; stop the process that holds "
             "the port or pick another --port (0 takes any free port, printed at start)")
-
-
-class BoundedHTTPServer(ThreadingHTTPServer):
-    """`ThreadingHTTPServer` with `settings.backlog` as its listen backlog and at most
-    `settings.max_connections` connections handled at once: the accept loop waits for a free
-    slot, and the connections that arrive meanwhile wait in the backlog."""
-
-    daemon_threads = True
-    block_on_close = False  # stopping the server does not wait for idle keep-alive connections
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], settings: HTTPSettings):
-        self.settings = settings
-        self.request_queue_size = settings.backlog
-        self._slots = threading.BoundedSemaphore(settings.max_connections)
-        self._closing = threading.Event()
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address) -> None:
-        while not self._slots.acquire(timeout=0.2):
-            if self._closing.is_set():
-                self.shutdown_request(request)
-                return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread started: its slot is free again
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def shutdown(self) -> None:
-        self._closing.set()
-        super().shutdown()
-
-    def handle_error(self, request, client_address) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, (ConnectionError, TimeoutError)):  # the client went away or stalled mid-reply
-            logger.info("%s: connection ended: %s", client_address[0], error)
-        else:
-            logger.exception("request from %s failed", client_address[0])
-
-
-class JSONRequestHandler(BaseHTTPRequestHandler):
-    """The checks both servers run before a request reaches them. Subclasses define `do_GET` /
-    `do_POST` and `error_body(error)`, the JSON they answer a `RequestError` with; they call
-    `check_api_key()` first, and `read_json()` for a POST body. `server` is a `BoundedHTTPServer`."""
-
-    protocol_version = "HTTP/1.1"
-    server: BoundedHTTPServer
-    # TCP_NODELAY: a reply goes out as its headers and then its body; with Nagle's algorithm the
-    # body waited for the client's delayed ACK of the headers, 40 ms on Linux, on every request
-    # of a keep-alive connection (benchmarks/serve_load.py: 52 ms -> 6 ms per request for one client).
-    disable_nagle_algorithm = True
-
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()  # replaced by a reader that enforces the request deadline
-        self._reader = _DeadlineReader(self.connection)
-        self.rfile = io.BufferedReader(self._reader)
-        self.headers, self._body_read = None, False
-
-    def handle_one_request(self) -> None:
-        self._reader.deadline = time.monotonic() + self.server.settings.request_timeout
-        self.headers, self._body_read = None, False
-        super().handle_one_request()
-
-    def send_response(self, code, message=None) -> None:
-        # The request is read (or refused): the read deadline ends, the reply gets its own timeout.
-        self._reader.deadline = None
-        self.connection.settimeout(self.server.settings.request_timeout)
-        super().send_response(code, message)
-
-    def finish(self) -> None:
-        if self.headers is not None and not self._body_read and self._declares_body():
-            self._linger()
-        super().finish()
-
-    def _linger(self) -> None:
-        """Reads and drops what is left of a body the server refused without reading: closing a
-        socket with unread data resets it, and the client would lose the error reply."""
-        try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            end, drained = time.monotonic() + LINGER_SECONDS, 0
-            while drained < LINGER_BYTES and (left := end - time.monotonic()) > 0:
-                self.connection.settimeout(left)
-                chunk = self.connection.recv(65536)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-
-    # ------------------------------------------------------------------------------- checks
-    def _declares_body(self) -> bool:
-        """Whether the request says a body follows (a malformed length counts as yes)."""
-        length = (self.headers.get("Content-Length") or "0").strip()
-        return self.headers.get("Transfer-Encoding") is not None or length != "0"
-
-    def check_api_key(self) -> None:
-        """401 unless the request carries the server's key: `Authorization: Bearer <key>` (what
-        OpenAI clients send) or basic authentication with the key as the password (what a
-        `http://user:<key>@host/...` URL sends, e.g. train_ppo --remote_rm_url)."""
-        key = self.server.settings.api_key
-        if key is None:
-            return
-        header = self.headers.get("Authorization", "")
-        scheme, _, credential = header.strip().partition(" ")
-        given = None
-        if scheme.lower() == "bearer":
-            given = credential.strip().encode("latin-1")
-        elif scheme.lower() == "basic":
-            try:
-                given = base64.b64decode(credential.strip(), validate=True).partition(b":")[2]
-            except (binascii.Error, ValueError):
-                given = None
-        if given is None or not hmac.compare_digest(given, key.encode("utf-8")):
-            reason = "no API key was sent" if not header else "the API key is wrong"
-            raise RequestError(f"{reason}: send the server's key as 'Authorization: Bearer <key>' (the api_key of an "
-                               f"OpenAI client; the server's --api_key or ${API_KEY_ENV})", "Authorization",
-                               HTTPStatus.UNAUTHORIZED)
-
-    def read_json(self) -> Any:
-        """The request body as checked JSON (`parse_json`), after checking its content type
-        (415 unless `application/json`) and its length (411 without `Content-Length`, 400 for a
-        malformed one, 413 over `max_body_bytes`, 408 when it does not arrive in time)."""
-        content_type = self.headers.get("Content-Type")
-        charset = self.headers.get_content_charset()
-        if content_type is None or self.headers.get_content_type() != "application/json":
-            raise RequestError(f"the body must be JSON sent as 'Content-Type: application/json', got "
-                               f"{shown(content_type) if content_type else 'no Content-Type'}", "Content-Type",
-                               HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
-        if charset not in (None, "utf-8", "utf8"):
-            raise RequestError(f"the body must be UTF-8, got charset {shown(charset)}", "Content-Type",
-                               HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
-        if self.headers.get("Transfer-Encoding") is not None:
-            raise RequestError("send the body with a Content-Length header, not Transfer-Encoding", "Content-Length",
-                               HTTPStatus.LENGTH_REQUIRED)
-        lengths = self.headers.get_all("Content-Length") or []
-        if not lengths:
-            raise RequestError("the request needs a Content-Length header", "Content-Length",
-                               HTTPStatus.LENGTH_REQUIRED)
-        if len(lengths) > 1 or not _CONTENT_LENGTH.fullmatch(lengths[0].strip()):
-            raise RequestError(f"bad Content-Length header {shown(', '.join(lengths))}: send one number of bytes",
-                               "Content-Length")
-        length = int(lengths[0])
-        limit = self.server.settings.max_body_bytes
-        if length > limit:
-            raise RequestError(f"the body is {length} bytes, over this server's limit of {limit} bytes; send less per "
-                               "request", "Content-Length", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        try:
-            body = self.rfile.read(length)
-        except TimeoutError:
-            self._body_read = True  # as much as will come: nothing to drain
-            raise RequestError(f"the body did not arrive within --request_timeout "
-                               f"{self.server.settings.request_timeout:g} s", "Content-Length",
-                               HTTPStatus.REQUEST_TIMEOUT) from None
-        self._body_read = True
-        if len(body) < length:
-            raise RequestError(f"the body ended after {len(body)} of its {length} bytes (Content-Length)",
-                               "Content-Length")
-        return parse_json(body)
-
-    # ------------------------------------------------------------------------------ replies
-    def error_body(self, error: RequestError) -> dict:
-        raise NotImplementedError
-
-    def reply_json(self, status: HTTPStatus, payload: dict, headers: dict[str, str] | None = None) -> None:
-        """`payload` as a JSON response with its length. An error reply also closes the
-        connection: an unread or half-read body would corrupt the next request on it."""
-        body = json_out.dumps(payload).encode()       # a NaN or inf (a log-prob of -inf) as null
-        self.send_response(status)
-        if status >= 400:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def reply_error(self, error: RequestError) -> None:
-        headers = {"WWW-Authenticate": 'Bearer realm="lightrft"'} if error.status == HTTPStatus.UNAUTHORIZED else None
-        self.reply_json(error.status, self.error_body(error), headers)
-
-    def log_message(self, format: str, *args) -> None:
-        logger.info("%s %s", self.address_string(), format % args)

@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP front of `lightrft.cli.serve`.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`), `POST
-/v1/feedback` (a reward for a recorded response), `GET /v1/models`, `GET /health`. Requests are
-parsed into a typed `GenerationRequest`; a malformed one is answered 400 with OpenAI's error body
-`{"error": {"message", "type", "param"}}` naming the field, and the server keeps serving.
+/v1/feedback` (a reward for a recorded response), `GET /v1/models`, `GET /health`. Bodies are
+validated by pydantic models (`CompletionBody`, `ChatBody`, `FeedbackBody`: unknown fields
+refused) and turned into a typed `GenerationRequest`; a malformed one is answered 400 with
+OpenAI's error body `{"error": {"message", "type", "param"}}` naming the field, and the server
+keeps serving. Tokenising, generating and recording run in worker threads, so the server answers
+other clients (and `/health`) while the policy generates.
 
 Each request is one generation with its own seed (the request's `seed`, else one derived from the
 server's --seed and a request counter); its `n` choices are samples 0 ... n-1 of that seed. Every
@@ -12,39 +15,89 @@ generated it.
 """
 
 import itertools
-import json
 import logging
-import math
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
 
 from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.seeds import mix_seed
-from lightrft.serving.http import (BoundedHTTPServer, HTTPSettings, JSONRequestHandler, RequestError,
-                                   check_fields, prompt_char_limit, shown)
+from lightrft.serving.http import HTTPSettings, RequestError, parse_json, prompt_char_limit, validated
 from lightrft.serving.policy import Sample, ServedPolicy
 from lightrft.serving.records import ExperienceRecord, ExperienceRecorder, RecordWriteError
+from lightrft.serving.server import HTTPServer, build_app, json_response, read_body
 from lightrft.utils import json_out
 
 logger = logging.getLogger("lightrft.serve")
 MAX_CHOICES = 16
 MAX_ID_CHARS = 256
-# The fields each endpoint takes; any other is refused by name (an option this server does not
-# implement, or a misspelt one, would otherwise change nothing without a word). "user" is
-# OpenAI's caller label, accepted and unused.
-SAMPLING_FIELDS = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
-                             "seed", "stop", "stream", "logprobs", "user"})
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages"}
-FEEDBACK_FIELDS = frozenset({"id", "reward", "index"})
 
-__all__ = ["GenerationRequest", "OpenAIServer", "RequestError", "ServeLimits", "build_server", "finish_choice",
-           "parse_chat_request", "parse_completion_request"]
+__all__ = ["ChatBody", "CompletionBody", "FeedbackBody", "GenerationRequest", "OpenAIServer", "RequestError",
+           "ServeLimits", "build_routes", "build_server", "error_body", "finish_choice", "parse_chat_request",
+           "parse_completion_request"]
+
+_Stop = Annotated[str, Field(min_length=1)]
+
+
+class SamplingFields(BaseModel):
+    """The sampling options both generation endpoints take. Any other field is refused by name
+    (an option this server does not implement, or a misspelt one, would otherwise change nothing
+    without a word); "user" is OpenAI's caller label, accepted and unused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)        # -1 or 0: no top-k cut
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    seed: int | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=4)] | None = None
+    stream: bool | None = None
+    user: str | None = None
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)   # e.g. "name": accepted, not rendered
+    role: str
+    content: str
+
+
+class ChatBody(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+
+
+class FeedbackBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    id: str = Field(max_length=MAX_ID_CHARS)
+    reward: float
+    index: int = Field(0, ge=0)
+
+
+# What to send, for the fields whose pydantic error would list one failure per accepted shape.
+HINTS = {"prompt": "must be a string or a list of token ids (one prompt per request; send several requests for "
+                   "several prompts)",
+         "stop": "must be a non-empty string or a list of up to 4 of them",
+         "reward": "must be a finite number",
+         "id": "must be the 'id' of a response this server sent",
+         "messages": "must be a non-empty list of {\"role\", \"content\"} objects with text content"}
 
 
 @dataclass(frozen=True)
@@ -78,26 +131,13 @@ class GenerationRequest:
     logprobs: int | None          # completions: the `logprobs` number; chat: 1 when `logprobs` is true
 
 
-def _number(payload: dict, key: str, default, kind=float, low=None, high=None):
-    value = payload.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise RequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {shown(value)}", key)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RequestError(f"'{key}' must be a finite number, got {value}", key)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise RequestError(f"'{key}' must be in [{low}, {high}], got {value}", key)
-    return kind(value)
-
-
-def _max_tokens(payload: dict, limits: ServeLimits, prompt_len: int) -> int:
+def _max_tokens(body: SamplingFields, limits: ServeLimits, prompt_len: int) -> int:
     """The request's new-token budget: its `max_completion_tokens` / `max_tokens`, at most
     --generate_max_len and what the model's context leaves after the prompt; by default the
     smaller of the two."""
-    key = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
+    key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(body, key)
     room = limits.max_new_tokens if limits.context_len is None else limits.context_len - prompt_len
-    max_tokens = _number(payload, key, None, int, 1)
     if max_tokens is None:
         return min(limits.max_new_tokens, room)
     if max_tokens > limits.max_new_tokens:
@@ -109,25 +149,15 @@ def _max_tokens(payload: dict, limits: ServeLimits, prompt_len: int) -> int:
     return max_tokens
 
 
-def _sampling(payload: dict, limits: ServeLimits,
+def _sampling(body: SamplingFields, limits: ServeLimits,
               prompt_len: int) -> tuple[SamplingParams, int | None, list[str], bool]:
-    params = SamplingParams(temperature=_number(payload, "temperature", 1.0, float, 0.0, 2.0),
-                            top_p=_number(payload, "top_p", 1.0, float, 1e-9, 1.0),
-                            top_k=max(0, _number(payload, "top_k", 0, int, -1)),
-                            max_new_tokens=_max_tokens(payload, limits, prompt_len),
-                            n=_number(payload, "n", 1, int, 1, MAX_CHOICES))
-    seed = payload.get("seed")
-    if seed is not None:
-        seed = _number(payload, "seed", None, int)
-    stop = payload.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise RequestError("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"'stream' must be true or false, got {shown(stream)}", "stream")
-    return params, seed, stop, stream
+    params = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p,
+                            top_k=max(0, body.top_k or 0),
+                            max_new_tokens=_max_tokens(body, limits, prompt_len),
+                            n=body.n or 1)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return params, body.seed, stop, bool(body.stream)
 
 
 def _check_prompt_chars(chars: int, limits: ServeLimits, param: str) -> None:
@@ -153,49 +183,34 @@ def _check_prompt_length(ids: list[int], limits: ServeLimits, param: str) -> lis
 
 def parse_completion_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> GenerationRequest:
     """A `/v1/completions` body: `prompt` is one string or one list of token ids."""
-    if not isinstance(payload, dict):
-        raise RequestError("the request body must be a JSON object")
-    check_fields(payload, COMPLETION_FIELDS, "/v1/completions")
-    prompt = payload.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    body = validated(CompletionBody, payload, "/v1/completions", HINTS)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts: send one prompt per request (several requests "
+                               "for several prompts)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         _check_prompt_chars(len(prompt), limits, "prompt")
         ids = _check_prompt_length(encode_prompts(tokenizer, [prompt], templated=False)[0], limits, "prompt")
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    else:
         _check_prompt_length(prompt, limits, "prompt")
         if any(not 0 <= t < len(tokenizer) for t in prompt):
             raise RequestError(f"'prompt' holds token ids outside the vocabulary [0, {len(tokenizer)})", "prompt")
         ids, prompt = list(prompt), tokenizer.decode(prompt)
-    else:
-        raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request; send "
-                           "several requests for several prompts)", "prompt")
-    params, seed, stop, stream = _sampling(payload, limits, len(ids))
-    logprobs = payload.get("logprobs")
-    if logprobs is not None:
-        logprobs = _number(payload, "logprobs", None, int, 0, 5)
-    return GenerationRequest("completion", prompt, ids, None, params, seed, stop, stream, logprobs)
+    params, seed, stop, stream = _sampling(body, limits, len(ids))
+    return GenerationRequest("completion", prompt, ids, None, params, seed, stop, stream, body.logprobs)
 
 
 def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> GenerationRequest:
     """A `/v1/chat/completions` body: `messages` rendered with the tokenizer's chat template and
     the generation prompt."""
-    if not isinstance(payload, dict):
-        raise RequestError("the request body must be a JSON object")
-    check_fields(payload, CHAT_FIELDS, "/v1/chat/completions")
-    messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-    for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise RequestError(f"'messages[{i}]' must be an object with string 'role' and 'content' (text content "
-                               "only)", f"messages[{i}]")
+    body = validated(ChatBody, payload, "/v1/chat/completions", HINTS)
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions, or serve a folder "
                            "whose tokenizer_config.json has one", "messages")
-    _check_prompt_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), limits, "messages")
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    plain = [{"role": m.role, "content": m.content} for m in body.messages]
+    _check_prompt_chars(sum(len(m["role"]) + len(m["content"]) for m in plain), limits, "messages")
     try:
         text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # templates raise TemplateError, KeyError, TypeError on unexpected roles
@@ -203,11 +218,8 @@ def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> Gen
                            "messages") from None
     _check_prompt_chars(len(text), limits, "messages")
     ids = _check_prompt_length(encode_prompts(tokenizer, [text], templated=True)[0], limits, "messages")
-    params, seed, stop, stream = _sampling(payload, limits, len(ids))
-    logprobs = payload.get("logprobs", False)
-    if not isinstance(logprobs, bool):
-        raise RequestError(f"'logprobs' must be true or false, got {shown(logprobs)}", "logprobs")
-    return GenerationRequest("chat", text, ids, plain, params, seed, stop, stream, 1 if logprobs else None)
+    params, seed, stop, stream = _sampling(body, limits, len(ids))
+    return GenerationRequest("chat", text, ids, plain, params, seed, stop, stream, 1 if body.logprobs else None)
 
 
 @dataclass
@@ -335,116 +347,92 @@ class OpenAIServer:
     def feedback(self, payload: Any) -> dict:
         if self.recorder is None:
             raise RequestError("this server records nothing: start it with --record DIR to take feedback")
-        if not isinstance(payload, dict) or not isinstance(payload.get("id"), str):
-            raise RequestError("send {\"id\": \"<response id>\", \"reward\": <number>} (optional \"index\": the "
-                               "choice, default 0)", "id")
-        check_fields(payload, FEEDBACK_FIELDS, "/v1/feedback")
-        if len(payload["id"]) > MAX_ID_CHARS:
-            raise RequestError(f"'id' is {len(payload['id'])} characters; response ids are the 'id' of a response "
-                               "this server sent", "id")
-        if payload.get("reward") is None:
-            raise RequestError("'reward' is missing: send a finite number", "reward")
-        reward = _number(payload, "reward", None, float)
-        index = _number(payload, "index", 0, int, 0)
+        body = validated(FeedbackBody, payload, "/v1/feedback", HINTS)
         try:
-            self.recorder.add_feedback(payload["id"], reward, index)
+            self.recorder.add_feedback(body.id, body.reward, body.index)
         except KeyError as e:
             raise RequestError(str(e.args[0]), "id", HTTPStatus.NOT_FOUND) from None
         except ValueError as e:
             raise RequestError(str(e), "reward") from None
         except OSError as e:  # the record folder could not be written (a full disk): the reward was not kept
-            logger.error("feedback for %s not recorded: %s", payload["id"], e)
+            logger.error("feedback for %s not recorded: %s", body.id, e)
             status = (HTTPStatus.INSUFFICIENT_STORAGE if isinstance(e, RecordWriteError)
                       else HTTPStatus.INTERNAL_SERVER_ERROR)
             raise RequestError(f"the reward was not recorded: {e}", "reward", status) from None
-        return {"id": payload["id"], "index": index, "status": "recorded"}
+        return {"id": body.id, "index": body.index, "status": "recorded"}
 
 
-def make_handler(api: OpenAIServer) -> type[JSONRequestHandler]:
-    routes = {"/v1/completions": parse_completion_request, "/v1/chat/completions": parse_chat_request}
+def error_body(error: RequestError) -> dict:
+    """OpenAI's error shape."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    code = "invalid_api_key" if error.status == HTTPStatus.UNAUTHORIZED else None
+    return {"error": {"message": str(error), "type": kind, "param": error.param, "code": code}}
 
-    class Handler(JSONRequestHandler):
-        server_version = "lightrft-serve"
 
-        def do_GET(self) -> None:
-            path = self.path.split("?")[0].rstrip("/")
-            try:
-                self.check_api_key()
-            except RequestError as e:
-                self.reply_error(e)
-                return
-            if path == "/health":
-                self.reply_json(HTTPStatus.OK, {"status": "ok", "policy_version": api.policy.version,
-                                                "weights": str(api.policy.path)})
-            elif path == "/v1/models":
-                self.reply_json(HTTPStatus.OK, {"object": "list", "data": [
-                    {"id": api.model_name, "object": "model", "created": 0, "owned_by": "lightrft"}]})
-            else:
-                self.reply_error(RequestError(f"no GET route {shown(self.path)}; GET /health or /v1/models",
-                                              status=HTTPStatus.NOT_FOUND))
+def _events(chunks):
+    """Server-sent events of the chunk payloads, ended by `data: [DONE]`."""
+    for chunk in chunks:
+        yield f"data: {json_out.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
 
-        def do_POST(self) -> None:
-            path = self.path.split("?")[0].rstrip("/")
-            try:
-                self.check_api_key()
-                if path != "/v1/feedback" and path not in routes:
-                    raise RequestError(f"no POST route {shown(self.path)}; use /v1/completions, /v1/chat/completions "
-                                       "or /v1/feedback", status=HTTPStatus.NOT_FOUND)
-                payload = self.read_json()
-                if path == "/v1/feedback":
-                    self.reply_json(HTTPStatus.OK, api.feedback(payload))
-                    return
-                request = routes[path](payload, api.tokenizer, api.limits)
-                api.check_prompt_ids(request)
-            except RequestError as e:
-                self.reply_error(e)
-                return
-            except Exception as e:  # a check that broke on an input nobody foresaw: answer, keep serving
-                logger.exception("reading the request failed")
-                self.reply_error(RequestError(f"the server could not read this request: {type(e).__name__}",
-                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
-                return
-            try:
-                response_id, version, choices = api.run(request)
-            except RecordWriteError as e:  # the record folder is full: the answer was not recorded, so not sent
-                logger.error("response not recorded: %s", e)
-                self.reply_error(RequestError(f"the response could not be recorded: {e}",
-                                              status=HTTPStatus.INSUFFICIENT_STORAGE))
-                return
-            except Exception as e:  # a failed generation answers this request and leaves the server up
-                logger.exception("generation failed")
-                self.reply_error(RequestError(f"generation failed: {type(e).__name__}: {e}",
-                                              status=HTTPStatus.INTERNAL_SERVER_ERROR))
-                return
-            if request.stream:
-                self._stream(api.stream_chunks(request, response_id, version, choices))
-            else:
-                self.reply_json(HTTPStatus.OK, api.response_body(request, response_id, version, choices))
 
-        def error_body(self, error: RequestError) -> dict:
-            kind = "invalid_request_error" if error.status < 500 else "server_error"
-            code = "invalid_api_key" if error.status == HTTPStatus.UNAUTHORIZED else None
-            return {"error": {"message": str(error), "type": kind, "param": error.param, "code": code}}
+def build_routes(api: OpenAIServer, settings: HTTPSettings) -> list[Route]:
+    """The routes of `serve`. Reading a body is asynchronous; parsing, tokenising, generating and
+    recording run in worker threads."""
 
-        def _stream(self, chunks) -> None:
-            # Server-sent events without a length: the connection closes after "data: [DONE]".
-            self.close_connection = True
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(f"data: {json_out.dumps(chunk)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+    def answer(body: bytes, parse) -> Any:
+        """Everything after the body arrives, in one worker thread: parse, check, generate, record."""
+        generation = parse(parse_json(body), api.tokenizer, api.limits)
+        api.check_prompt_ids(generation)
+        try:
+            response_id, version, choices = api.run(generation)
+        except RecordWriteError as e:  # the record folder is full: the answer was not recorded, so not sent
+            logger.error("response not recorded: %s", e)
+            raise RequestError(f"the response could not be recorded: {e}", None,
+                               HTTPStatus.INSUFFICIENT_STORAGE) from None
+        except Exception as e:  # a failed generation answers this request and leaves the server up
+            logger.exception("generation failed")
+            raise RequestError(f"generation failed: {type(e).__name__}: {e}", None,
+                               HTTPStatus.INTERNAL_SERVER_ERROR) from None
+        if generation.stream:
+            return StreamingResponse(_events(api.stream_chunks(generation, response_id, version, choices)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return json_response(HTTPStatus.OK, api.response_body(generation, response_id, version, choices))
 
-    return Handler
+    async def generate(request: Request, parse) -> Any:
+        return await run_in_threadpool(answer, await read_body(request, settings), parse)
+
+    async def completions(request: Request):
+        return await generate(request, parse_completion_request)
+
+    async def chat(request: Request):
+        return await generate(request, parse_chat_request)
+
+    async def feedback(request: Request):
+        body = await read_body(request, settings)
+        return json_response(HTTPStatus.OK, await run_in_threadpool(lambda: api.feedback(parse_json(body))))
+
+    async def health(request: Request):
+        return json_response(HTTPStatus.OK, {"status": "ok", "policy_version": api.policy.version,
+                                             "weights": str(api.policy.path)})
+
+    async def models(request: Request):
+        return json_response(HTTPStatus.OK, {"object": "list", "data": [
+            {"id": api.model_name, "object": "model", "created": 0, "owned_by": "lightrft"}]})
+
+    return [Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/feedback", feedback, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"])]
 
 
 def build_server(api: OpenAIServer, host: str = "127.0.0.1", port: int = 8000,
-                 settings: HTTPSettings | None = None) -> BoundedHTTPServer:
+                 settings: HTTPSettings | None = None) -> HTTPServer:
     """An HTTP server bound to (host, port) answering with `api` under `settings` (API key,
-    timeouts, connection bound); port 0 picks a free port (read it back from
+    deadlines, connection bounds); port 0 picks a free port (read it back from
     `server.server_address`). Call `serve_forever()` to run it."""
-    return BoundedHTTPServer((host, port), make_handler(api), settings or HTTPSettings())
+    settings = settings or HTTPSettings()
+    app = build_app(build_routes(api, settings), settings, error_body,
+                    "POST /v1/completions, /v1/chat/completions or /v1/feedback; GET /health or /v1/models")
+    return HTTPServer(app, host, port, settings, error_body)

@@ -179,8 +179,8 @@ LIMITS = ServeLimits(max_new_tokens=16, prompt_max_len=32)
 
 @pytest.mark.parametrize("payload, param, words", [
     ({"prompt": "hi", "max_tokens": 17}, "max_tokens", "--generate_max_len"),
-    ({"prompt": "hi", "temperature": -1}, "temperature", "[0.0, 2.0]"),
-    ({"prompt": "hi", "n": 0}, "n", "[1, 16]"),
+    ({"prompt": "hi", "temperature": -1}, "temperature", "'temperature': input should be greater than or equal to 0"),
+    ({"prompt": "hi", "n": 17}, "n", "'n': input should be less than or equal to 16, got 17"),
     ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ({"prompt": "x" * 40}, "prompt", "--prompt_max_len"),
     ({"prompt": [5, 1000]}, "prompt", "outside the vocabulary"),
@@ -219,7 +219,7 @@ def test_chat_request_uses_the_template_and_checks_messages():
     assert request.params.max_new_tokens == 4 and request.params.temperature == 1.0
     with pytest.raises(RequestError) as info:
         parse_chat_request({"messages": [{"role": "user"}]}, tokenizer, LIMITS)
-    assert info.value.param == "messages[0]"
+    assert info.value.param == "messages[0].content" and "'messages[0].content' is missing" in str(info.value)
 
 
 def test_stop_string_cuts_text_and_keeps_the_tokens_that_made_it():

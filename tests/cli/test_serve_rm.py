@@ -105,10 +105,10 @@ def test_long_queries_keep_their_last_tokens(server, rm_dir):
 
 @pytest.mark.parametrize("body, status, message", [
     (b"{not json", 400, "the request body is not valid JSON"),
-    (b"[1, 2]", 400, "the request body must be a JSON object"),
-    (b'{"prompts": ["a"]}', 400, "missing field 'query'"),
-    (b'{"query": "just one string"}', 400, "field 'query' must be a list of strings, got str"),
-    (b'{"query": ["ok", 5]}', 400, "field 'query[1]' must be a string, got int"),
+    (b"[1, 2]", 400, "the request body must be a JSON object of the reward endpoint's fields, got an array"),
+    (b'{"prompts": ["a"]}', 400, "'query' is missing: it must be a list of full texts (prompt + response)"),
+    (b'{"query": "just one string"}', 400, "'query': input should be a valid list, got 'just one string'"),
+    (b'{"query": ["ok", 5]}', 400, "'query[1]': input should be a valid string, got 5"),
     (b"\xff\xfe", 400, "not valid JSON"),
     (b'{"query": ["a"], "quary": ["b"]}', 400, "unknown field 'quary' for the reward endpoint"),
 ])
@@ -140,7 +140,7 @@ def raw_reply(url: str, data: bytes) -> tuple[int, dict]:
 def test_bad_content_length_and_type_are_refused_unread(server):
     start_line = b"POST /get_reward HTTP/1.1\r\nHost: t\r\n"
     status, reply = raw_reply(server, start_line + b"Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}")
-    assert status == 400 and "bad Content-Length header '-1'" in reply["error"]
+    assert status == 400 and "bad Content-Length: send one Content-Length" in reply["error"]
     status, reply = raw_reply(server, start_line + b"Content-Type: text/plain\r\nContent-Length: 13\r\n\r\n"
                                                    b'{"query": []}')
     assert status == 415 and "application/json" in reply["error"]
@@ -180,9 +180,9 @@ def test_missing_content_length_and_routes(server):
     conn.close()
     with urllib.request.urlopen(server + "/health", timeout=30) as response:
         assert (response.status, json.loads(response.read())) == (200, {"status": "ok"})
-    with pytest.raises(urllib.error.HTTPError) as info:
+    with pytest.raises(urllib.error.HTTPError) as info:        # every path takes a POST, none a GET
         urllib.request.urlopen(server + "/nope", timeout=30)
-    assert info.value.code == 404
+    assert info.value.code == 405 and "no GET route '/nope'; POST texts to score" in json.loads(info.value.read())["error"]
 
 
 def test_empty_query_list_and_concurrent_clients(server, direct_scores):

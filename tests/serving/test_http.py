@@ -45,16 +45,23 @@ def api(tmp_path_factory):
 
 
 @contextmanager
-def running(api, **settings):
-    """`build_server` on a free port, serving in a thread; yields the port."""
+def serving(api, **settings):
+    """`build_server` on a free port, serving in a thread; yields the server."""
     server = build_server(api, "127.0.0.1", 0, HTTPSettings(**settings))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield server.server_address[1]
+        yield server
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def running(api, **settings):
+    """`serving`, yielding the port."""
+    with serving(api, **settings) as server:
+        yield server.server_address[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +78,7 @@ def call(port, method, path, payload=None, headers=None, body=None, timeout=30):
             body = json.dumps(payload).encode()
         conn.request(method, path, body=body, headers={"Content-Type": "application/json", **(headers or {})})
         response = conn.getresponse()
-        return response.status, json.loads(response.read()), dict(response.getheaders())
+        return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.getheaders()}
     finally:
         conn.close()
 
@@ -194,24 +201,61 @@ def test_parse_json_refuses_what_python_would_crash_on_or_pass_through():
 
 # ---------------------------------------------------------------------------- headers and body
 @pytest.mark.parametrize("headers, status, words", [
-    (b"Content-Type: application/json\r\nContent-Length: -1\r\n", 400, "bad Content-Length header '-1'"),
+    (b"Content-Type: application/json\r\nContent-Length: -1\r\n", 400, "bad Content-Length: send one"),
     (b"Content-Type: application/json\r\nContent-Length: +2\r\n", 400, "bad Content-Length"),
-    (b"Content-Type: application/json\r\nContent-Length: 2\r\nContent-Length: 2\r\n", 400, "bad Content-Length"),
+    (b"Content-Type: application/json\r\nContent-Length: 2\r\nContent-Length: 3\r\n", 400,
+     "conflicting Content-Length headers"),
     (b"Content-Type: application/json\r\n", 411, "needs a Content-Length"),
-    (b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n", 411, "not Transfer-Encoding"),
+    (b"Content-Type: application/json\r\nTransfer-Encoding: gzip\r\n", 501,
+     "Only Transfer-Encoding: chunked is supported"),
     (b"Content-Type: application/json\r\nContent-Length: 99999999999\r\n", 413, "over this server's limit"),
     (b"Content-Type: text/plain\r\nContent-Length: 2\r\n", 415, "got 'text/plain'"),
     (b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 2\r\n", 415, "application/json"),
     (b"Content-Length: 2\r\n", 415, "no Content-Type"),
     (b"Content-Type: application/json; charset=latin-1\r\nContent-Length: 2\r\n", 415, "UTF-8"),
-], ids=["negative-length", "signed-length", "two-lengths", "no-length", "chunked", "over-cap", "text/plain", "form",
+], ids=["negative-length", "signed-length", "two-lengths", "no-length", "gzip", "over-cap", "text/plain", "form",
         "no-content-type", "latin-1"])
 def test_bad_headers_are_refused_before_the_body_is_read(api, port, headers, status, words):
     before = feedback_lines(api)
     got, reply = raw(port, b"POST /v1/feedback HTTP/1.1\r\nHost: t\r\n" + headers + b"\r\n{}")
     assert got == status and words in reply["error"]["message"], reply
-    assert reply["error"]["param"] in ("Content-Length", "Content-Type")
+    assert reply["error"]["param"] in ("Content-Length", "Content-Type", "Transfer-Encoding")
     assert feedback_lines(api) == before
+
+
+def test_a_refusal_sent_before_a_large_body_is_read_reaches_the_client(api):
+    """A request refused on its headers (no key, a text/plain body) while its 800 kB body is still
+    coming: the server drains what follows, so the client reads the 4xx instead of a reset."""
+    with running(api, api_key=KEY) as p:
+        for headers, status in [({"Content-Type": "text/plain", "Authorization": f"Bearer {KEY}"}, 415),
+                                ({"Content-Type": "application/json"}, 401)]:
+            for _ in range(3):
+                conn = http.client.HTTPConnection("127.0.0.1", p, timeout=10)
+                try:
+                    conn.request("POST", "/v1/completions", body=b"x" * 800_000, headers=headers)
+                    response = conn.getresponse()
+                    assert response.status == status and json.loads(response.read())["error"]["param"] in \
+                        ("Content-Type", "Authorization")
+                finally:
+                    conn.close()
+        assert call(p, "GET", "/health", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+
+
+def test_a_chunked_body_is_read_and_capped(api):
+    """A body sent in chunks (what a client streaming its upload sends) is framed by the HTTP
+    library and read against the same byte cap."""
+    def chunked(port, body: bytes, size=7) -> tuple[int, dict]:
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                          for i in range(0, len(body), size))
+        return raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2, "seed": 3}).encode()
+    with running(api, max_body_bytes=len(body)) as p:
+        status, reply = chunked(p, body)
+        assert status == 200 and reply["choices"][0]["text"] == completion(p)[1]["choices"][0]["text"]
+        status, reply = chunked(p, body + b" ")
+        assert status == 413 and f"over this server's limit of {len(body)} bytes" in reply["error"]["message"]
 
 
 def test_api_key_guards_every_route_and_a_web_page_cannot_post_rewards(api):
@@ -221,7 +265,7 @@ def test_api_key_guards_every_route_and_a_web_page_cannot_post_rewards(api):
                              ("POST", "/v1/feedback")]:
             status, reply, headers = call(p, method, path, {"prompt": "hi"} if method == "POST" else None)
             assert (status, reply["error"]["code"]) == (401, "invalid_api_key"), (path, reply)
-            assert headers["WWW-Authenticate"].startswith("Bearer") and "no API key" in reply["error"]["message"]
+            assert headers["www-authenticate"].startswith("Bearer") and "no API key" in reply["error"]["message"]
         status, reply, _ = call(p, "GET", "/health", headers={"Authorization": "Bearer wrong"})
         assert status == 401 and "wrong" in reply["error"]["message"]
         assert call(p, "GET", "/health", headers={"Authorization": f"Bearer {KEY}"})[0] == 200
@@ -247,7 +291,7 @@ def test_api_key_guards_every_route_and_a_web_page_cannot_post_rewards(api):
 
 def test_settings_key_from_env_and_the_exposure_warning(monkeypatch):
     class Flags:
-        api_key, request_timeout, max_connections = None, 5.0, 8
+        api_key, request_timeout, max_connections, max_connections_per_client = None, 5.0, 8, 4
 
     monkeypatch.setenv("LIGHTRFT_API_KEY", "from-env")
     assert settings_from_flags(Flags).api_key == "from-env"
@@ -310,26 +354,63 @@ def test_slow_clients_are_cut_off_at_the_request_timeout(api):
         assert closed_within(conn.sock, 8, trickle=5) < 4
 
 
-def handler_threads(exclude: frozenset = frozenset()) -> set:
-    """The live request-handler threads, other than those in `exclude` (other servers' connections
-    of earlier tests, which end at their own deadlines)."""
-    return {t for t in threading.enumerate() if t.name.endswith("(process_request_thread)")} - exclude
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    end = time.monotonic() + seconds
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.05)
+    return condition()
 
 
-def test_connection_bound_queues_clients_instead_of_spawning_threads(api):
-    with running(api, request_timeout=1.0, max_connections=2) as p:
-        others = frozenset(handler_threads())
-        slow = [slowloris(p) for _ in range(4)]
-        time.sleep(0.3)
-        assert len(handler_threads(others)) == 2      # the other two wait in the backlog
-        # A well-formed request waits its turn and is answered once the slow ones are cut off.
-        assert completion(p)[0] == 200
+def test_the_connection_bound_answers_503_and_frees_slots_as_slow_clients_are_cut(api):
+    with serving(api, request_timeout=1.0, max_connections=2) as server:
+        p = server.server_address[1]
+        slow = [slowloris(p) for _ in range(2)]
+        assert wait_for(lambda: server.connections.total == 2)
+        # A third connection is over the bound: its request is answered 503 naming the flag, not queued.
+        status, reply, _ = completion(p)
+        assert status == 503 and "--max_connections 2" in reply["error"]["message"], reply
+        assert reply["error"]["type"] == "server_error"
         for sock in slow:
             closed_within(sock, 10)
-        deadline = time.monotonic() + 10
-        while handler_threads(others) and time.monotonic() < deadline:   # the last ones are ending
-            time.sleep(0.05)
-        assert handler_threads(others) == set()
+        assert wait_for(lambda: server.connections.total == 0)
+        assert completion(p)[0] == 200
+
+
+def test_one_client_holding_many_slow_connections_does_not_lock_out_others(api):
+    """The probe's finding on the threaded server: one client holding 180-192 slow connections
+    made another client's /health wait 58-88 s, and past about 192 no one could connect. Now a
+    client's connections beyond --max_connections_per_client are refused, other addresses are
+    served at once, and no connection costs a thread."""
+    threads_before = threading.active_count()
+    with serving(api, request_timeout=30.0, max_connections=64, max_connections_per_client=8) as server:
+        p = server.server_address[1]
+
+        def from_greedy(data: bytes | None = None) -> socket.socket:     # the greedy client: 127.0.0.2
+            sock = socket.create_connection(("127.0.0.1", p), timeout=15, source_address=("127.0.0.2", 0))
+            if data:
+                sock.sendall(data)
+            return sock
+
+        greedy = [from_greedy(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nX-Slow: ") for _ in range(200)]
+        assert wait_for(lambda: server.connections.per_client.get("127.0.0.2") == 8)
+        assert server.connections.total == 8 and threading.active_count() < threads_before + 20
+        # Another address is served, well within the greedy client's 30 s deadline.
+        status, reply, _ = call(p, "GET", "/health", timeout=5)
+        assert (status, reply["status"]) == (200, "ok")
+        assert completion(p)[0] == 200
+        # The greedy client's next request is refused by name.
+        with from_greedy(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n") as sock:
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.split()[1] == b"503"
+        assert "this client (127.0.0.2) already has 8 connections open" in json.loads(body)["error"]["message"]
+        for sock in greedy:
+            sock.close()
+        assert wait_for(lambda: server.connections.total == 0)
+        with from_greedy(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n") as sock:
+            assert sock.recv(65536).split()[1] == b"200"
 
 
 def test_fifty_parallel_clients_lose_nothing_beside_slowloris_connections(api):
