@@ -46,6 +46,7 @@ not a test: nothing asserts on time.
 """
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
@@ -59,7 +60,6 @@ import threading
 import time
 from datetime import UTC, datetime
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -68,11 +68,13 @@ sys.path[:0] = [str(REPO_ROOT), str(HERE)]
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from starlette.routing import Route  # noqa: E402
 
 import grpo_step  # noqa: E402
 from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
 from lightrft.rewards import make_reward_source  # noqa: E402
-from lightrft.utils.http import send_json  # noqa: E402
+from lightrft.serving.http import HTTPSettings  # noqa: E402
+from lightrft.serving.server import HTTPServer, build_app, json_response, read_json  # noqa: E402
 
 MODES = {"sync": ["--explorer_ranks", "0"], "decoupled": ["--explorer_ranks", "1", "--sync_offset", "1"]}
 PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",
@@ -111,37 +113,31 @@ def prepare_workload(out: Path, work: grpo_step.Workload, args) -> dict:
 
 # ------------------------------------------------------------------------------- reward server
 class SlowRewardServer:
-    """An HTTP reward server on 127.0.0.1 (a free port) that answers each request after
-    `latency_s`, scored by lightrft's `math` rule; it keeps the length in characters (= tokens
-    of the character tokenizer, EOS not counted) of every response it scores."""
+    """An HTTP reward server on 127.0.0.1 (a free port; lightrft's own HTTP stack) that answers
+    each request after `latency_s`, scored by lightrft's `math` rule; it keeps the length in
+    characters (= tokens of the character tokenizer, EOS not counted) of every response it scores."""
 
     def __init__(self, latency_s: float):
         self.latency_s = latency_s
         self.rule = make_reward_source("math")
         self.lengths: list[int] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        settings = HTTPSettings()
+
+        async def score(request):
+            body = await read_json(request, settings)
+            await asyncio.sleep(self.latency_s)           # other requests are answered meanwhile
+            queries, prompts = body["query"], body["prompts"]
+            rewards = self.rule(queries, prompts, body["labels"])
+            with self._lock:
+                self.lengths += [len(q) - len(p) for q, p in zip(queries, prompts)]
+            return json_response(HTTPStatus.OK, {"rewards": rewards.tolist()})
+
+        app = build_app([Route("/get_reward", score, methods=["POST"])], settings, lambda e: {"error": str(e)},
+                        "POST /get_reward")
+        self._server = HTTPServer(app, "127.0.0.1", 0, settings, lambda e: {"error": str(e)})
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/get_reward"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def _handler(self):
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                time.sleep(server.latency_s)
-                queries, prompts = body["query"], body["prompts"]
-                rewards = server.rule(queries, prompts, body["labels"])
-                with server._lock:
-                    server.lengths += [len(q) - len(p) for q, p in zip(queries, prompts)]
-                send_json(self, HTTPStatus.OK, {"rewards": rewards.tolist()})
-
-            def log_message(self, *args):  # quiet
-                pass
-
-        return Handler
 
     def take_lengths(self) -> list[int]:
         """The response lengths scored since the last call."""

@@ -1,17 +1,18 @@
 """`serve` under concurrent clients: requests/s and latency percentiles with 1, 8 and 32 clients.
 
-The server is `lightrft.cli.serve`'s own (`build_server` over a `ServedPolicy`), on a tiny
-Qwen2-shaped policy built in code, in this process, on a free port of 127.0.0.1. Each client is a
-thread with its own `httpx.Client` (one keep-alive connection) sending `/v1/completions` requests
-(a short prompt, --max_tokens new tokens, a seed per request) back to back for --seconds.
+The server is `python -m lightrft.cli.serve` in its own process, as a user starts it, on a tiny
+Qwen2-shaped policy built in code, on a free port of 127.0.0.1 (the checkout this script lies in
+is the lightrft it runs: copy the script into another checkout to measure that one). Each client
+is a thread of this process with its own `httpx.Client` (one keep-alive connection) sending
+`/v1/completions` requests (a short prompt, --max_tokens new tokens, a seed per request) back to
+back for --seconds.
 Reported per client count: completed requests/s, p50 and p99 latency, errors; and the latency of
 `GET /health` sent while the generating clients run, which shows whether the server answers other
 clients while it generates. Each --max_batch_prompts setting (serve's flag: requests waiting with
 the same sampling options are generated in one engine call of at most that many prompts; 1 is one
 request at a time) gets its own server and rows.
 
-The figures are the "before" of the server's move to an ASGI stack (issue: HTTP on kept
-libraries); run it again after. A benchmark, not a test: nothing asserts on time.
+A benchmark, not a test: nothing asserts on time.
 
     python benchmarks/serve_load.py [--clients 1 8 32 --seconds 10 --max_tokens 8 --max_batch_prompts 1 16
                                      --json OUT]
@@ -21,22 +22,19 @@ import argparse
 import json
 import os
 import platform
-import statistics
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
-import torch  # noqa: E402
 
-from lightrft.models.tokenizer import build_tokenizer, stop_token_ids  # noqa: E402
-from lightrft.serving.http import HTTPSettings, longest_token_chars  # noqa: E402
-from lightrft.serving.openai_api import OpenAIServer, ServeLimits, build_server  # noqa: E402
-from lightrft.serving.policy import ServedPolicy  # noqa: E402
 from lightrft.utils.tiny import save_tiny_model  # noqa: E402
 
 
@@ -92,6 +90,21 @@ def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
             "health_p50_s": percentile(health, 0.5), "health_max_s": max(health, default=float("nan"))}
 
 
+def start_server(model: Path, batch: int, max_tokens: int, threads: int) -> tuple[subprocess.Popen, str]:
+    """`python -m lightrft.cli.serve` on a free port, as a user starts it; (process, base URL).
+    The checkout this script lies in is the lightrft it runs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "lightrft.cli.serve", "--pretrain", str(model), "--port", "0", "--device", "cpu",
+           "--generate_max_len", str(max_tokens), "--prompt_max_len", "64", "--max_batch_prompts", str(batch),
+           "--seed", "0"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if "http://" not in line:
+        proc.kill()
+        raise SystemExit(f"serve did not start: {line!r}")
+    return proc, "http://" + line.split("http://")[1].split()[0].rstrip(",").removesuffix("/v1")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
@@ -101,31 +114,21 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as root:
         model = save_tiny_model(Path(root) / "model", seed=0)
-        tokenizer = build_tokenizer(str(model), False)
         for batch in args.max_batch_prompts:
-            policy = ServedPolicy(model, tokenizer, stop_token_ids(tokenizer, str(model)), max_batch_prompts=batch)
-            limits = ServeLimits(args.max_tokens, 64, context_len=policy.context_len,
-                                 token_chars=longest_token_chars(tokenizer))
-            server = build_server(OpenAIServer(policy, limits, "tiny", seed=0), "127.0.0.1", 0,
-                                  HTTPSettings(max_connections=64))
-            thread = threading.Thread(target=server.serve_forever, daemon=True)
-            thread.start()
-            url = f"http://127.0.0.1:{server.server_address[1]}"
+            proc, url = start_server(model, batch, args.max_tokens, args.threads)
             try:
                 load(url, 1, min(2.0, args.seconds), args.max_tokens)            # warm-up
                 for n in args.clients:
-                    rows.append({"max_batch_prompts": batch, **load(url, n, args.seconds, args.max_tokens),
-                                 "engine_calls": policy.batches})
+                    rows.append({"max_batch_prompts": batch, **load(url, n, args.seconds, args.max_tokens)})
             finally:
-                server.shutdown()
-                server.server_close()
-    print(f"serve (threaded http.server), tiny Qwen2 policy, {args.max_tokens} new tokens per request, "
-          f"{args.seconds:g} s per row; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch threads {args.threads}")
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    print(f"lightrft.cli.serve, tiny Qwen2 policy, {args.max_tokens} new tokens per request, {args.seconds:g} s per "
+          f"row; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, server torch threads "
+          f"{args.threads}")
     print("| max_batch_prompts | clients | requests/s | p50 s | p99 s | errors | /health p50 s | /health max s |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
