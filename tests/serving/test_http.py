@@ -1,7 +1,8 @@
 """The HTTP front of `serve` against hostile or careless clients, on a real server on 127.0.0.1
-with a tiny policy: the API key, content types, body and prompt caps, strict JSON, per-request
-deadlines, the bound on connection threads, and 50 parallel clients beside slowloris connections.
-(serve_rm shares lightrft/serving/http.py; tests/cli/test_serve_rm.py drives it.)"""
+with a tiny policy: the API key, content types, body and prompt caps, strict JSON, framing that
+the HTTP library handles, per-request deadlines, the connection bounds (per client and in all),
+and 50 parallel clients beside slowloris connections. (serve_rm shares lightrft/serving/http.py
+and server.py; tests/cli/test_serve_rm.py drives it.)"""
 
 import base64
 import http.client
@@ -221,6 +222,48 @@ def test_bad_headers_are_refused_before_the_body_is_read(api, port, headers, sta
     assert got == status and words in reply["error"]["message"], reply
     assert reply["error"]["param"] in ("Content-Length", "Content-Type", "Transfer-Encoding")
     assert feedback_lines(api) == before
+
+
+def replies(port, data: bytes, timeout=10) -> list[tuple[int, bytes]]:
+    """Sends `data` as is; every (status, body) the server answers until it closes, in order."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        stream = b""
+        while chunk := sock.recv(65536):
+            stream += chunk
+    out = []
+    while stream:
+        head, _, rest = stream.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        out.append((int(head.split()[1]), rest[:length]))
+        stream = rest[length:]
+    return out
+
+
+def test_framing_tricks_are_answered_by_the_http_library(api, port):
+    """What h11 does for the server, checked on the wire: pipelined requests answered in order,
+    a request smuggled behind Content-Length and chunked framing at once not run, oversized
+    headers refused with 431 as JSON."""
+    body = json.dumps({"prompt": "1+1=", "max_tokens": 2, "seed": 3}).encode()
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    got = replies(port, post % len(body) + body + b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+                  + b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    assert [status for status, _ in got] == [200, 200, 200]
+    assert [json.loads(got[0][1])["object"], json.loads(got[1][1])["object"]] == ["text_completion", "list"]
+    assert json.loads(got[0][1])["choices"][0]["text"] == completion(port)[1]["choices"][0]["text"]
+    # Both framings: chunked wins (an empty body, refused), and the GET hidden in it never runs.
+    got = replies(port, b"POST /v1/feedback HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+                        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert len(got) == 1 and got[0][0] == 400 and "not valid JSON" in json.loads(got[0][1])["error"]["message"]
+    # A header block that grows past 64 KiB without ending.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n" + b"X-Filler: a\r\n" * 6000)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.split()[1] == b"431", reply[:200]
+    assert "the request is not valid HTTP/1.1" in json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["message"]
 
 
 def test_a_refusal_sent_before_a_large_body_is_read_reaches_the_client(api):
