@@ -16,7 +16,9 @@ own modules). What lightrft keeps is what they do not have:
 - the API key (`Authorization: Bearer <key>` or basic authentication with the key as the
   password) on every route, the JSON-only content type, the body byte cap and strict JSON
   (`lightrft.serving.http.parse_json`), and error bodies in each server's own shape, framing
-  errors found by h11 included.
+  errors found by h11 included;
+- an error reply ends its connection, and a body refused before it was read is first drained
+  briefly (`drain`), so the client reads the reply rather than a connection reset.
 
 `HTTPServer` binds the socket when it is built (a taken port fails there), `serve_forever()`
 runs uvicorn until `shutdown()` or SIGINT/SIGTERM, `server_address` is the bound address.
