@@ -78,8 +78,7 @@ def check_engine_serves_family(config) -> None:
     if family.rollout_engines is not None and name not in family.rollout_engines:
         what = f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model (model_type {hf_config.model_type!r})"
         if not family.rollout_engines:
-            raise ConfigError(f"{what}, which no run can roll out yet (the data and experience do not carry its "
-                              "images to an engine)")
+            raise ConfigError(f"{what}, which no rollout engine of lightrft serves yet")
         raise ConfigError(f"{what}, which only {', '.join(sorted(family.rollout_engines))} can serve; pass "
                           f"--rollout_engine {sorted(family.rollout_engines)[0]}")
 

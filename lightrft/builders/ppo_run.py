@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from lightrft.builders.agents import build_workflow_runner
-from lightrft.builders.datasets import build_prompt_dataset
+from lightrft.builders.datasets import build_image_prompts, build_prompt_dataset
 from lightrft.builders.engines import build_rollout_engine
 from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
@@ -122,20 +122,27 @@ def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_
                      critic_scheduler=critic_scheduler)
 
 
-def build_ppo_data(config: PPORunConfig, tokenizer, reward_models: list, reward_sources: list):
+def build_ppo_data(config: PPORunConfig, tokenizer, reward_models: list, reward_sources: list, images=None):
     """(the prompt dataset, the experience source it calls for, the reward sources): the prompts
     of --prompt_data for the colocated source (None), or the served traffic of --recorded_data for
     a `RecordedSource`, whose recorded rewards score training (a reward model or source, if given,
     scores evaluation)."""
     data = config.data
     if not data.recorded_data:
-        return build_prompt_dataset(data, tokenizer), None, reward_sources
+        return build_prompt_dataset(data, tokenizer, images=images), None, reward_sources
     from lightrft.experience.recorded import (RecordedExperienceDataset, RecordedRewardsOnly, RecordedSource,
                                               check_recorded_algorithm)
 
     check_recorded_algorithm(config.algorithm.advantage_estimator, config.algorithm.n_samples_per_prompt)
     prompts = RecordedExperienceDataset(data.recorded_data, tokenizer, max_samples=data.max_samples)
     return prompts, RecordedSource(), reward_sources if (reward_models or reward_sources) else [RecordedRewardsOnly()]
+
+
+def run_images(config: PPORunConfig, tokenizer):
+    """The policy's `ImagePrompts` when the run reads images (--image_key), else None."""
+    if not config.data.image_key:
+        return None
+    return build_image_prompts(config.model.pretrain, tokenizer, config.model.trust_remote_code)
 
 
 def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=(),
@@ -151,12 +158,13 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     tokenizer = build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
     eos_token_ids = stop_token_ids(tokenizer, config.model.pretrain)
     workflow_runner = build_workflow_runner(config.agent, tokenizer, eos_token_ids)   # a bad file fails before loading
+    images = run_images(config, tokenizer)            # a bad folder fails before loading
     models = build_ppo_models(config, strategy)
     prompts, data_source, reward_sources = build_ppo_data(config, tokenizer, models.reward_models,
-                                                          build_reward_sources(config.rewards))
+                                                          build_reward_sources(config.rewards), images)
     check_run_vocabulary(config, tokenizer, prompts, models.actor, models.critic, models.reward_models,
                          teacher=models.teacher_model)
-    dataloader, eval_dataloader, pretrain_dataloader = build_dataloaders(config, strategy, tokenizer, prompts)
+    dataloader, eval_dataloader, pretrain_dataloader = build_dataloaders(config, strategy, tokenizer, prompts, images)
     # The schedule spans the optimizer steps the run will take (--max_steps ends it early).
     total_updates = max(1, config.planned_steps(len(prompts)) * config.updates_per_step)
     m = prepare_ppo_models(config, strategy, models, total_updates)
@@ -172,6 +180,8 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
         strategy, m, config, tokenizer=tokenizer, reward_sources=reward_sources, rollout_engine=rollout_engine,
         tracker=tracker, callbacks=callbacks, experience_source=experience_source or data_source,
         eos_token_ids=eos_token_ids, workflow_runner=workflow_runner)
+    if images is not None:
+        trainer.processor = images.processor
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)
@@ -182,8 +192,9 @@ def reward_model_paths(config: PPORunConfig) -> list[str]:
     return [path.strip() for path in (config.model.reward_pretrain or "").split(",") if path.strip()]
 
 
-def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts):
-    """(prompt loader, --eval_data loader or None, --pretrain_data loader or None)."""
+def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts, images=None):
+    """(prompt loader, --eval_data loader or None, --pretrain_data loader or None); `images`: the
+    policy's `ImagePrompts` for --image_key."""
     from lightrft.datasets import SFTDataset
 
     data = config.data
@@ -197,7 +208,7 @@ def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts):
                                            drop_last=True)
     eval_dataloader = None
     if data.eval_data:
-        eval_set = build_prompt_dataset(data, tokenizer, path=data.eval_data)
+        eval_set = build_prompt_dataset(data, tokenizer, path=data.eval_data, images=images)
         eval_dataloader = strategy.setup_dataloader(eval_set, max(1, config.rollout.micro_rollout_batch_size),
                                                     shuffle=False, collate_fn=eval_set.collate_fn, drop_last=False)
     pretrain_dataloader = None
@@ -225,7 +236,7 @@ def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic
             fed = ids_in_data((s.prompt_token_ids + s.response_token_ids for s in prompts.samples),
                               f"--recorded_data {data.recorded_data}")
         else:
-            fed = ids_in_data(encode_prompts(tokenizer, [p for p, _ in prompts], data.apply_chat_template),
+            fed = ids_in_data(encode_prompts(tokenizer, prompts.texts(), data.apply_chat_template),
                               f"--prompt_data {data.prompt_data}")
     rows = check_vocabulary(actor, tokenizer, f"--pretrain {model.pretrain}", chat_template=data.apply_chat_template,
                             fed=fed)

@@ -73,7 +73,8 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     trainer.fit(args, run.dataloader, run.pretrain_dataloader, consumed, run.updates_per_step,
                 eval_dataloader=run.eval_dataloader)
     if trainer.stop_reason != "preempted":
-        run.strategy.save_model(trainer.ema_model or trainer.actor, run.tokenizer, args.save_path)
+        run.strategy.save_model(trainer.ema_model or trainer.actor, trainer.processor or run.tokenizer,
+                                args.save_path)
     logs = dict(getattr(trainer, "last_logs", {}))
     if run.eval_dataloader is not None:
         logs.update(trainer.evaluate(run.eval_dataloader))

@@ -193,12 +193,28 @@ class PPORunConfig(RunConfig):
         if samples % self.optim.train_batch_size != 0:
             raise ConfigError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must "
                               f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
+        if self.data.image_key:
+            self._check_images()
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
         elif roles.sync_interval > 1:
             raise ConfigError(f"--sync_interval {roles.sync_interval} applies to explorers: add --explorer_ranks N "
                               "(explorer ranks) or --sync_offset 1 (an explorer thread per rank), or leave it at 1")
+
+    def _check_images(self) -> None:
+        """What a run with images (--image_key) cannot do yet, each refused with the flag to change:
+        the critic, reward models and teacher would score the image placeholders as text."""
+        unsupported = {"--critic_pretrain": self.model.critic_pretrain, "--reward_pretrain": self.model.reward_pretrain,
+                       "--teacher_pretrain": self.model.teacher_pretrain, "--workflow": self.agent.workflow,
+                       "--recorded_data": self.data.recorded_data, "--pretrain_data": self.data.pretrain_data,
+                       "--explorer_ranks": self.roles.explorer_ranks > 0, "--sync_offset": self.roles.sync_offset > 0,
+                       "--enable_ema": self.model.enable_ema}
+        used = [flag for flag, value in unsupported.items() if value]
+        if used:
+            raise ConfigError(f"--image_key {self.data.image_key} cannot be combined with {', '.join(used)} yet: a run "
+                              "with images trains a critic-free policy (group_norm, rloo, reinforce++) scored by "
+                              "--remote_rm_url sources (rules, Python files, HTTP servers); docs/vlm.md")
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each

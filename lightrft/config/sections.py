@@ -454,6 +454,8 @@ class PPODataConfig(DataConfig):
     recorded_data: Optional[str] = option(None, "train on experiences recorded by `lightrft.cli.serve --record DIR` "
                                                 "(with their rewards) instead of generating from --prompt_data")
     label_key: Optional[str] = option(None, "field holding the reference answer")
+    image_key: Optional[str] = option(None, "field holding each prompt's images (paths, bytes or base64; "
+                                            "a vision-language policy, docs/vlm.md)")
     prompt_max_len: int = option(1024, "most prompt tokens")
     truncate_long_prompts: bool = option(False, "keep the last --prompt_max_len tokens of longer prompts instead of "
                                                 "rejecting the row")

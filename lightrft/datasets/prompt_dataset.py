@@ -1,4 +1,5 @@
-"""Prompts for reinforcement fine-tuning: items are (prompt text, label)."""
+"""Prompts for reinforcement fine-tuning: items are (prompt, label); a prompt with images is a
+`PromptRecord` (`lightrft.datasets.prompt_record`)."""
 
 from pathlib import Path
 from typing import Any, Sequence
@@ -7,7 +8,9 @@ from torch.utils.data import Dataset
 
 from lightrft.config.sections import check_input_template
 from lightrft.datasets.chat import render_chat, require_chat_template, to_messages
+from lightrft.datasets.images import ImagePrompts, flatten_image_parts, image_values, open_image
 from lightrft.datasets.loaders import resolve_rows
+from lightrft.datasets.prompt_record import PromptRecord
 from lightrft.datasets.validation import DatasetRowError, check_field, process_rows
 
 
@@ -32,12 +35,21 @@ class PromptDataset(Dataset):
     only the first rows.
 
     Items are `(prompt_text, label)` in row order; `collate_fn` turns a batch into
-    `(list[str], list[label])`. `flag` is the option a path came from, for error messages."""
+    `(list[str], list[label])`. `flag` is the option a path came from, for error messages.
+
+    With `image_key` (and `images`, the model's `ImagePrompts`) a row may carry images in that
+    field (`lightrft.datasets.images`: paths relative to the data file, bytes, base64); its prompt
+    marks each with an `{"type": "image"}` content part or the image marker, and becomes a
+    `PromptRecord` whose `token_ids` hold the expanded placeholders. Such a prompt is never
+    truncated (that would cut an image's placeholders): over `prompt_max_len` it is a bad row. The
+    images are checked when the dataset is built and decoded again, with their model inputs
+    (`media`), when an item is fetched, so memory holds only a batch's pixels."""
 
     def __init__(self, rows_or_path: str | Path | Sequence[dict], tokenizer: Any, input_key: str = "input",
                  label_key: str | None = None, apply_chat_template: bool = False, prompt_max_len: int = 1024,
                  on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
-                 truncate_long_prompts: bool = False, max_samples: int | None = None, flag: str = "--prompt_data"):
+                 truncate_long_prompts: bool = False, max_samples: int | None = None, flag: str = "--prompt_data",
+                 image_key: str | None = None, images: ImagePrompts | None = None):
         if prompt_max_len <= 0:
             raise ValueError(f"--prompt_max_len must be positive, got {prompt_max_len}")
         check_input_template(input_template)
@@ -50,6 +62,15 @@ class PromptDataset(Dataset):
         self.prompt_max_len = prompt_max_len
         self.input_template = input_template
         self.truncate_long_prompts = truncate_long_prompts
+        if image_key and images is None:
+            raise ValueError(f"--image_key {image_key}: the model's processor is needed to read images "
+                             "(PromptDataset(images=ImagePrompts(processor, family)))")
+        self.image_key, self.images = image_key, images
+        # Relative image paths are read from the data file's folder (a saved dataset's own folder).
+        self.base_dir = None
+        if isinstance(rows_or_path, (str, Path)):
+            path = Path(rows_or_path).expanduser()
+            self.base_dir = path if path.is_dir() else path.parent
         rows, source = resolve_rows(rows_or_path, source_name, max_samples, flag)
         self.source = source
         self.items, self.row_indices, self.skip_report = process_rows(rows, self._build, source, on_bad_row)
@@ -58,16 +79,44 @@ class PromptDataset(Dataset):
     def skipped(self) -> int:
         return self.skip_report.skipped
 
-    def _build(self, index: int, row: Any) -> tuple[str, Any]:
+    def _build(self, index: int, row: Any) -> tuple:
         kind = "text_or_messages" if self.apply_chat_template else "text"
+        if self.image_key and isinstance(row, dict) and isinstance(row.get(self.input_key), list):
+            row = {**row, self.input_key: flatten_image_parts(row[self.input_key], self.images.marker,
+                                                              self.input_key, self.source, index)}
         value = check_field(row, self.input_key, kind, self.source, index)
         label = None if self.label_key is None else check_field(row, self.label_key, "any", self.source, index)
+        prompt = self._render(value, index)
+        if self.image_key:
+            sources = image_values(row, self.image_key, self.source, index)
+            if sources or self.images.count_markers(prompt):
+                return self._build_with_images(index, prompt, sources), label
+        return self._fit(prompt, index), label
+
+    def _render(self, value: Any, index: int) -> str:
         if self.apply_chat_template:
             messages = to_messages(value, self.input_key, self.source, index)
-            prompt = render_chat(self.tokenizer, messages, True, self.input_key, self.source, index)
-        else:
-            prompt = value if self.input_template is None else self.input_template.format(value)
-        return self._fit(prompt, index), label
+            return render_chat(self.tokenizer, messages, True, self.input_key, self.source, index)
+        return value if self.input_template is None else self.input_template.format(value)
+
+    def _build_with_images(self, index: int, prompt: str, sources: list) -> tuple[str, tuple[int, ...], list]:
+        """(prompt text, its expanded ids, the image entries) of a row with images, checked."""
+        images = [open_image(value, self.base_dir, self.source, index, f"{self.image_key}[{i}]")
+                  for i, value in enumerate(sources)]
+        markers = self.images.count_markers(prompt)
+        if markers != len(images):
+            raise DatasetRowError(self.source, index, self.input_key,
+                                  f"the prompt marks {markers} image(s) ({self.images.marker!r} or "
+                                  f"{{'type': 'image'}} parts) but {self.image_key!r} holds {len(images)}",
+                                  "mark each image once where it goes in the prompt", kind="image count")
+        ids = self.images.expand(prompt, images, add_special_tokens=not self.apply_chat_template)
+        if len(ids) > self.prompt_max_len:
+            raise DatasetRowError(self.source, index, self.input_key,
+                                  f"the prompt is {len(ids)} tokens with its images' placeholders, over "
+                                  f"--prompt_max_len {self.prompt_max_len} (a prompt with images is never "
+                                  "truncated: that would cut an image's placeholders)",
+                                  "raise --prompt_max_len or skip such rows with --on_bad_row skip", kind="over-long")
+        return prompt, tuple(ids), sources
 
     def _fit(self, prompt: str, index: int) -> str:
         ids = encode_prompts(self.tokenizer, [prompt], self.apply_chat_template)[0]
@@ -85,7 +134,18 @@ class PromptDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, idx: int) -> tuple[str, Any]:
-        return self.items[idx]
+        prompt, label = self.items[idx]
+        if isinstance(prompt, tuple):      # a prompt with images: decoded and encoded on fetch
+            text, ids, sources = prompt
+            row = self.row_indices[idx]
+            images = [open_image(value, self.base_dir, self.source, row, f"{self.image_key}[{i}]")
+                      for i, value in enumerate(sources)]
+            prompt = PromptRecord(text, ids, images, self.images.media(images) if images else None)
+        return prompt, label
+
+    def texts(self) -> list[str]:
+        """Every prompt's text, without decoding images."""
+        return [p[0] if isinstance(p, tuple) else p for p, _ in self.items]
 
     @staticmethod
     def collate_fn(batch: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:

@@ -20,6 +20,7 @@ from lightrft.algorithms.masked import masked_mean, masked_sum
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
+from lightrft.models.media import merge_media
 from lightrft.experience.scorer import RewardBatch, truncated_rows
 from lightrft.rollout.base import RolloutOutput
 
@@ -82,7 +83,9 @@ class ExperienceBuilder:
         for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
             sl = slice(i, i + self.micro_rollout_batch_size)
             seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
-            outs.append(model(seq, a, attention_mask=mask).float().cpu())
+            media = merge_media(rollout.media[sl]) if rollout.media is not None else None
+            extra = {"media": media} if media is not None else {}
+            outs.append(model(seq, a, attention_mask=mask, **extra).float().cpu())
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
 
     def _forward_all(self, model, rollout: RolloutOutput, kind: str) -> Tensor:
@@ -185,7 +188,7 @@ class ExperienceBuilder:
             num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
             advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
-            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info)
+            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info, media=rollout.media)
         return [exp]
 
     @staticmethod

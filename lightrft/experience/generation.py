@@ -10,12 +10,13 @@ count of rollouts: the caller passes `call`, the rollout number of the sampling 
 counter lives with whoever draws the prompts (the experience source, which checkpoints it).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from torch import Tensor
 
 from lightrft.datasets.prompt_dataset import encode_prompts
+from lightrft.datasets.prompt_record import prompt_media, prompt_token_ids
 from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
@@ -25,8 +26,14 @@ def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: b
                            prompt_max_len: int) -> list[list[int]]:
     """The token ids a rollout engine is given for `prompts` (through the chat template when
     asked), each cut to its last `prompt_max_len` tokens: the question is usually last. Datasets
-    reject or skip over-long rows earlier unless the user asked for truncation."""
-    return [row[-prompt_max_len:] for row in encode_prompts(tokenizer, prompts, apply_chat_template)]
+    reject or skip over-long rows earlier unless the user asked for truncation. A `PromptRecord`
+    (a prompt with images) keeps the ids it carries, whole."""
+    texts = [(i, p) for i, p in enumerate(prompts) if prompt_token_ids(p) is None]
+    encoded = encode_prompts(tokenizer, [p for _, p in texts], apply_chat_template) if texts else []
+    rows = [list(prompt_token_ids(p) or ()) for p in prompts]
+    for (i, _), ids in zip(texts, encoded):
+        rows[i] = ids[-prompt_max_len:]
+    return rows
 
 
 def sampling_params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
@@ -80,7 +87,17 @@ class Generator:
         """`params.n` samples per prompt in one engine call, or with a workflow one multi-turn
         episode each, scored by the workflow where it can (`labels` go to the workflow)."""
         seeds = self.seeds(len(prompts), call, stream)
+        media = [prompt_media(p) for p in prompts]
+        if not any(media):
+            media = None
         if self.workflow_runner is None:
-            return Generation(self.engine.generate(self.tokenize(prompts), params, seeds=seeds))
+            if media is None:
+                return Generation(self.engine.generate(self.tokenize(prompts), params, seeds=seeds))
+            rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, media=media)
+            # Each sample keeps its prompt's media for the trainer's forwards (one dict per prompt).
+            return Generation(replace(rollout, media=[m for m in media for _ in range(params.n)]))
+        if media is not None:
+            raise ValueError("multi-turn workflows (--workflow) take text prompts only so far; this batch has "
+                             "prompts with images (--image_key)")
         batch = self.workflow_runner.run(self.engine, self.tokenize(prompts), prompts, labels, params, seeds)
         return Generation(batch.rollout, batch.rewards, batch.unscored)

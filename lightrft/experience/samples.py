@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightrft.models.media import merge_media
 from lightrft.models.packing import prompt_group_ids
 
 PER_ACTION_FIELDS = ("action_log_probs", "base_action_log_probs", "rollout_log_probs", "values",
@@ -45,6 +46,8 @@ class Experience:
     info: dict[str, Tensor] = field(default_factory=dict)  # each (B,): reward, response_length, ...
     prompt_groups: Optional[list[int]] = None        # packed: B host-side ids, equal for equal prompts
                                                      # (`packing.prompt_group_ids`): the forwards share them
+    media: Optional[list[Optional[dict[str, Tensor]]]] = None   # B entries: each sample's prompt's model
+                                                     # inputs (images) or None; None when no sample has any
 
     @property
     def batch_size(self) -> int:
@@ -54,7 +57,14 @@ class Experience:
         """This padded experience restricted to `rows` (a 1-D index tensor), widths kept."""
         picked = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
         picked = {name: value[rows] for name, value in picked.items()}
-        return replace(self, **picked, info={k: v[rows] for k, v in self.info.items()})
+        media = None if self.media is None else [self.media[i] for i in rows.tolist()]
+        return replace(self, **picked, info={k: v[rows] for k, v in self.info.items()}, media=media)
+
+    @property
+    def merged_media(self) -> Optional[dict[str, Tensor]]:
+        """The media of the whole batch or packed row, in sample order (`merge_media`), for the
+        forward; None when no sample has any."""
+        return None if self.media is None else merge_media(self.media)
 
     @property
     def loss_mask(self) -> Tensor:
@@ -85,6 +95,7 @@ class Sample:
                                      # not train (tool or environment output between turns)
     per_action: dict[str, Tensor]    # each (A_i,): action_log_probs, advantages, returns, ...
     info: dict[str, Tensor]          # each a 0-d tensor
+    media: Optional[dict[str, Tensor]] = None   # its prompt's model inputs (images), None for text only
 
 
 def response_lengths(exp: Experience) -> Tensor:
@@ -114,9 +125,10 @@ def split_experience(exp: Experience) -> list[Sample]:
     per_action = {name: getattr(exp, name)[kept].split(lens) for name in PER_ACTION_FIELDS
                   if getattr(exp, name) is not None}
     info = {k: v.unbind(0) for k, v in exp.info.items()}
+    media = exp.media or [None] * len(lens)
     return [Sample(sequence=sequences[i], num_actions=int(a_i), action_mask=masks[i],
                    per_action={name: rows[i] for name, rows in per_action.items()},
-                   info={k: rows[i] for k, rows in info.items()})
+                   info={k: rows[i] for k, rows in info.items()}, media=media[i])
             for i, a_i in enumerate(lens)]
 
 
@@ -144,12 +156,13 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     per_action.setdefault("action_log_probs", None)
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
     seq_lens = [s.sequence.numel() for s in samples]
+    media = [s.media for s in samples] if any(s.media for s in samples) else None
     if packing:
         sequences = torch.cat([s.sequence for s in samples]).unsqueeze(0)      # (1, P)
         groups = prompt_group_ids([s.sequence for s in samples], num_actions)
         return Experience(sequences=sequences, attention_mask=None, action_mask=action_mask,
                           num_actions=num_actions, packed_seq_lens=seq_lens, info=info, prompt_groups=groups,
-                          **per_action)
+                          media=media, **per_action)
     # Prompts left-padded and responses right-padded, so the last `width` positions are the action
     # slots: row i's real tokens are the positions [P - prompt_i, P + actions_i).
     prompt_lens = torch.tensor(seq_lens, device=device) - actions
@@ -160,4 +173,4 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     sequences = torch.full(real.shape, pad_token_id, dtype=tokens.dtype)
     sequences[real] = tokens
     return Experience(sequences=sequences, attention_mask=real.long(), action_mask=action_mask,
-                      num_actions=width, packed_seq_lens=None, info=info, **per_action)
+                      num_actions=width, packed_seq_lens=None, info=info, media=media, **per_action)

@@ -187,7 +187,9 @@ class ActorLanguage(nn.Module):
         `media` carries the images (and the like) of a vision-language model's batch or packed row,
         in the order of their placeholder tokens (`lightrft.models.families.merge_media` joins the
         samples'); the model family computes their features apart from the decoder
-        (`ModelFamily.media_inputs`). Prompts are not shared in such a forward.
+        (`ModelFamily.media_inputs`); a batch without media still runs the vision tower, on a blank
+        image with weight 0 (`ModelFamily.blank_media_inputs`: ZeRO-3 needs every rank to run the
+        same modules). A vision-language model's forwards do not share prompts.
         """
         if return_aux_loss and num_actions is not None and not return_output:
             raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
@@ -241,7 +243,7 @@ class ActorLanguage(nn.Module):
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         output = None
-        if self.share_prompts and prompt_groups is not None and not extra and not media:
+        if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
                                                  lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
         if output is None:

@@ -223,6 +223,15 @@ def math_answer_reward(responses: Sequence[str], labels: Sequence[Any]) -> torch
     return torch.tensor([float(answers_match(r, lab)) for r, lab in zip(responses, labels)], dtype=torch.float32)
 
 
+@register_rule_reward("exact")
+def exact_answer_reward(responses: Sequence[str], labels: Sequence[Any]) -> torch.Tensor:
+    """1.0 where the response, stripped of surrounding whitespace, is exactly the label's text
+    (classification answers: a letter, a word), else 0.0. Shape: (B,) float32."""
+    _check_lengths(responses, labels)
+    return torch.tensor([float(r.strip() == str(lab).strip()) for r, lab in zip(responses, labels)],
+                        dtype=torch.float32)
+
+
 # ----------------------------------------------------------------------------------------- format
 THINK_ANSWER_PATTERN = r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*"
 

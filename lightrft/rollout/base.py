@@ -148,6 +148,10 @@ class RolloutOutput:
     # (B,) bool, True where the response hit max_new_tokens without an EOS token. None only from
     # producers written before the field existed.
     truncated: torch.Tensor | None = None
+    # Per sample (B entries), the model inputs its prompt carries beside the token ids (a
+    # vision-language model's images, `PromptRecord.media`), None for a text-only sample; None
+    # when no sample has any. Several samples of one prompt hold the same dict.
+    media: list[dict[str, torch.Tensor] | None] | None = None
 
     @property
     def num_actions(self) -> int:
@@ -174,7 +178,8 @@ class RolloutOutput:
         index = torch.as_tensor(list(rows), dtype=torch.long)
         return RolloutOutput(self.sequences[index], self.attention_mask[index], self.action_mask[index],
                              self.rollout_log_probs[index], self.prompt_len,
-                             None if self.truncated is None else self.truncated[index])
+                             None if self.truncated is None else self.truncated[index],
+                             None if self.media is None else [self.media[i] for i in index.tolist()])
 
     @classmethod
     def from_token_lists(
@@ -258,7 +263,8 @@ class RolloutOutput:
         cols = slice(self.prompt_len - prompt_len, self.prompt_len + num_actions)
         truncated = None if self.truncated is None else self.truncated[start:stop]
         return RolloutOutput(sequences[:, cols], attention[:, cols], actions[:, :num_actions],
-                             self.rollout_log_probs[start:stop, :num_actions], prompt_len, truncated)
+                             self.rollout_log_probs[start:stop, :num_actions], prompt_len, truncated,
+                             None if self.media is None else self.media[start:stop])
 
     @classmethod
     def concat(cls, parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
@@ -287,8 +293,11 @@ class RolloutOutput:
         truncated = None
         if all(p.truncated is not None for p in parts):
             truncated = torch.cat([p.truncated for p in parts])
+        media = None
+        if any(p.media is not None for p in parts):
+            media = [m for p in parts for m in (p.media if p.media is not None else [None] * p.sequences.size(0))]
         return cls(torch.cat(sequences), torch.cat(attention), torch.cat(actions), torch.cat(log_probs),
-                   prompt_len, truncated)
+                   prompt_len, truncated, media)
 
 
 @runtime_checkable
@@ -311,6 +320,7 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:
+        """A `multimodal` engine also takes `media=`: per prompt, its model inputs (images) or None."""
         ...
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:

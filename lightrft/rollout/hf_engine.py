@@ -231,11 +231,15 @@ class HFEngine:
         if dedupe:
             first = first.to(input_ids.device)
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
-        merged = self.family.merge_media([media[row] for row in kept]) if self.family is not None else None
-        if merged:
-            extra = {**extra, **self.family.encode_media(self.model, input_ids, merged)}
-        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=position_ids,
-                         use_cache=True, **extra)
+        inputs = {"input_ids": input_ids}
+        if self.family is not None:
+            # Media, or a model that takes them running its vision tower on a blank (every rank
+            # runs the same modules: ZeRO-3), may replace the ids by embeddings.
+            merged = self.family.merge_media([media[row] for row in kept])
+            inputs.update(self.family.media_kwargs(self.model, input_ids, merged))
+            if "inputs_embeds" in inputs:
+                del inputs["input_ids"]
+        out = self.model(**inputs, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
         if dedupe:
             expand = expand.to(logits.device)

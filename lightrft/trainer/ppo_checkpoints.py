@@ -36,6 +36,7 @@ class PPOCheckpoints:
     critic: Any
     ema_model: Any
     tokenizer: Any
+    processor: Any                     # a vision-language run's processor: exports carry its files
     kl_ctl: Any                        # its state is saved and restored
     counters: dict
     callbacks: Any
@@ -80,7 +81,8 @@ class PPOCheckpoints:
                                                                tag, ckpt_path):
             return
         if self.save_hf_ckpt:
-            self.strategy.save_model(self.ema_model or self.actor, self.tokenizer, f"{ckpt_path}/{tag}_hf")
+            self.strategy.save_model(self.ema_model or self.actor, self.processor or self.tokenizer,
+                                     f"{ckpt_path}/{tag}_hf")
         self.callbacks.on_save(self, f"{ckpt_path}/_actor/{tag}")
 
     def load_checkpoint(self, args, required: bool = True) -> int:

@@ -63,7 +63,8 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     labels)`). `teacher_model` (a prepared frozen policy, `--teacher_pretrain`) distils into the
     actor on its own samples, as `algo.distill_mode` says (docs/distillation.md).
     `workflow_runner` (`lightrft.agents.WorkflowRunner`, --workflow) makes each sample a
-    multi-turn episode (docs/agents.md)."""
+    multi-turn episode (docs/agents.md). `processor` is a vision-language run's processor (set by
+    `build_ppo_run` for --image_key): Hugging Face exports carry its files with the tokenizer's."""
 
     def __init__(self, strategy, actor, critic, reward_model, initial_model, ema_model, actor_optim,
                  critic_optim, actor_scheduler, critic_scheduler, ema_beta: float = 0.992,
@@ -159,6 +160,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.ema_beta, self.max_epochs, self.max_norm = config.model.ema_beta, optim.max_epochs, optim.max_norm
         self.micro_train_batch_size, self.dataloader_pin_memory = optim.micro_train_batch_size, dataloader_pin_memory
         self.tokenizer, self.prompt_max_len = tokenizer, config.data.prompt_max_len
+        self.processor = None          # a vision-language run's processor (build_ppo_run sets it)
         self.save_hf_ckpt, self.disable_ds_ckpt = config.checkpoint.save_hf_ckpt, config.checkpoint.disable_ds_ckpt
         self.gradient_checkpointing = config.distributed.gradient_checkpointing
         self.generate_kwargs = dict(rollout_generate_kwargs(rollout_config) if generate_kwargs is None

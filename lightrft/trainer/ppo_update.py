@@ -186,10 +186,11 @@ class PPOUpdate:
             model.train()
 
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
+        media = experience.merged_media
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
                      return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0,
-                     **self._prompt_groups(model, experience))
+                     **self._prompt_groups(model, experience), **({"media": media} if media is not None else {}))
 
     def _prompt_groups(self, model, experience: Experience) -> dict:
         """`prompt_groups=` for a packed micro-batch, so its forward computes each prompt once; {}

@@ -256,3 +256,25 @@ def build_tiny_idefics3(tokenizer: PreTrainedTokenizerFast | None = None, seed: 
         torch.manual_seed(seed)
         model = Idefics3ForConditionalGeneration(config)
     return model.float().eval()
+
+
+def build_tiny_idefics3_processor(tokenizer: PreTrainedTokenizerFast | None = None):
+    """The processor of `build_tiny_idefics3`: transformers' PIL image processor (no torchvision),
+    every image resized to 56 x 56 without splitting, so each becomes one run of 4 `<image>`
+    tokens between `<fake_token_around_image>` tokens."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 56},
+                                                max_image_size={"longest_edge": 56})
+    return Idefics3Processor(image_processor, tokenizer or build_vlm_tokenizer(), image_seq_len=4)
+
+
+def save_tiny_idefics3(path: str | Path, seed: int = 0) -> Path:
+    """Builds the tiny Idefics3 and its processor (`build_tiny_idefics3_processor`) and saves both
+    as a Hugging Face folder that `AutoModelForImageTextToText` and `AutoProcessor` load."""
+    path = Path(path)
+    tokenizer = build_vlm_tokenizer()
+    processor = build_tiny_idefics3_processor(tokenizer)   # adds its own tokens (<end_of_utterance>) first
+    build_tiny_idefics3(processor.tokenizer, seed=seed).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

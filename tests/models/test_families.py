@@ -270,16 +270,16 @@ def test_media_that_does_not_match_the_placeholders_is_refused():
         text_actor(seqs[0][None], num_actions=2, media=media[0])
 
 
-def test_an_idefics3_folder_loads_through_its_family_and_a_run_stops_before_its_engine(tmp_path):
+def test_an_idefics3_folder_loads_through_its_family_and_a_run_stops_before_an_engine_it_lacks(tmp_path):
     tokenizer = build_vlm_tokenizer()
     build_tiny_idefics3(tokenizer).save_pretrained(tmp_path / "vlm")
     actor = ActorLanguage(str(tmp_path / "vlm"))
     assert type(actor.model).__name__ == "Idefics3ForConditionalGeneration"
-    values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math",
+    values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math", rollout_engine="vllm",
                   advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
     config = PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
-    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which no run can "
-                                          "roll out yet"):
+    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which only hf can "
+                                          "serve; pass --rollout_engine hf"):
         build_rollout_engine(config, tokenizer, seed=0)
 
 

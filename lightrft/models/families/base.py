@@ -16,14 +16,15 @@ from lightrft.models.hf_utils import (
     padded_forward_kwargs,
     shared_prompt_forward_kwargs,
 )
+from lightrft.models.media import merge_media
 from lightrft.models.packing import SharedPromptLayout
 
 
 class ModelFamily:
     """The decoder-only causal LMs of transformers (Llama, Qwen, Mistral, Gemma, GPT-2, ...), and
     the base of every other family: override the hooks (`load`, `check`, `position_ids`,
-    `context_length`, `media_inputs`, `banned_token_ids`, `packing_problem`) that differ; the input
-    builders below are written on them.
+    `context_length`, `image_media`, `media_inputs`, `banned_token_ids`, `packing_problem`) that
+    differ; the input builders below are written on them.
 
     `name` is how messages and docs call the family; `model_types` the `config.model_type` values it
     serves (empty for the default family, which serves every type no family names);
@@ -55,6 +56,12 @@ class ModelFamily:
         """The most tokens (prompt + answer) one sequence may hold, or None when the config names no limit."""
         return context_length(config)
 
+    def image_media(self, processor, images: list) -> dict[str, torch.Tensor]:
+        """The model inputs of one prompt's images (PIL), as `media_inputs` takes them, computed by
+        the model folder's `processor`. The default family takes no images."""
+        raise ValueError(f"{self.name} models take no images: train a vision-language model (docs/vlm.md) or drop "
+                         "--image_key")
+
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
         """Forward keyword arguments that carry `media` (the images of a batch or packed row, in the
         order of their placeholder tokens in `input_ids`, row by row; keys as the family's processor
@@ -62,6 +69,14 @@ class ModelFamily:
         from the decoder, so a packed row's attention arguments never reach it. The default family
         takes token ids only."""
         raise ValueError(f"{self.name} models take token ids only; this batch also carries {', '.join(sorted(media))}")
+
+    def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
+        """Forward keyword arguments for a batch without media of a model that takes them: the
+        vision tower still runs, on one blank image whose features enter with weight 0, so every
+        rank runs the same modules in the same order whatever its batch holds (ZeRO-3 gathers each
+        module's parameters with a collective; a rank skipping the tower hangs the others). The
+        result may hold `inputs_embeds`, which then replaces `input_ids`. The default family: {}."""
+        return {}
 
     def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
         """Token ids a rollout must never sample: a vision-language model's image placeholders
@@ -74,6 +89,23 @@ class ModelFamily:
         return packing_problem(model)
 
     # ------------------------------------------------------------------ built on the hooks
+    def takes_media(self) -> bool:
+        """Whether the family's models take media beside token ids (`media_inputs` is overridden)."""
+        return type(self).media_inputs is not ModelFamily.media_inputs
+
+    def media_kwargs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor] | None) -> dict:
+        """The keyword arguments that carry a batch's media (`encode_media`), or for a model that
+        takes media and a batch without any, the blank pass (`blank_media_inputs`). {} otherwise."""
+        if media:
+            return self.encode_media(model, input_ids, media)
+        return self.blank_media_inputs(model, input_ids) if self.takes_media() else {}
+
+    def _with_media(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, media) -> dict:
+        kwargs.update(self.media_kwargs(model, input_ids, media))
+        if "inputs_embeds" in kwargs:
+            kwargs.pop("input_ids", None)
+        return kwargs
+
     def has_own_positions(self) -> bool:
         """Whether `position_ids` maps lightrft's positions to others (False: it returns them as they are)."""
         return type(self).position_ids is not ModelFamily.position_ids
@@ -111,18 +143,14 @@ class ModelFamily:
         kwargs = padded_forward_kwargs(sequences, attention_mask)
         if attention_mask is None and self.has_own_positions():
             kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
-        if media:
-            kwargs.update(self.encode_media(model, sequences, media))
-        return self._mapped(model, kwargs)
+        return self._mapped(model, self._with_media(model, kwargs, sequences, media))
 
     def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int],
                       media: dict[str, torch.Tensor] | None = None) -> dict:
         """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`, with the
         row's `media` when it has any. Shape: (1, P)"""
         kwargs = packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation)
-        if media:
-            kwargs.update(self.encode_media(model, input_ids, media))
-        return self._mapped(model, kwargs)
+        return self._mapped(model, self._with_media(model, kwargs, input_ids, media))
 
     def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
         """Forward keyword arguments for the shared-prompt row of `layout`, built from the packed row (1, P)."""
@@ -180,18 +208,6 @@ def family_of(model: nn.Module) -> ModelFamily:
     config = getattr(model, "config", None)
     return family_for(config) if isinstance(config, PretrainedConfig) else CAUSAL_LM
 
-
-def merge_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
-    """The media of a batch or packed row from its samples' (None for a text-only sample): each
-    key's tensors concatenated along dim 0 in sample order, the order of their placeholders in the
-    row-major batch. None when no sample has any. Shape: per key, (n_i, ...) -> (sum n_i, ...)"""
-    present = [sample for sample in samples if sample]
-    if not present:
-        return None
-    keys = sorted(present[0])
-    if any(sorted(sample) != keys for sample in present):
-        raise ValueError(f"the samples of one batch carry different media fields: {sorted({tuple(sorted(s)) for s in present})}")
-    return {key: torch.cat([sample[key] for sample in present]) for key in keys}
 
 
 def load_model(path: str | os.PathLike, *, trust_remote_code: bool = False, **options) -> PreTrainedModel:

@@ -1,12 +1,16 @@
 """Idefics3, the architecture of SmolVLM: a SigLIP vision tower and a pixel-shuffle connector
 whose image features take the places of the `<image>` tokens of a Llama decoder (1-D positions).
 
-The vision tower runs in its own call (`media_inputs`), and the decoder gets the features as
-`mm_encoder_outputs`: the packed row's attention arguments (`packed_seq_lens`) then reach the
-decoder's attention only, never the image patches. The Hugging Face engine samples with images
-(they enter the prefill; `<image>` is never sampled) and its log-probs are the actor's; the run
-pipeline does not carry images from the data to the engine and the experience yet, so a run with
-an Idefics3 policy stops before building its engine (tests/models/test_families.py).
+The vision tower runs in its own call (`media_inputs`), its features take the places of the
+`<image>` tokens in the token embeddings, and the decoder gets `inputs_embeds`: the packed row's
+attention arguments (`packed_seq_lens`) then reach the decoder's attention only, never the image
+patches, and every rank runs the same modules in the same order whatever its batch holds (a batch
+without images runs the tower on a blank image with weight 0), which ZeRO-3 needs. The Hugging
+Face engine samples with images (they enter the prefill; `<image>` is never sampled, so its
+log-probs are the actor's renormalised without the placeholder's mass). A run carries a prompt's
+images from the data (`--image_key`) through the engine, the experience and the replay buffer to
+the forwards; vLLM does not take them from lightrft yet, so a run asking for it stops before
+building its engine.
 """
 
 import os
@@ -21,13 +25,19 @@ from lightrft.models.families.base import ModelFamily, register_family
 class Idefics3(ModelFamily):
     name = "Idefics3 (SmolVLM)"
     model_types = ("idefics3",)
-    rollout_engines = frozenset()           # no run carries images to an engine yet
+    rollout_engines = frozenset({"hf"})     # vLLM: images are not passed to it yet
 
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
         return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
 
     def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
         return (config.image_token_id,)
+
+    def image_media(self, processor, images: list) -> dict[str, torch.Tensor]:
+        """pixel_values (N, C, H, W) and pixel_attention_mask (N, H, W): the image processor pads a
+        prompt's images (or their tiles, with image splitting) to one size."""
+        out = processor.image_processor(images=[images], return_tensors="pt")
+        return {key: out[key][0] for key in ("pixel_values", "pixel_attention_mask") if key in out}
 
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
         """`media`: "pixel_values" (N, C, H, W) and optionally "pixel_attention_mask" (N, H, W), the
@@ -44,8 +54,22 @@ class Idefics3(ModelFamily):
                              f"{pixels.size(0)} images of {image_tokens(config)} tokens each ({expected}); "
                              "each image needs its run of placeholders in the prompt")
         features = vision_model_of(model).get_image_features(
-            pixels[None], None if mask is None else mask[None], return_dict=True)   # pooler_output (N, tokens, H)
-        return {"mm_encoder_outputs": {"image": features}}
+            pixels[None], None if mask is None else mask[None], return_dict=True).pooler_output   # (N, tokens, H)
+        embeds = model.get_input_embeddings()(input_ids)                                          # (B, T, H)
+        placeholders = (input_ids == config.image_token_id).unsqueeze(-1)                        # (B, T, 1)
+        return {"inputs_embeds": embeds.masked_scatter(placeholders, features.to(embeds.dtype))}
+
+
+    def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
+        """A uniform grey image through the vision tower (an all-zero one would be dropped as
+        padding), its features added to the token embeddings with weight 0."""
+        vision = vision_model_of(model)
+        size = model.config.vision_config.image_size
+        dtype = next(vision.vision_model.parameters()).dtype
+        pixels = torch.full((1, 1, 3, size, size), 0.5, device=input_ids.device, dtype=dtype)
+        features = vision.get_image_features(pixels, None, return_dict=True).pooler_output   # (1, tokens, H)
+        embeds = model.get_input_embeddings()(input_ids)                                    # (B, T, H)
+        return {"inputs_embeds": embeds + 0.0 * features.sum().to(embeds.dtype)}
 
 
 def image_tokens(config: PretrainedConfig) -> int:

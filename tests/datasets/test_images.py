@@ -1,0 +1,159 @@
+"""Prompts with images: every accepted way of giving an image reads the same pixels, the prompt's
+ids are the processor's with each image's placeholders expanded, chat content parts equal image
+markers, bad rows name the file, row and field, and a prompt record survives pickling."""
+
+import base64
+import io
+import json
+import pickle
+
+import pytest
+import torch
+
+from lightrft.builders.datasets import build_image_prompts
+from lightrft.config import ConfigError, PPORunConfig
+from lightrft.datasets import DatasetRowError, PromptDataset
+from lightrft.datasets.images import ImagePrompts
+from lightrft.datasets.prompt_record import PromptRecord, prompt_media, prompt_token_ids
+from lightrft.datasets.toy_images import colour_splits, draw_disc
+from lightrft.models.families import family_of
+from lightrft.models.tokenizer import build_tokenizer
+from lightrft.utils.tiny import build_tiny_idefics3_processor, save_tiny_idefics3, save_tiny_model
+from tests.conftest import to_flags
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    folder = save_tiny_idefics3(tmp_path_factory.mktemp("vlm") / "model")
+    tokenizer = build_tokenizer(str(folder), padding_side="left")
+    return folder, tokenizer, build_image_prompts(str(folder), tokenizer)
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_every_way_of_giving_an_image_reads_the_same_pixels_and_ids(vlm, tmp_path):
+    folder, tokenizer, images = vlm
+    import random
+
+    picture = draw_disc("g", random.Random(3))
+    (tmp_path / "img").mkdir()
+    picture.save(tmp_path / "img" / "a.png")
+    data = png_bytes(picture)
+    b64 = base64.b64encode(data).decode()
+    in_file = ["img/a.png", str(tmp_path / "img" / "a.png"), b64, f"data:image/png;base64,{b64}",
+               {"path": "img/a.png"}]
+    in_memory = [str(tmp_path / "img" / "a.png"), data, {"bytes": data, "path": None}, picture]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input": "<image>Colour?", "images": [form], "label": "g"}) + "\n"
+                            for form in in_file))
+    from_file = PromptDataset(path, tokenizer, label_key="label", image_key="images", images=images,
+                              prompt_max_len=64)
+    from_rows = PromptDataset([{"input": "<image>Colour?", "images": form, "label": "g"} for form in in_memory],
+                              tokenizer, label_key="label", image_key="images", images=images, prompt_max_len=64)
+    processor = build_tiny_idefics3_processor()
+    expected = processor(text=["<image>Colour?"], images=[[picture]], return_tensors="pt")
+    items = [from_file[i] for i in range(len(from_file))] + [from_rows[i] for i in range(len(from_rows))]
+    assert len(items) == len(in_file) + len(in_memory)
+    for prompt, label in items:
+        assert isinstance(prompt, PromptRecord) and prompt == "<image>Colour?" and label == "g"
+        assert list(prompt_token_ids(prompt)) == expected["input_ids"][0].tolist()
+        # 4 <image> placeholders (one image of 4 tokens) between the image markers
+        assert prompt.token_ids.count(tokenizer.convert_tokens_to_ids("<image>")) == 4
+        torch.testing.assert_close(prompt_media(prompt)["pixel_values"], expected["pixel_values"][0])
+        torch.testing.assert_close(prompt_media(prompt)["pixel_attention_mask"], expected["pixel_attention_mask"][0])
+
+
+def test_chat_image_parts_equal_image_markers_and_text_rows_stay_plain(vlm, tmp_path):
+    _, tokenizer, images = vlm
+    colour_splits(tmp_path, n_train=4, n_eval=1)
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    image = str(tmp_path / "images" / "train_00000.png")
+    rows = [{"q": parts, "images": [image]}, {"q": "<image>Colour?", "images": image}, {"q": "Just text"}]
+    dataset = PromptDataset(rows, tokenizer, input_key="q", apply_chat_template=True, image_key="images",
+                            images=images, prompt_max_len=64)
+    (a, _), (b, _), (c, _) = dataset[0], dataset[1], dataset[2]
+    assert a == b == "user: <image>Colour?\nassistant: " and a.token_ids == b.token_ids
+    torch.testing.assert_close(a.media["pixel_values"], b.media["pixel_values"])
+    assert type(c) is str and prompt_media(c) is None and prompt_token_ids(c) is None
+    assert dataset.texts() == [a, b, c]
+
+
+def test_bad_image_rows_name_the_file_row_and_field(vlm, tmp_path):
+    _, tokenizer, images = vlm
+    colour_splits(tmp_path, n_train=2, n_eval=1)
+    (tmp_path / "broken.png").write_bytes(b"not an image at all")
+    rows = [
+        {"input": "<image>ok", "images": ["images/train_00000.png"]},
+        {"input": "<image>missing", "images": ["images/nope.png"]},
+        {"input": "<image>broken", "images": ["broken.png"]},
+        {"input": "<image><image>two markers", "images": ["images/train_00000.png"]},
+        {"input": "no marker", "images": ["images/train_00000.png"]},
+        {"input": "<image>" + "x" * 60, "images": ["images/train_00001.png"]},
+        {"input": "<image>odd", "images": [{"url": "http://x"}]},
+        {"input": "<image>number", "images": [12]},
+        {"input": [{"role": "user", "content": [{"type": "video"}]}], "images": []},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = [
+        (1, "images[0]", "no image file"),
+        (2, "images[0]", "not a readable image"),
+        (3, "input", "marks 2 image(s)"),
+        (4, "input", "marks 0 image(s)"),
+        (5, "input", "over --prompt_max_len 64 (a prompt with images is never truncated"),
+        (6, "images[0]", "needs 'bytes' or 'path'"),
+        (7, "images[0]", "expected a path, bytes, base64 or an image object, got int"),
+    ]
+    for row, field, reason in expected:
+        case = tmp_path / f"case{row}.jsonl"
+        case.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[row]) + "\n")
+        with pytest.raises(DatasetRowError) as err:
+            PromptDataset(case, tokenizer, image_key="images", images=images, prompt_max_len=64)
+        assert err.value.row == 1 and err.value.field == field and reason in str(err.value), str(err.value)
+        assert str(case) in str(err.value)
+    with pytest.raises(DatasetRowError, match=r"field 'input\[0\]\.content\[0\]': a content part must be"):
+        PromptDataset([rows[8]], tokenizer, image_key="images", images=images, apply_chat_template=True)
+    skipped = PromptDataset(path, tokenizer, image_key="images", images=images, prompt_max_len=64,
+                            on_bad_row="skip", apply_chat_template=False, input_key="input")
+    assert len(skipped) == 1 and skipped.skipped == 8
+
+
+def test_a_prompt_record_pickles_whole_and_string_operations_give_text(vlm):
+    record = PromptRecord("<image>Colour?", [5, 6, 7], [draw_disc("r", __import__("random").Random(0))],
+                          {"pixel_values": torch.ones(1, 3, 56, 56)})
+    again = pickle.loads(pickle.dumps(record))
+    assert again == record and again.token_ids == (5, 6, 7) and len(again.images) == 1
+    assert torch.equal(again.media["pixel_values"], record.media["pixel_values"])
+    assert type(record + "!") is str and type(record.strip()) is str
+    assert "1 image(s)" in repr(record)
+
+
+def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
+    folder, tokenizer, _ = vlm
+    text_model = save_tiny_model(tmp_path / "text")
+    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* 'qwen2' model, which takes no images"):
+        build_image_prompts(str(text_model), tokenizer)
+    no_processor = tmp_path / "no_processor"
+    no_processor.mkdir()
+    (no_processor / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ValueError, match="its processor could not be loaded"):
+        build_image_prompts(str(no_processor), tokenizer)
+    with pytest.raises(ValueError, match="--image_key images: the model's processor is needed"):
+        PromptDataset([{"input": "x"}], tokenizer, image_key="images")
+    base = dict(pretrain=folder, prompt_data="p.jsonl", remote_rm_url="exact", image_key="images",
+                advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
+    for extra, flag in ((dict(reward_pretrain=folder), "--reward_pretrain"),
+                        (dict(critic_pretrain=folder, advantage_estimator="gae"), "--critic_pretrain"),
+                        (dict(workflow="w.py"), "--workflow"), (dict(explorer_ranks=1), "--explorer_ranks")):
+        argv = to_flags({**base, **extra})
+        with pytest.raises(ConfigError, match=f"--image_key images cannot be combined with {flag}"):
+            PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(argv))
+
+
+def test_image_prompts_need_a_processor_with_an_image_token():
+    with pytest.raises(ValueError, match="names no image token"):
+        ImagePrompts(object(), family_of(torch.nn.Linear(1, 1)))
