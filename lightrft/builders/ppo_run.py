@@ -65,7 +65,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
         actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                               lora_dropout=model.lora_dropout, target_modules=model.target_modules,
                               gradient_checkpointing=config.distributed.gradient_checkpointing,
-                              temperature=temperature, **policy_kwargs)
+                              temperature=temperature, freeze_vision_tower=model.freeze_vision_tower, **policy_kwargs)
         critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **scorer_kwargs)
                   if model.critic_pretrain else None)
         reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,

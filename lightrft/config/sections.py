@@ -197,6 +197,8 @@ class PPOModelConfig(ModelConfig):
     keep_dropout: bool = option(False, "keep the models' dropout during RL (default: off in actor, critic, reference "
                                        "and reward models, so an on-policy update has importance ratio exactly 1)")
     ema_beta: float = option(0.992, "EMA decay", at_least=0, below=1)
+    freeze_vision_tower: bool = option(False, "train a vision-language actor's decoder only: its vision encoder and "
+                                              "connector keep their weights (LoRA leaves them out either way)")
     no_prompt_sharing: bool = option(False, "give every sample its own prompt forward (default: the samples of one "
                                              "prompt in a micro-batch, padded or packed, share one forward of it in "
                                              "the actor, reference, critic and reward models: the same log-probs, "

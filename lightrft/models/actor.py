@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 
 import torch
 from torch import nn
@@ -41,7 +42,9 @@ class ActorLanguage(nn.Module):
             transformers name ("sdpa", "eager", "flex_attention", ...) overrides it.
         lora_rank: > 0 wraps the model in a peft LoRA adapter of this rank; only the adapter trains.
         lora_alpha, lora_dropout: LoRA scale numerator (scale = alpha / rank) and dropout.
-        target_modules: module names that get adapters; None means every linear layer but the LM head.
+        target_modules: module names that get adapters; None means every linear layer but the LM head
+            (and, in a vision-language model, but the vision tower).
+        freeze_vision_tower: a vision-language model's vision encoder and connector do not train.
         trust_remote_code: allow model code shipped in the folder.
         gradient_checkpointing: recompute activations in the backward pass (non-reentrant).
         temperature: logits are divided by it before log-softmax and entropy, matching sampling
@@ -78,6 +81,7 @@ class ActorLanguage(nn.Module):
         disable_dropout: bool = True,
         packing_samples: bool = False,
         share_prompts: bool = True,
+        freeze_vision_tower: bool = False,
     ) -> None:
         super().__init__()
         if temperature <= 0:
@@ -107,6 +111,14 @@ class ActorLanguage(nn.Module):
             zero_dropout(model)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        vision = self.family.vision_modules(model)
+        if freeze_vision_tower:
+            if not vision:
+                raise ValueError(f"--freeze_vision_tower: --pretrain is a {self.family.name} model, which has no "
+                                 "vision tower; drop the flag")
+            for name, param in model.named_parameters():
+                if name.startswith(tuple(prefix + "." for prefix in vision)):
+                    param.requires_grad_(False)
         self.lora_rank = lora_rank
         if lora_rank > 0:
             # peft is imported only when LoRA is asked for: it takes seconds to import.
@@ -118,6 +130,8 @@ class ActorLanguage(nn.Module):
                 lora_alpha=lora_alpha,
                 lora_dropout=lora_dropout,
                 target_modules=target_modules or "all-linear",
+                # The vision encoder and connector get no adapters: LoRA tunes the decoder.
+                exclude_modules=vision_module_pattern(vision) if vision else None,
                 bias="none",
             )
             model = get_peft_model(model, lora_config)
@@ -273,3 +287,8 @@ class ActorLanguage(nn.Module):
         if self.lora_rank == 0:
             return self.model
         return copy.deepcopy(self.model).merge_and_unload()
+
+
+def vision_module_pattern(prefixes: tuple[str, ...]) -> str:
+    """A peft `exclude_modules` regular expression for the modules under `prefixes`."""
+    return r"^(" + "|".join(re.escape(prefix) for prefix in prefixes) + r")(\..*)?$"

@@ -3,12 +3,15 @@
    has never seen (from chance, after a format warm-up on random answers), and the export loads
    with `AutoModelForImageTextToText` and `AutoProcessor`;
 2. ZeRO-3 with prompts with and without images, micro-batches of one prompt, so the ranks' micro-
-   batches differ in kind, and a reference model: it finishes (without the blank vision pass of a
-   text-only batch it crashed in gloo) with the engine's log-probs the trainer's."""
+   batches differ in kind, a reference model and --freeze_vision_tower: it finishes (without the
+   blank vision pass of a text-only batch it crashed in gloo), and the export holds the warm
+   model's vision tower and connector bit for bit beside a decoder that trained."""
 
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from lightrft.datasets.toy_images import colour_splits, format_warm_start, greedy_accuracy, read_rows
 from lightrft.utils.tiny import save_tiny_idefics3
@@ -37,7 +40,8 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
                       "ckpt_path": tmp_path / "grpo_ckpt", "use_tensorboard": tmp_path / "tb"})
     zero3 = to_flags({**common, "prompt_data": mixed, "n_samples_per_prompt": 4, "rollout_batch_size": 8,
                       "micro_rollout_batch_size": 4, "train_batch_size": 16, "micro_train_batch_size": 4,
-                      "init_kl_coef": 0.01, "max_steps": 3, "zero_stage": 3, "save_path": tmp_path / "z3",
+                      "init_kl_coef": 0.01, "max_steps": 3, "zero_stage": 3, "freeze_vision_tower": True,
+                      "save_path": tmp_path / "z3",
                       "ckpt_path": tmp_path / "z3_ckpt"})
     out_learn, out_zero3 = run_torchrun_many([learn, zero3], tmp_path, timeout=600)
 
@@ -59,3 +63,7 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     assert summary["step"] == 3 and summary["stop_reason"] == "max_steps"
     assert summary["rollout/engine_logprob_gap_mean"] < 0.05
     assert (tmp_path / "z3" / "processor_config.json").is_file()
+    start, end = load_file(warm / "model.safetensors"), load_file(tmp_path / "z3" / "model.safetensors")
+    vision = [name for name in start if name.startswith(("model.vision_model.", "model.connector."))]
+    assert len(vision) > 10 and all(torch.equal(start[name], end[name]) for name in vision)
+    assert any(not torch.equal(start[name], end[name]) for name in start if name.startswith("model.text_model."))

@@ -350,3 +350,17 @@ def test_images_from_another_device_reach_the_models_device_at_the_family():
     moved = engine.generate(prompt, params, seeds=[3],
                             media=[{"pixel_values": elsewhere(media[0]["pixel_values"])}])
     assert torch.equal(plain.sequences, moved.sequences)
+
+
+def test_lora_leaves_the_vision_tower_out_and_the_freeze_flag_fits_vision_models_only():
+    tokenizer = build_vlm_tokenizer()
+    lora = ActorLanguage(build_tiny_idefics3(tokenizer), lora_rank=4)
+    adapters = [name for name, p in lora.model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in name and ".text_model." in name for name in adapters)
+    frozen = ActorLanguage(build_tiny_idefics3(tokenizer), freeze_vision_tower=True)
+    trainable = {name for name, p in frozen.model.named_parameters() if p.requires_grad}
+    assert trainable and not any(name.startswith(("model.vision_model.", "model.connector.")) for name in trainable)
+    assert "lm_head.weight" in trainable and any(".text_model." in name for name in trainable)
+    with pytest.raises(ValueError, match="--freeze_vision_tower: --pretrain is a causal LM model, which has no vision "
+                                         "tower"):
+        ActorLanguage(build_tiny_causal_lm(tokenizer), freeze_vision_tower=True)

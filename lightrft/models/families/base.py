@@ -23,8 +23,8 @@ from lightrft.models.packing import SharedPromptLayout
 class ModelFamily:
     """The decoder-only causal LMs of transformers (Llama, Qwen, Mistral, Gemma, GPT-2, ...), and
     the base of every other family: override the hooks (`load`, `check`, `position_ids`,
-    `context_length`, `image_media`, `media_inputs`, `banned_token_ids`, `packing_problem`) that
-    differ; the input builders below are written on them.
+    `context_length`, `image_media`, `media_inputs`, `blank_media_inputs`, `vision_modules`,
+    `banned_token_ids`, `packing_problem`) that differ; the input builders below are written on them.
 
     `name` is how messages and docs call the family; `model_types` the `config.model_type` values it
     serves (empty for the default family, which serves every type no family names);
@@ -69,6 +69,12 @@ class ModelFamily:
         from the decoder, so a packed row's attention arguments never reach it. The default family
         takes token ids only."""
         raise ValueError(f"{self.name} models take token ids only; this batch also carries {', '.join(sorted(media))}")
+
+    def vision_modules(self, model: nn.Module) -> tuple[str, ...]:
+        """Names of the modules (in `model.named_modules()`) that turn images into features: the
+        vision encoder and its connector, which --freeze_vision_tower freezes and LoRA leaves out.
+        The default family has none."""
+        return ()
 
     def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
         """Forward keyword arguments for a batch without media of a model that takes them: the

@@ -60,6 +60,9 @@ class Idefics3(ModelFamily):
         return {"inputs_embeds": embeds.masked_scatter(placeholders, features.to(embeds.dtype))}
 
 
+    def vision_modules(self, model: nn.Module) -> tuple[str, ...]:
+        return ("model.vision_model", "model.connector")
+
     def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
         """A uniform grey image through the vision tower (an all-zero one would be dropped as
         padding), its features added to the token embeddings with weight 0."""
