@@ -9,10 +9,11 @@ Runs on a CPU-only laptop in about a minute, with nothing downloaded:
   3. a 30-step format warm-up on *random* answers (plain PyTorch): the model learns to answer with
      one letter, not which one, so it starts at chance (25%);
   4. runs GRPO with `lightrft.cli.train_ppo --image_key images` (two ranks, torchrun, the builtin
-     `exact` rule reward, Hugging Face rollouts with the images);
+     `exact` rule reward; rollouts with the images by Hugging Face decoding, or by vLLM with
+     `--rollout_engine vllm` where it is installed);
   5. prints held-out greedy accuracy before and after RL.
 
-    python examples/quickstart_vlm.py [--output_dir quickstart_vlm_output] [--nproc 2]
+    python examples/quickstart_vlm.py [--output_dir quickstart_vlm_output] [--nproc 2] [--rollout_engine vllm]
 """
 
 import argparse
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) for torchrun")
     parser.add_argument("--warmup_steps", type=int, default=30, help="format warm-up steps on random answers")
     parser.add_argument("--grpo_episodes", type=int, default=10, help="GRPO passes over the prompts")
+    parser.add_argument("--rollout_engine", choices=("hf", "vllm"), default="hf", help="who samples the rollouts")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -69,7 +71,8 @@ def main() -> None:
         "--num_episodes", str(args.grpo_episodes), "--max_epochs", "1", "--packing_samples",
         "--eval_data", str(eval_file), "--eval_steps", "20", "--save_path", str(out / "grpo"),
         "--ckpt_path", str(out / "grpo_ckpt"), "--save_steps", "40", "--zero_stage", "2", "--seed", str(args.seed),
-        "--use_tensorboard", str(out / "logs" / "tensorboard"),
+        "--use_tensorboard", str(out / "logs" / "tensorboard"), "--rollout_engine", args.rollout_engine,
+        *(["--vllm_kv_cache_gb", "0.25", "--vllm_enforce_eager"] if args.rollout_engine == "vllm" else []),
     ], out / "logs" / "grpo.log")
     after = greedy_accuracy(out / "grpo", eval_rows, data)
 

@@ -12,7 +12,8 @@ def build_prompt_dataset(data: PPODataConfig, tokenizer, path: str | None = None
                          apply_chat_template=data.apply_chat_template, prompt_max_len=data.prompt_max_len,
                          on_bad_row=data.on_bad_row, max_samples=None if path else data.max_samples,
                          truncate_long_prompts=data.truncate_long_prompts,
-                         flag="--eval_data" if path else "--prompt_data", image_key=data.image_key, images=images)
+                         flag="--eval_data" if path else "--prompt_data", image_key=data.image_key, images=images,
+                         max_images=data.max_images_per_prompt)
 
 
 def build_image_prompts(pretrain: str, tokenizer, trust_remote_code: bool = False):

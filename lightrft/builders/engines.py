@@ -27,6 +27,9 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                   if rollout.vllm_tensor_parallel_size != 1 else {}),
                                # a LoRA actor syncs only its adapter (RolloutManager.for_actor)
                                **({"lora_rank": model.lora_rank} if model.lora_rank > 0 else {}),
+                               # images per prompt, which vLLM budgets its encoder memory for
+                               **({"max_images_per_prompt": config.data.max_images_per_prompt}
+                                  if config.data.image_key else {}),
                                # the trainer's precision: vLLM's "auto" runs float32 models in half
                                dtype="bfloat16" if config.distributed.bf16 else "float32",
                                # the longest sequence a rollout makes (prompts are cut to prompt_max_len):

@@ -133,6 +133,10 @@ class ImagePrompts:
                              add_special_tokens=add_special_tokens)
         return [int(t) for t in out["input_ids"][0]]
 
+    def marker_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The token ids of `text` with one image marker per image (what vLLM expands itself)."""
+        return list(self.processor.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
     def media(self, images: Sequence) -> dict[str, Tensor]:
         """The model inputs of one prompt's images. Shape: per key, (N images (or tiles), ...)"""
         return self.family.image_media(self.processor, list(images))

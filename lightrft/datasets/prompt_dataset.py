@@ -41,7 +41,8 @@ class PromptDataset(Dataset):
     field (`lightrft.datasets.images`: paths relative to the data file, bytes, base64); its prompt
     marks each with an `{"type": "image"}` content part or the image marker, and becomes a
     `PromptRecord` whose `token_ids` hold the expanded placeholders. Such a prompt is never
-    truncated (that would cut an image's placeholders): over `prompt_max_len` it is a bad row. The
+    truncated (that would cut an image's placeholders): over `prompt_max_len` it is a bad row, as
+    is one with more than `max_images` images. The
     images are checked when the dataset is built and decoded again, with their model inputs
     (`media`), when an item is fetched, so memory holds only a batch's pixels."""
 
@@ -49,7 +50,7 @@ class PromptDataset(Dataset):
                  label_key: str | None = None, apply_chat_template: bool = False, prompt_max_len: int = 1024,
                  on_bad_row: str = "error", source_name: str | None = None, input_template: str | None = None,
                  truncate_long_prompts: bool = False, max_samples: int | None = None, flag: str = "--prompt_data",
-                 image_key: str | None = None, images: ImagePrompts | None = None):
+                 image_key: str | None = None, images: ImagePrompts | None = None, max_images: int | None = None):
         if prompt_max_len <= 0:
             raise ValueError(f"--prompt_max_len must be positive, got {prompt_max_len}")
         check_input_template(input_template)
@@ -65,7 +66,7 @@ class PromptDataset(Dataset):
         if image_key and images is None:
             raise ValueError(f"--image_key {image_key}: the model's processor is needed to read images "
                              "(PromptDataset(images=ImagePrompts(processor, family)))")
-        self.image_key, self.images = image_key, images
+        self.image_key, self.images, self.max_images = image_key, images, max_images
         # Relative image paths are read from the data file's folder (a saved dataset's own folder).
         self.base_dir = None
         if isinstance(rows_or_path, (str, Path)):
@@ -101,6 +102,11 @@ class PromptDataset(Dataset):
 
     def _build_with_images(self, index: int, prompt: str, sources: list) -> tuple[str, tuple[int, ...], list]:
         """(prompt text, its expanded ids, the image entries) of a row with images, checked."""
+        if self.max_images is not None and len(sources) > self.max_images:
+            raise DatasetRowError(self.source, index, self.image_key,
+                                  f"holds {len(sources)} images, over --max_images_per_prompt {self.max_images}",
+                                  "raise --max_images_per_prompt or skip such rows with --on_bad_row skip",
+                                  kind="too many images")
         images = [open_image(value, self.base_dir, self.source, index, f"{self.image_key}[{i}]")
                   for i, value in enumerate(sources)]
         markers = self.images.count_markers(prompt)
@@ -140,7 +146,8 @@ class PromptDataset(Dataset):
             row = self.row_indices[idx]
             images = [open_image(value, self.base_dir, self.source, row, f"{self.image_key}[{i}]")
                       for i, value in enumerate(sources)]
-            prompt = PromptRecord(text, ids, images, self.images.media(images) if images else None)
+            prompt = PromptRecord(text, ids, images, self.images.media(images) if images else None,
+                                  self.images.marker_ids(text, add_special_tokens=not self.apply_chat_template))
         return prompt, label
 
     def texts(self) -> list[str]:

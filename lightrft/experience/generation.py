@@ -16,7 +16,7 @@ from typing import Optional
 from torch import Tensor
 
 from lightrft.datasets.prompt_dataset import encode_prompts
-from lightrft.datasets.prompt_record import prompt_media, prompt_token_ids
+from lightrft.datasets.prompt_record import prompt_images, prompt_media, prompt_token_ids
 from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
@@ -93,7 +93,8 @@ class Generator:
         if self.workflow_runner is None:
             if media is None:
                 return Generation(self.engine.generate(self.tokenize(prompts), params, seeds=seeds))
-            rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, media=media)
+            rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, media=media,
+                                           images=[prompt_images(p) for p in prompts])
             # Each sample keeps its prompt's media for the trainer's forwards (one dict per prompt).
             return Generation(replace(rollout, media=[m for m in media for _ in range(params.n)]))
         if media is not None:

@@ -126,6 +126,18 @@ class EngineCapabilities:
         return "live" in self.weight_syncs
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """A prompt's images as an engine that expands image placeholders itself (vLLM) takes them:
+    the decoded images (PIL), the prompt's ids with one image marker per image (`marker_ids`), and
+    the ids the trainer holds, every placeholder expanded (`token_ids`), which the engine's own
+    expansion must reproduce."""
+
+    images: tuple
+    marker_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+
+
 @dataclass
 class RolloutOutput:
     """Sampled sequences, prompts left-padded and responses right-padded.
@@ -320,7 +332,8 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                  seeds: list[int] | None = None) -> RolloutOutput:
-        """A `multimodal` engine also takes `media=`: per prompt, its model inputs (images) or None."""
+        """A `multimodal` engine also takes `media=` (per prompt, its model inputs, the images'
+        tensors, or None) and `images=` (per prompt, its `PromptImages` or None)."""
         ...
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -96,10 +96,12 @@ class HFEngine:
         return next(self.model.parameters()).device
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None, media: list[dict | None] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, media: list[dict | None] | None = None,
+                 images: list | None = None) -> RolloutOutput:
         """Samples `params.n` responses for each prompt; sample j of prompt i draws from
         `sample_seed(seeds[i], j)`. `media`: per prompt, its images (and the like) as its model
-        family takes them, or None; the prompt's placeholder tokens are in its ids. See
+        family takes them, or None; the prompt's placeholder tokens are in its ids (`images`, the
+        raw images for engines that expand placeholders themselves, is not needed here). See
         `RolloutOutput` for the layout."""
         validate_prompts(prompt_token_ids)
         request_seeds = request_seeds_for(prompt_token_ids, params, seeds)

@@ -211,10 +211,12 @@ class RolloutManager:
         return cls(engine, stream.adapter_buckets, adapter_config=stream.adapter_config())
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None, media: list | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, media: list | None = None,
+                 images: list | None = None) -> RolloutOutput:
         """Wakes the engine, brings its weights up to date if they are stale, and generates
-        (`RolloutEngine.generate`: one call for the whole rollout, one seed per prompt). `media`:
-        per prompt, its model inputs (images) or None, for an engine that declares `multimodal`."""
+        (`RolloutEngine.generate`: one call for the whole rollout, one seed per prompt). `media`
+        and `images`: per prompt, its images as tensors and as `PromptImages` (or None), for an
+        engine that declares `multimodal`."""
         if media is not None and not self.capabilities.multimodal:
             raise ValueError(f"{type(self.engine).__name__} takes token ids only, and these prompts carry images: "
                              "pick a rollout engine that takes images (--rollout_engine hf)")
@@ -227,7 +229,7 @@ class RolloutManager:
         if self.replica is None:
             if media is None:
                 return self.engine.generate(prompt_token_ids, params, seeds=seeds)
-            return self.engine.generate(prompt_token_ids, params, seeds=seeds, media=media)
+            return self.engine.generate(prompt_token_ids, params, seeds=seeds, media=media, images=images)
         return self._generate_in_replica(prompt_token_ids, params, seeds)
 
     def _generate_in_replica(self, prompt_token_ids: list[list[int]], params: SamplingParams,

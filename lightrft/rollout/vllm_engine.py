@@ -215,14 +215,15 @@ class VLLMEngine:
     # only; elsewhere `sleep` does nothing. Its teardown destroys the default process group, and it
     # joins the process's distributed environment: one engine per process, shut down explicitly.
     capabilities = EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,
-                                      tensor_parallel=True, sleep=True, keeps_weights_asleep=True,
+                                      tensor_parallel=True, sleep=True, keeps_weights_asleep=True, multimodal=True,
                                       needs_shutdown=True, one_per_process=True,
                                       memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"))
 
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
                  enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB,
-                 tensor_parallel_size: int = 1, lora_rank: int = 0, weight_sync: str = "auto", **llm_kwargs):
+                 tensor_parallel_size: int = 1, lora_rank: int = 0, weight_sync: str = "auto",
+                 max_images_per_prompt: int = 1, **llm_kwargs):
         replica = replica_ranks(get_rank(), get_world_size(), tensor_parallel_size)
         if lora_rank < 0 or lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"--lora_rank {lora_rank}: vLLM serves LoRA adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
@@ -272,8 +273,19 @@ class VLLMEngine:
         if self.lora_rank > 0:
             options.update(enable_lora=True, max_loras=1,
                            max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
+        vision = vision_facts(model_path)
+        if vision is not None:
+            # Images per prompt (vLLM budgets its encoder memory for that many) and no videos.
+            options["limit_mm_per_prompt"] = {"image": max(1, int(max_images_per_prompt)), "video": 0}
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
+        # A vision-language model: placeholder ids it must never sample (as HFEngine bans them),
+        # and an encoder cache to reset after every sync (see update_weights).
+        self.multimodal_model = vision is not None
+        self._allowed_ids = None
+        if vision is not None and vision:
+            vocab = self.llm.llm_engine.model_config.get_vocab_size()
+            self._allowed_ids = [t for t in range(vocab) if t not in set(vision)]
         on_exit_without_teardown(release_shared_memory)
         self.weight_dtype = self.llm.llm_engine.model_config.dtype  # what a delta sync compares in
         self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
@@ -282,10 +294,16 @@ class VLLMEngine:
         self._adapter_root = None    # this rank's folder of adapter files, removed with the engine
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 seeds: list[int] | None = None) -> RolloutOutput:
+                 seeds: list[int] | None = None, media: list | None = None,
+                 images: list | None = None) -> RolloutOutput:
         """Samples `params.n` responses per prompt in one vLLM call. Every sample is its own
         request seeded with `sample_seed(seeds[i], j)`, the stream `HFEngine` uses, rather than
-        vLLM's n-children (seeded `seed + j`), so streams never overlap between prompts."""
+        vLLM's n-children (seeded `seed + j`), so streams never overlap between prompts.
+
+        `images`: per prompt, its `PromptImages` or None. vLLM expands image placeholders itself,
+        so such a prompt goes with one marker per image (`marker_ids`: ids already expanded would
+        be expanded again, silently) and its images; the ids vLLM expands them to must be the
+        trainer's (`token_ids`), else the call raises. `media` (tensors) is not needed here."""
         validate_prompts(prompt_token_ids)
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate() called after shutdown(): build a new engine")
@@ -293,18 +311,37 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate() called while the engine sleeps: call wake_up() first "
                                "(RolloutManager does this)")
         request_seeds = request_seeds_for(prompt_token_ids, params, seeds)
+        images = images or [None] * len(prompt_token_ids)
+        if len(images) != len(prompt_token_ids):
+            raise ValueError(f"VLLMEngine.generate: {len(images)} image entries for {len(prompt_token_ids)} prompts")
         prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
+        requests = [self._request(p, pictures) for p, pictures in zip(prompt_token_ids, images) for _ in range(params.n)]
         sampling = [self._sampling_params(params, sample_seed(s, j)) for s in request_seeds for j in range(params.n)]
         # One adapter (or none) for the whole call: base and adapter requests never mix (module doc).
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False,
-                                    lora_request=self.adapter)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.adapter)
         responses, log_probs = [], []
-        for request_output in outputs:
+        for row, request_output in enumerate(outputs):
+            if request_output.prompt_token_ids is not None and list(request_output.prompt_token_ids) != prompts[row]:
+                raise RuntimeError(
+                    f"vLLM expanded prompt {row // params.n} to {len(request_output.prompt_token_ids)} ids, the "
+                    f"trainer holds {len(prompts[row])}: its processor expands the image placeholders differently "
+                    "(or the prompt's ids were expanded twice); the log-probs would not be the trainer's")
             completion = request_output.outputs[0]
             tokens = list(completion.token_ids)
             responses.append(tokens)
             log_probs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
         return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
+
+    def _request(self, prompt_ids, pictures) -> dict:
+        """vLLM's request for a prompt: its ids, or with images the ids with one marker per image
+        and the images (`PromptImages`)."""
+        if pictures is None:
+            return {"prompt_token_ids": list(prompt_ids)}
+        if not self.multimodal_model:
+            raise ValueError("this VLLMEngine serves a model that takes no images, and a prompt carries some")
+        if tuple(prompt_ids) != tuple(pictures.token_ids):
+            raise ValueError("VLLMEngine.generate: a prompt's ids are not its PromptImages.token_ids")
+        return {"prompt_token_ids": list(pictures.marker_ids), "multi_modal_data": {"image": list(pictures.images)}}
 
     def _sampling_params(self, params: SamplingParams, seed: int):
         return self._vllm.SamplingParams(
@@ -319,6 +356,7 @@ class VLLMEngine:
             stop_token_ids=self.eos_token_ids,
             ignore_eos=True,  # the stop set is exactly eos_token_ids, as in HFEngine
             detokenize=False,
+            allowed_token_ids=self._allowed_ids,   # a VLM's image placeholders are never sampled
         )
 
     def update_weights(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -337,6 +375,10 @@ class VLLMEngine:
         check_whole_layers(self._layers, [name for name, _ in named_params])
         self.llm.collective_rpc(_reload_on_worker, args=(named_params,))
         self.llm.reset_prefix_cache()
+        if self.multimodal_model:
+            # vLLM keys encoded images by their hash alone: the scheduler would serve the features
+            # the old vision tower made (or, after an in-place reload, miss them and raise).
+            self.llm.llm_engine.reset_encoder_cache()
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config) -> int:
         """Serves a new LoRA adapter: `(name, tensor)` pairs of the adapter's weights named as in
@@ -410,6 +452,22 @@ class VLLMEngine:
 # left behind makes the next run with the same ranks fail ("create shm in SHMManager failed.
 # errno: 17").
 CPU_SHM_SEGMENT = re.compile(r"^(/dev/shm/\S*-cpushm_\d+)$")
+
+
+def vision_facts(model_path: str) -> tuple[int, ...] | None:
+    """None for a text-only model folder; for a vision-language one (its config has a
+    `vision_config`), the token ids its family bans from sampling (the image placeholders)."""
+    from transformers import AutoConfig
+
+    from lightrft.models.families import family_for
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+    if getattr(config, "vision_config", None) is None:
+        return None
+    return tuple(family_for(config).banned_token_ids(config))
 
 
 def release_shared_memory() -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import RobertaConfig, RobertaForCausalLM, RobertaModel
 
-from lightrft.builders.engines import build_rollout_engine
+from lightrft.builders.engines import build_rollout_engine, check_engine_serves_family
 from lightrft.config import ConfigError, PPORunConfig
 from lightrft.models import ActorLanguage, Critic, RewardModel
 from lightrft.models.families import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_for, family_of, merge_media,
@@ -270,17 +270,17 @@ def test_media_that_does_not_match_the_placeholders_is_refused():
         text_actor(seqs[0][None], num_actions=2, media=media[0])
 
 
-def test_an_idefics3_folder_loads_through_its_family_and_a_run_stops_before_an_engine_it_lacks(tmp_path):
+def test_an_idefics3_folder_loads_through_its_family_and_every_engine_serves_it(tmp_path):
     tokenizer = build_vlm_tokenizer()
     build_tiny_idefics3(tokenizer).save_pretrained(tmp_path / "vlm")
     actor = ActorLanguage(str(tmp_path / "vlm"))
     assert type(actor.model).__name__ == "Idefics3ForConditionalGeneration"
-    values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math", rollout_engine="vllm",
-                  advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
-    config = PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
-    with pytest.raises(ConfigError, match=r"Idefics3 \(SmolVLM\) model \(model_type 'idefics3'\), which only hf can "
-                                          "serve; pass --rollout_engine hf"):
-        build_rollout_engine(config, tokenizer, seed=0)
+    for engine in ("hf", "vllm"):
+        values = dict(pretrain=tmp_path / "vlm", prompt_data="p.jsonl", remote_rm_url="math", rollout_engine=engine,
+                      advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8,
+                      train_batch_size=32)
+        config = PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+        check_engine_serves_family(config)
 
 
 def test_the_hf_engine_samples_with_images_and_its_log_probs_are_the_actors():

@@ -29,7 +29,7 @@ def test_the_builtin_engines_declare_what_they_do():
                                     needs_shutdown=False, one_per_process=False,
                                     memory_options=("micro_rollout_batch_size",))
     assert vllm == EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,
-                                      tensor_parallel=True, sleep=True, keeps_weights_asleep=True, multimodal=False,
+                                      tensor_parallel=True, sleep=True, keeps_weights_asleep=True, multimodal=True,
                                       rollout_log_probs=True, needs_shutdown=True, one_per_process=True,
                                       memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"))
     assert hf.shares_live_weights and not vllm.shares_live_weights

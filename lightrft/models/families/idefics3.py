@@ -9,8 +9,8 @@ without images runs the tower on a blank image with weight 0), which ZeRO-3 need
 Face engine samples with images (they enter the prefill; `<image>` is never sampled, so its
 log-probs are the actor's renormalised without the placeholder's mass). A run carries a prompt's
 images from the data (`--image_key`) through the engine, the experience and the replay buffer to
-the forwards; vLLM does not take them from lightrft yet, so a run asking for it stops before
-building its engine.
+the forwards. vLLM takes each prompt with one `<image>` marker per image and the images, and
+expands them itself (its expansion is checked against the trainer's ids).
 """
 
 import os
@@ -25,7 +25,6 @@ from lightrft.models.families.base import ModelFamily, register_family
 class Idefics3(ModelFamily):
     name = "Idefics3 (SmolVLM)"
     model_types = ("idefics3",)
-    rollout_engines = frozenset({"hf"})     # vLLM: images are not passed to it yet
 
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
         return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
