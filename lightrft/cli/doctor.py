@@ -153,7 +153,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
                     results.append(agree(stopped(name, err, "sampling the responses the check needs"), run))
                 return results
             runners = {"invariance": lambda: check_invariance(run, rollout),
-                       "engine": lambda: check_engine(run, prompt_ids, rollout),
+                       "engine": lambda: check_engine(run, prompts, prompt_ids, rollout),
                        "rewards": lambda: check_rewards(run, prompts, labels, rollout, options.doctor_reward_calls),
                        "workflow": lambda: check_workflow(run, prompts, labels)}
             for name in sampled:
@@ -181,9 +181,12 @@ def sample_batch(run):
     prompts, labels = next(iter(run.dataloader))
     needed = -(-max(args.micro_rollout_batch_size, args.micro_train_batch_size, 2) // args.n_samples_per_prompt)
     prompts, labels = list(prompts)[:needed], list(labels)[:needed]
-    prompt_ids = run.trainer.experience_services.generator.tokenize(prompts)
-    rollout = arrive(run.trainer.rollout.generate(prompt_ids, sampling_params(args, args.seed + strategy.rank)))
-    return prompts, labels, prompt_ids, rollout
+    generator = run.trainer.experience_services.generator
+    prompt_ids = generator.tokenize(prompts)
+    params = sampling_params(args, args.seed + strategy.rank)
+    rollout = generator.with_media(run.trainer.rollout.generate(prompt_ids, params, **generator.engine_inputs(prompts)),
+                                   prompts, params.n)
+    return prompts, labels, prompt_ids, arrive(rollout)
 
 
 def guarded(name: str, check) -> CheckResult:

@@ -18,6 +18,7 @@ import torch
 
 from lightrft.config.run import PPORunConfig
 from lightrft.experience.placement import arrive
+from lightrft.models.media import merge_media
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
@@ -41,8 +42,10 @@ def actor_log_probs(run, rollout: RolloutOutput) -> torch.Tensor:
     out = []
     for i in range(0, rollout.sequences.size(0), micro):
         rows = slice(i, i + micro)
+        media = merge_media(rollout.media[rows]) if rollout.media is not None else None
         out.append(actor(rollout.sequences[rows].to(device), rollout.num_actions,
-                         attention_mask=rollout.attention_mask[rows].to(device)).float().cpu())
+                         attention_mask=rollout.attention_mask[rows].to(device),
+                         **({"media": media} if media is not None else {})).float().cpu())
     return torch.cat(out) * rollout.action_mask.float()
 
 
@@ -97,8 +100,9 @@ def gathered(strategy, params: list):
         yield
 
 
-def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> CheckResult:
-    """`rollout` was sampled from `prompt_ids` through the run's rollout manager with `sampling_params`."""
+def check_engine(run, prompts: list[str], prompt_ids: list[list[int]], rollout: RolloutOutput) -> CheckResult:
+    """`rollout` was sampled from `prompts` (tokenised to `prompt_ids`; with their images, when they
+    carry some) through the run's rollout manager with `sampling_params`."""
     config, strategy, manager = run.args, run.strategy, run.trainer.rollout
     engine, seed = config.rollout.rollout_engine, config.distributed.seed
     result = CheckResult("engine", f"{engine} engine log-probs vs the trainer's, weight-sync round trip")
@@ -119,7 +123,10 @@ def check_engine(run, prompt_ids: list[list[int]], rollout: RolloutOutput) -> Ch
     params = sampling_params(config, seed + strategy.rank + 1)
     with moved_weights(run, scale, seed):
         manager.mark_stale()
-        moved_rollout = arrive(manager.generate(prompt_ids, params))
+        generator = run.trainer.experience_services.generator
+        moved_rollout = arrive(generator.with_media(manager.generate(prompt_ids, params,
+                                                                     **generator.engine_inputs(prompts)),
+                                                    prompts, params.n))
         gap_moved = gap(moved_rollout.rollout_log_probs, actor_log_probs(run, moved_rollout), moved_rollout.action_mask)
     manager.mark_stale()
     manager.sync_weights()

@@ -74,6 +74,25 @@ class Generator:
         """The token ids the engine is given for `prompts` (`encode_rollout_prompts`)."""
         return encode_rollout_prompts(self.tokenizer, prompts, self.apply_chat_template, self.prompt_max_len)
 
+    @staticmethod
+    def engine_inputs(prompts: list[str]) -> dict:
+        """What an engine takes beside the prompts' ids: for prompts with images, `media` (their
+        tensors) and `images` (`PromptImages`), one entry per prompt (None for a text prompt);
+        {} when no prompt has images."""
+        media = [prompt_media(p) for p in prompts]
+        if not any(media):
+            return {}
+        return {"media": media, "images": [prompt_images(p) for p in prompts]}
+
+    @staticmethod
+    def with_media(rollout: RolloutOutput, prompts: list[str], n: int) -> RolloutOutput:
+        """`rollout` (n samples per prompt) with each sample holding its prompt's media for the
+        trainer's forwards; as it is when no prompt has images."""
+        media = [prompt_media(p) for p in prompts]
+        if not any(media):
+            return rollout
+        return replace(rollout, media=[m for m in media for _ in range(n)])
+
     def seeds(self, count: int, call: int, stream: str = "train") -> list[int]:
         """The seeds of this rank's `count` prompts in rollout number `call` (1-based) of `stream`:
         each prompt draws from its own stream, derived from the run seed, `call` and the prompt's
@@ -87,17 +106,11 @@ class Generator:
         """`params.n` samples per prompt in one engine call, or with a workflow one multi-turn
         episode each, scored by the workflow where it can (`labels` go to the workflow)."""
         seeds = self.seeds(len(prompts), call, stream)
-        media = [prompt_media(p) for p in prompts]
-        if not any(media):
-            media = None
+        inputs = self.engine_inputs(prompts)
         if self.workflow_runner is None:
-            if media is None:
-                return Generation(self.engine.generate(self.tokenize(prompts), params, seeds=seeds))
-            rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, media=media,
-                                           images=[prompt_images(p) for p in prompts])
-            # Each sample keeps its prompt's media for the trainer's forwards (one dict per prompt).
-            return Generation(replace(rollout, media=[m for m in media for _ in range(params.n)]))
-        if media is not None:
+            rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, **inputs)
+            return Generation(self.with_media(rollout, prompts, params.n))
+        if inputs:
             raise ValueError("multi-turn workflows (--workflow) take text prompts only so far; this batch has "
                              "prompts with images (--image_key)")
         batch = self.workflow_runner.run(self.engine, self.tokenize(prompts), prompts, labels, params, seeds)

@@ -318,3 +318,33 @@ def test_workflow_check_plays_episodes_and_reports_how_they_ended(task, tmp_path
                     max_episode_tokens=200).check("workflow")
     assert budget.figures["stop_reasons"] == {"max_turns": 16}
     assert any("ran out of --max_turns (1)" in f.text for f in budget.findings)
+
+
+def test_a_vision_language_run_passes_with_its_images_in_every_check(tmp_path):
+    """Prompts with and without images (the colour task) through every check: the engine check
+    samples and scores with each prompt's images, the invariance check splits and packs them."""
+    from lightrft.datasets.toy_images import colour_splits, format_warm_start, read_rows
+    from lightrft.utils.tiny import save_tiny_idefics3
+
+    train, _ = colour_splits(tmp_path / "data", n_train=16, n_eval=4)
+    rows = read_rows(train)
+    warm = format_warm_start(save_tiny_idefics3(tmp_path / "base"), tmp_path / "warm", rows, tmp_path / "data",
+                             steps=30)
+    mixed = tmp_path / "data" / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r if i % 2 == 0 else {"input": "Colour?", "label": r["label"]}) + "\n"
+                             for i, r in enumerate(rows)))
+    argv = ["--pretrain", warm, "--prompt_data", mixed, "--image_key", "images", "--label_key", "label",
+            "--remote_rm_url", "exact", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
+            "--rollout_batch_size", "4", "--micro_rollout_batch_size", "4", "--train_batch_size", "16",
+            "--micro_train_batch_size", "4", "--generate_max_len", "2", "--prompt_max_len", "64",
+            "--save_path", tmp_path / "run", "--ckpt_path", tmp_path / "ckpt"]
+    for key in LAUNCH_ENV:
+        os.environ.pop(key, None)
+    try:
+        report = run_doctor([str(a) for a in argv])
+    finally:
+        for key in LAUNCH_ENV:
+            os.environ.pop(key, None)
+    assert {c.name: c.status for c in report.checks} == dict.fromkeys(
+        ["data", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+    assert report.check("engine").figures["gap_mean"] < 1e-3

@@ -115,6 +115,11 @@ def test_bad_image_rows_name_the_file_row_and_field(vlm, tmp_path):
             PromptDataset(case, tokenizer, image_key="images", images=images, prompt_max_len=64)
         assert err.value.row == 1 and err.value.field == field and reason in str(err.value), str(err.value)
         assert str(case) in str(err.value)
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"input": "<image><image>x", "images": ["images/train_00000.png"] * 2}) + "\n")
+    with pytest.raises(DatasetRowError, match=r"row 0, field 'images': holds 2 images, over --max_images_per_prompt 1"):
+        PromptDataset(two, tokenizer, image_key="images", images=images, max_images=1)
+    assert len(PromptDataset(two, tokenizer, image_key="images", images=images, max_images=2)) == 1
     with pytest.raises(DatasetRowError, match=r"field 'input\[0\]\.content\[0\]': a content part must be"):
         PromptDataset([rows[8]], tokenizer, image_key="images", images=images, apply_chat_template=True)
     skipped = PromptDataset(path, tokenizer, image_key="images", images=images, prompt_max_len=64,
