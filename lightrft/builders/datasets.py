@@ -28,8 +28,10 @@ def build_image_prompts(pretrain: str, tokenizer, trust_remote_code: bool = Fals
     config = AutoConfig.from_pretrained(pretrain, trust_remote_code=trust_remote_code)
     family = family_for(config)
     if type(family).image_media is ModelFamily.image_media:
-        raise ValueError(f"--image_key is set but --pretrain {pretrain} is a {config.model_type!r} model, which takes "
-                         "no images: pass a vision-language model (docs/vlm.md lists the families) or drop --image_key")
+        what = ("a vision-language model of a kind lightrft does not train yet" if hasattr(config, "vision_config")
+                else "a model that takes no images")
+        raise ValueError(f"--image_key is set but --pretrain {pretrain} is a {config.model_type!r} model, {what}: "
+                         "pass a model of a family docs/vlm.md lists, or drop --image_key")
     try:
         processor = AutoProcessor.from_pretrained(pretrain, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as err:

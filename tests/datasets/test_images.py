@@ -140,7 +140,8 @@ def test_a_prompt_record_pickles_whole_and_string_operations_give_text(vlm):
 def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
     folder, tokenizer, _ = vlm
     text_model = save_tiny_model(tmp_path / "text")
-    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* 'qwen2' model, which takes no images"):
+    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* 'qwen2' model, a model that takes no "
+                                         "images"):
         build_image_prompts(str(text_model), tokenizer)
     no_processor = tmp_path / "no_processor"
     no_processor.mkdir()
