@@ -59,6 +59,15 @@ def torchrun(module: str, nproc: int, flags: list[str], log_path: Path) -> None:
             raise SystemExit(f"{module} failed with exit code {proc.returncode}; full output in {log_path}")
 
 
+def fresh_output_dir(path: str) -> Path:
+    """`path` resolved, emptied of an earlier run's files, with its logs/ folder made."""
+    out = Path(path).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "logs").mkdir(parents=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="quickstart_output", help="where models, checkpoints and logs go")
@@ -69,10 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.time()
-    out = Path(args.output_dir).resolve()
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "logs").mkdir(parents=True)
+    out = fresh_output_dir(args.output_dir)
 
     # 1-2. Tiny model and toy task, all made here.
     base = save_tiny_model(out / "base", arch="qwen2", seed=args.seed, hidden_size=64, num_layers=2)

@@ -18,7 +18,6 @@ Runs on a CPU-only laptop in about a minute, with nothing downloaded:
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quickstart import torchrun  # noqa: E402
+from quickstart import fresh_output_dir, torchrun  # noqa: E402
 
 from lightrft.datasets.toy_images import colour_splits, format_warm_start, greedy_accuracy, read_rows  # noqa: E402
 from lightrft.utils.tiny import save_tiny_idefics3  # noqa: E402
@@ -44,10 +43,7 @@ def main() -> None:
     args = parser.parse_args()
 
     started = time.time()
-    out = Path(args.output_dir).resolve()
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "logs").mkdir(parents=True)
+    out = fresh_output_dir(args.output_dir)
 
     # 1-2. Tiny vision-language model and the colour task, all made here.
     base = save_tiny_idefics3(out / "base", seed=args.seed)
