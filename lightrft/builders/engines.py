@@ -30,6 +30,7 @@ def build_vllm_engine(config, tokenizer, seed: int):
                                # images per prompt, which vLLM budgets its encoder memory for
                                **({"max_images_per_prompt": config.data.max_images_per_prompt}
                                   if config.data.image_key else {}),
+                               banned_token_ids=banned_token_ids(config),
                                # the trainer's precision: vLLM's "auto" runs float32 models in half
                                dtype="bfloat16" if config.distributed.bf16 else "float32",
                                # the longest sequence a rollout makes (prompts are cut to prompt_max_len):
@@ -61,6 +62,20 @@ def build_rollout_engine(config, tokenizer, seed: int):
                           "one to lightrft.builders.engines.ENGINE_BUILDERS, or build it with make_rollout_engine "
                           "and pass it as PPOTrainer(..., rollout_engine=...)")
     return ENGINE_BUILDERS[name](config, tokenizer, seed)
+
+
+def banned_token_ids(config) -> tuple[int, ...]:
+    """The ids the policy's model family never lets a rollout sample (image placeholders); () for
+    a folder whose config cannot be read here (a Hub id: no network call before the run)."""
+    from transformers import AutoConfig
+
+    from lightrft.models.families import family_for
+
+    path = Path(config.model.pretrain).expanduser()
+    if not (path / "config.json").is_file():
+        return ()
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+    return tuple(family_for(hf_config).banned_token_ids(hf_config))
 
 
 def check_engine_serves_family(config) -> None:

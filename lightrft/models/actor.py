@@ -6,7 +6,7 @@ import re
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.families import family_of, load_model
@@ -106,6 +106,8 @@ class ActorLanguage(nn.Module):
         # How this kind of model is loaded and fed (`lightrft.models.families`).
         self.family = family_of(model)
         self.family.check(model, "--pretrain")
+        banned = self.family.banned_token_ids(model.config) if isinstance(model.config, PretrainedConfig) else ()
+        self.banned_ids = torch.tensor(banned, dtype=torch.long) if banned else None
         if disable_dropout:
             # Before LoRA wraps the model, so an explicit --lora_dropout stays in force.
             zero_dropout(model)
@@ -203,7 +205,9 @@ class ActorLanguage(nn.Module):
         samples'); the model family computes their features apart from the decoder
         (`ModelFamily.media_inputs`); a batch without media still runs the vision tower, on a blank
         image with weight 0 (`ModelFamily.blank_media_inputs`: ZeRO-3 needs every rank to run the
-        same modules). A vision-language model's forwards do not share prompts.
+        same modules). A vision-language model's forwards do not share prompts, and its image
+        placeholder ids are out of the distribution (the rollout engines never sample them), so the
+        log-probs and entropy are the engines'.
         """
         if return_aux_loss and num_actions is not None and not return_output:
             raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
@@ -231,10 +235,21 @@ class ActorLanguage(nn.Module):
             # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
             output = self.model(**kwargs, logits_to_keep=num_actions + 1)
             output.logits = output.logits[:, :-1]  # (B, A, V)
+        output.logits = self._without_banned(output.logits)
         log_probs = log_probs_from_logits(output.logits, sequences[:, -num_actions:], self.temperature)  # (B, A)
         if return_output and return_entropy:
             output["entropy"] = entropy_from_logits(output.logits, self.temperature)  # (B, A)
         return (log_probs, output) if return_output else log_probs
+
+    def _without_banned(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with the family's banned ids (a vision-language model's image placeholders,
+        which no rollout engine samples) pushed out of the distribution: the policy trained is the
+        one the engines sample from, so on-policy ratios are 1 and the engine check compares like
+        with like. A copy; the logits as they are when nothing is banned."""
+        if self.banned_ids is None:
+            return logits
+        fill = -1e9 if torch.finfo(logits.dtype).max > 1e10 else torch.finfo(logits.dtype).min / 2
+        return logits.index_fill(-1, self.banned_ids.to(logits.device), fill)
 
     def _shared_prompt_forward(self, kwargs, num_actions):
         """The padded output with one prompt forward per distinct prompt, or None for the plain forward."""
@@ -263,6 +278,7 @@ class ActorLanguage(nn.Module):
         if output is None:
             kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
             output = self.model(**kwargs, **extra, logits_to_keep=index.predict_positions)  # logits (1, K, V)
+        output.logits = self._without_banned(output.logits)
         labels = sequences[0, index.token_positions]  # (K,)
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
         if return_output and return_entropy:

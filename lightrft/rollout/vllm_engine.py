@@ -207,6 +207,11 @@ class VLLMEngine:
             world size must be a multiple of T. Replica r is ranks r*T ... r*T + T - 1.
         lora_rank: > 0 serves the trainer's LoRA adapter of this rank on top of the base weights
             (`--lora_rank`); the adapter arrives through `load_adapter`, never `update_weights`.
+        max_images_per_prompt: images one prompt may hold, for a vision-language model (vLLM budgets
+            its image encoder for them; `--max_images_per_prompt`).
+        banned_token_ids: ids never sampled (a vision-language model's image placeholders, which its
+            model family names: `ModelFamily.banned_token_ids`); log-probs are then those of the
+            distribution without them, as `HFEngine`'s.
         llm_kwargs: passed to `vllm.LLM` (for example `max_model_len`, `dtype`, `enforce_eager`).
     """
 
@@ -223,7 +228,7 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
                  enable_sleep: bool | None = None, sync_bucket_mb: float = DEFAULT_SYNC_BUCKET_MB,
                  tensor_parallel_size: int = 1, lora_rank: int = 0, weight_sync: str = "auto",
-                 max_images_per_prompt: int = 1, **llm_kwargs):
+                 max_images_per_prompt: int = 1, banned_token_ids: Sequence[int] = (), **llm_kwargs):
         replica = replica_ranks(get_rank(), get_world_size(), tensor_parallel_size)
         if lora_rank < 0 or lora_rank > VLLM_LORA_RANKS[-1]:
             raise ValueError(f"--lora_rank {lora_rank}: vLLM serves LoRA adapters of rank 1 to {VLLM_LORA_RANKS[-1]}")
@@ -273,19 +278,19 @@ class VLLMEngine:
         if self.lora_rank > 0:
             options.update(enable_lora=True, max_loras=1,
                            max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= self.lora_rank))
-        vision = vision_facts(model_path)
-        if vision is not None:
+        vision = takes_images(model_path)
+        if vision:
             # Images per prompt (vLLM budgets its encoder memory for that many) and no videos.
             options["limit_mm_per_prompt"] = {"image": max(1, int(max_images_per_prompt)), "video": 0}
         options.update(llm_kwargs)
         self.llm = vllm.LLM(**options)
         # A vision-language model: placeholder ids it must never sample (as HFEngine bans them),
         # and an encoder cache to reset after every sync (see update_weights).
-        self.multimodal_model = vision is not None
+        self.multimodal_model = vision
         self._allowed_ids = None
-        if vision is not None and vision:
-            vocab = self.llm.llm_engine.model_config.get_vocab_size()
-            self._allowed_ids = [t for t in range(vocab) if t not in set(vision)]
+        if banned_token_ids:
+            banned = {int(t) for t in banned_token_ids}
+            self._allowed_ids = [t for t in range(self.llm.llm_engine.model_config.get_vocab_size()) if t not in banned]
         on_exit_without_teardown(release_shared_memory)
         self.weight_dtype = self.llm.llm_engine.model_config.dtype  # what a delta sync compares in
         self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
@@ -454,20 +459,15 @@ class VLLMEngine:
 CPU_SHM_SEGMENT = re.compile(r"^(/dev/shm/\S*-cpushm_\d+)$")
 
 
-def vision_facts(model_path: str) -> tuple[int, ...] | None:
-    """None for a text-only model folder; for a vision-language one (its config has a
-    `vision_config`), the token ids its family bans from sampling (the image placeholders)."""
+def takes_images(model_path: str) -> bool:
+    """Whether the model folder holds a vision-language model (its config has a `vision_config`)."""
     from transformers import AutoConfig
-
-    from lightrft.models.families import family_for
 
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
-        return None
-    if getattr(config, "vision_config", None) is None:
-        return None
-    return tuple(family_for(config).banned_token_ids(config))
+        return False
+    return getattr(config, "vision_config", None) is not None
 
 
 def release_shared_memory() -> None:

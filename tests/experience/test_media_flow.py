@@ -69,9 +69,9 @@ def test_images_reach_every_forward_in_their_samples_order(setup):
         alone[row, :one.num_actions] = lp[0]
     mask = exp.action_mask
     torch.testing.assert_close(exp.action_log_probs * mask, alone * mask, atol=1e-5, rtol=0)
-    # The engine samples from the same module with the placeholder banned: the same distribution
-    # renormalised without `<image>`'s mass, so its log-probs are never lower than the trainer's.
-    assert ((exp.rollout_log_probs - exp.action_log_probs) * mask).min() > -1e-5
+    # The engine samples from the same module with the placeholder banned, and the trainer's
+    # policy is that distribution too: the same log-probs.
+    torch.testing.assert_close(exp.rollout_log_probs * mask, exp.action_log_probs * mask, atol=1e-5, rtol=0)
 
     buffer = NaiveReplayBuffer(sample_batch_size=4)
     buffer.append(exp)
@@ -114,7 +114,8 @@ def test_a_text_only_batch_of_a_vision_model_runs_its_tower_on_a_blank_with_no_e
     assert all(g is not None and torch.count_nonzero(g) == 0 for g in vision_grads)
     model.zero_grad()
     with torch.no_grad():
-        plain = model(input_ids=ids).logits[:, -3:-1].log_softmax(-1)
+        logits = model(input_ids=ids).logits[:, -3:-1]
+        plain = logits.index_fill(-1, torch.tensor([model.config.image_token_id]), float("-inf")).log_softmax(-1)
     expected = plain.gather(-1, ids[:, -2:, None])[..., 0]
     torch.testing.assert_close(log_probs.detach(), expected, atol=1e-6, rtol=0)
 

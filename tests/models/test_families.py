@@ -217,12 +217,14 @@ def vlm_samples(tokenizer):
 
 def own_vlm_log_probs(model, seqs, media, actions: int) -> torch.Tensor:
     """Each sample alone through transformers' own forward (pixel values in, the model merges
-    them). Shape: (N, actions)"""
+    them), the `<image>` placeholder out of the distribution (no engine samples it: the policy
+    lightrft trains is the one without it). Shape: (N, actions)"""
     rows = []
     for ids, sample in zip(seqs, media):
         pixels = {} if sample is None else {"pixel_values": sample["pixel_values"][None]}
-        logits = model(input_ids=ids[None], **pixels).logits[0, :-1]
-        rows.append(torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[-actions:, 0])
+        logits = model(input_ids=ids[None], **pixels).logits[0, :-1].float()
+        logits = logits.index_fill(-1, torch.tensor([model.config.image_token_id]), float("-inf"))
+        rows.append(torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[-actions:, 0])
     return torch.stack(rows)
 
 

@@ -23,6 +23,7 @@ from transformers import AutoModelForImageTextToText
 from lightrft.builders.datasets import build_image_prompts
 from lightrft.datasets.prompt_record import PromptRecord, prompt_images
 from lightrft.datasets.toy_images import draw_disc
+from lightrft.models.families import family_of
 from lightrft.models.tokenizer import build_tokenizer
 from lightrft.rollout import SamplingParams, VLLMEngine
 from lightrft.utils.tiny import save_tiny_idefics3
@@ -51,7 +52,8 @@ def case(tmp_path_factory):
         records.append(PromptRecord(text, images.expand(text, [picture], True), [picture], images.media([picture]),
                                     images.marker_ids(text, True)))
     engine = VLLMEngine(str(folder), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
-                        kv_cache_gb=0.25, max_model_len=128, enforce_eager=True)
+                        kv_cache_gb=0.25, max_model_len=128, enforce_eager=True,
+                        banned_token_ids=family_of(model).banned_token_ids(model.config))
     return dict(engine=engine, model=model, tokenizer=tokenizer, records=records, image_token=image_token)
 
 

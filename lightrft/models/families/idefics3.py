@@ -6,8 +6,8 @@ The vision tower runs in its own call (`media_inputs`), its features take the pl
 attention arguments (`packed_seq_lens`) then reach the decoder's attention only, never the image
 patches, and every rank runs the same modules in the same order whatever its batch holds (a batch
 without images runs the tower on a blank image with weight 0), which ZeRO-3 needs. The Hugging
-Face engine samples with images (they enter the prefill; `<image>` is never sampled, so its
-log-probs are the actor's renormalised without the placeholder's mass). A run carries a prompt's
+Face engine samples with images (they enter the prefill); `<image>` is never sampled, by any
+engine, and the actor's distribution leaves it out too, so their log-probs agree. A run carries a prompt's
 images from the data (`--image_key`) through the engine, the experience and the replay buffer to
 the forwards. vLLM takes each prompt with one `<image>` marker per image and the images, and
 expands them itself (its expansion is checked against the trainer's ids).
