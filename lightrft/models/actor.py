@@ -106,7 +106,8 @@ class ActorLanguage(nn.Module):
         # How this kind of model is loaded and fed (`lightrft.models.families`).
         self.family = family_of(model)
         self.family.check(model, "--pretrain")
-        banned = self.family.banned_token_ids(model.config) if isinstance(model.config, PretrainedConfig) else ()
+        config = getattr(model, "config", None)
+        banned = self.family.banned_token_ids(config) if isinstance(config, PretrainedConfig) else ()
         self.banned_ids = torch.tensor(banned, dtype=torch.long) if banned else None
         if disable_dropout:
             # Before LoRA wraps the model, so an explicit --lora_dropout stays in force.
