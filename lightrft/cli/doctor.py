@@ -184,8 +184,9 @@ def sample_batch(run):
     generator = run.trainer.experience_services.generator
     prompt_ids = generator.tokenize(prompts)
     params = sampling_params(args, args.seed + strategy.rank)
-    rollout = generator.with_media(run.trainer.rollout.generate(prompt_ids, params, **generator.engine_inputs(prompts)),
-                                   prompts, params.n)
+    inputs = generator.engine_inputs(prompts)
+    rollout = generator.with_media(run.trainer.rollout.generate(prompt_ids, params, **inputs), inputs.get("media"),
+                                   params.n)
     return prompts, labels, prompt_ids, arrive(rollout)
 
 

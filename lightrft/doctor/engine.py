@@ -124,9 +124,9 @@ def check_engine(run, prompts: list[str], prompt_ids: list[list[int]], rollout: 
     with moved_weights(run, scale, seed):
         manager.mark_stale()
         generator = run.trainer.experience_services.generator
-        moved_rollout = arrive(generator.with_media(manager.generate(prompt_ids, params,
-                                                                     **generator.engine_inputs(prompts)),
-                                                    prompts, params.n))
+        inputs = generator.engine_inputs(prompts)
+        moved_rollout = arrive(generator.with_media(manager.generate(prompt_ids, params, **inputs),
+                                                    inputs.get("media"), params.n))
         gap_moved = gap(moved_rollout.rollout_log_probs, actor_log_probs(run, moved_rollout), moved_rollout.action_mask)
     manager.mark_stale()
     manager.sync_weights()

@@ -85,11 +85,10 @@ class Generator:
         return {"media": media, "images": [prompt_images(p) for p in prompts]}
 
     @staticmethod
-    def with_media(rollout: RolloutOutput, prompts: list[str], n: int) -> RolloutOutput:
-        """`rollout` (n samples per prompt) with each sample holding its prompt's media for the
-        trainer's forwards; as it is when no prompt has images."""
-        media = [prompt_media(p) for p in prompts]
-        if not any(media):
+    def with_media(rollout: RolloutOutput, media: Optional[list], n: int) -> RolloutOutput:
+        """`rollout` (n samples per prompt) with each sample holding its prompt's `media` (the
+        `engine_inputs` entry) for the trainer's forwards; as it is for None (no images)."""
+        if media is None:
             return rollout
         return replace(rollout, media=[m for m in media for _ in range(n)])
 
@@ -109,7 +108,7 @@ class Generator:
         inputs = self.engine_inputs(prompts)
         if self.workflow_runner is None:
             rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, **inputs)
-            return Generation(self.with_media(rollout, prompts, params.n))
+            return Generation(self.with_media(rollout, inputs.get("media"), params.n))
         if inputs:
             raise ValueError("multi-turn workflows (--workflow) take text prompts only so far; this batch has "
                              "prompts with images (--image_key)")

@@ -238,9 +238,7 @@ class HFEngine:
             # Media, or a model that takes them running its vision tower on a blank (every rank
             # runs the same modules: ZeRO-3), may replace the ids by embeddings.
             merged = self.family.merge_media([media[row] for row in kept])
-            inputs.update(self.family.media_kwargs(self.model, input_ids, merged))
-            if "inputs_embeds" in inputs:
-                del inputs["input_ids"]
+            inputs = self.family.with_media(self.model, inputs, input_ids, merged)
         out = self.model(**inputs, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
         if dedupe:

@@ -106,7 +106,9 @@ class ModelFamily:
             return self.encode_media(model, input_ids, media)
         return self.blank_media_inputs(model, input_ids) if self.takes_media() else {}
 
-    def _with_media(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, media) -> dict:
+    def with_media(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, media) -> dict:
+        """`kwargs` (forward arguments holding `input_ids`) with `media_kwargs` added; embeddings
+        that carry the media replace the ids."""
         kwargs.update(self.media_kwargs(model, input_ids, media))
         if "inputs_embeds" in kwargs:
             kwargs.pop("input_ids", None)
@@ -149,14 +151,14 @@ class ModelFamily:
         kwargs = padded_forward_kwargs(sequences, attention_mask)
         if attention_mask is None and self.has_own_positions():
             kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
-        return self._mapped(model, self._with_media(model, kwargs, sequences, media))
+        return self._mapped(model, self.with_media(model, kwargs, sequences, media))
 
     def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int],
                       media: dict[str, torch.Tensor] | None = None) -> dict:
         """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`, with the
         row's `media` when it has any. Shape: (1, P)"""
         kwargs = packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation)
-        return self._mapped(model, self._with_media(model, kwargs, input_ids, media))
+        return self._mapped(model, self.with_media(model, kwargs, input_ids, media))
 
     def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
         """Forward keyword arguments for the shared-prompt row of `layout`, built from the packed row (1, P)."""
