@@ -20,7 +20,7 @@ def build_image_prompts(pretrain: str, tokenizer, trust_remote_code: bool = Fals
     """The `ImagePrompts` of a vision-language model folder (its processor, with the run's
     `tokenizer`, and its model family), for `--image_key`; an error naming the folder when it is
     not a vision-language model or has no processor files."""
-    from transformers import AutoConfig, AutoProcessor
+    from transformers import AutoConfig
 
     from lightrft.datasets.images import ImagePrompts
     from lightrft.models.families import ModelFamily, family_for
@@ -33,7 +33,7 @@ def build_image_prompts(pretrain: str, tokenizer, trust_remote_code: bool = Fals
         raise ValueError(f"--image_key is set but --pretrain {pretrain} is a {config.model_type!r} model, {what}: "
                          "pass a model of a family docs/vlm.md lists, or drop --image_key")
     try:
-        processor = AutoProcessor.from_pretrained(pretrain, trust_remote_code=trust_remote_code)
+        processor = family.load_processor(pretrain, tokenizer, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as err:
         raise ValueError(f"--pretrain {pretrain}: its processor could not be loaded ({type(err).__name__}: {err}); "
                          "a vision-language model folder needs its processor files (processor_config.json or "

@@ -93,12 +93,10 @@ def check_engine_serves_family(config) -> None:
     except (OSError, ValueError):
         return      # loading the actor names what is wrong with the folder
     family = family_for(hf_config)
-    if family.rollout_engines is not None and name not in family.rollout_engines:
-        what = f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model (model_type {hf_config.model_type!r})"
-        if not family.rollout_engines:
-            raise ConfigError(f"{what}, which no rollout engine of lightrft serves yet")
-        raise ConfigError(f"{what}, which only {', '.join(sorted(family.rollout_engines))} can serve; pass "
-                          f"--rollout_engine {sorted(family.rollout_engines)[0]}")
+    problem = family.engine_problem(name)
+    if problem:
+        raise ConfigError(f"--rollout_engine {name}: --pretrain {pretrain} is a {family.name} model (model_type "
+                          f"{hf_config.model_type!r}); {problem}")
 
 
 def check_engine_roles(config) -> None:

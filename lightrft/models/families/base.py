@@ -52,6 +52,15 @@ class ModelFamily:
         Shape: (B, T) long -> (B, T) long"""
         return positions
 
+    def model_position_ids(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                           media: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The position ids the model takes for a batch or packed row `input_ids` whose tokens
+        lightrft counts at `positions` (as `position_ids`), given the batch's `media`: a family whose
+        positions depend on the tokens and the images (Qwen-VL's multimodal rotary positions)
+        overrides this one. Decoding continues each row of the result by one position per new token.
+        Shape: input_ids, positions (B, T) -> (B, T), or (R, B, T) for R rows of positions"""
+        return self.position_ids(model.config, positions)
+
     def context_length(self, config: PretrainedConfig) -> int | None:
         """The most tokens (prompt + answer) one sequence may hold, or None when the config names no limit."""
         return context_length(config)
@@ -61,6 +70,27 @@ class ModelFamily:
         the model folder's `processor`. The default family takes no images."""
         raise ValueError(f"{self.name} models take no images: train a vision-language model (docs/vlm.md) or drop "
                          "--image_key")
+
+    def load_processor(self, path: str | os.PathLike, tokenizer=None, trust_remote_code: bool = False):
+        """The processor of a vision-language model folder (`AutoProcessor`); `tokenizer`, when
+        given, is the run's (the caller puts it in the processor)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    def image_marker(self, processor) -> tuple[str, tuple[str, ...]]:
+        """The text that marks one image in a prompt (what a `{"type": "image"}` chat part becomes),
+        and other texts that stand for it in prompt data (replaced by it). Default: the processor's
+        image token."""
+        return processor.image_token, ()
+
+    def engine_problem(self, engine: str) -> str | None:
+        """Why the rollout engine registered as `engine` cannot serve this family's models here, or None."""
+        if self.rollout_engines is None or engine in self.rollout_engines:
+            return None
+        if not self.rollout_engines:
+            return "no rollout engine of lightrft serves it yet"
+        return f"only {', '.join(sorted(self.rollout_engines))} can serve it; pass --rollout_engine {sorted(self.rollout_engines)[0]}"
 
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
         """Forward keyword arguments that carry `media` (the images of a batch or packed row, in the
@@ -115,8 +145,10 @@ class ModelFamily:
         return kwargs
 
     def has_own_positions(self) -> bool:
-        """Whether `position_ids` maps lightrft's positions to others (False: it returns them as they are)."""
-        return type(self).position_ids is not ModelFamily.position_ids
+        """Whether `position_ids` or `model_position_ids` maps lightrft's positions to others (False:
+        the model takes them as they are)."""
+        return (type(self).position_ids is not ModelFamily.position_ids
+                or type(self).model_position_ids is not ModelFamily.model_position_ids)
 
     def check_packing(self, model: nn.Module, flag: str) -> None:
         """Raises, naming the model, its attention and the ways out, if `packing_problem` finds one."""
@@ -139,9 +171,9 @@ class ModelFamily:
         media = {key: value.to(input_ids.device) for key, value in media.items()}
         return self.media_inputs(model, input_ids, media)
 
-    def _mapped(self, model: nn.Module, kwargs: dict) -> dict:
+    def _mapped(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, media=None) -> dict:
         if self.has_own_positions() and kwargs.get("position_ids") is not None:
-            kwargs["position_ids"] = self.position_ids(model.config, kwargs["position_ids"])
+            kwargs["position_ids"] = self.model_position_ids(model, input_ids, kwargs["position_ids"], media)
         return kwargs
 
     def padded_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -151,18 +183,19 @@ class ModelFamily:
         kwargs = padded_forward_kwargs(sequences, attention_mask)
         if attention_mask is None and self.has_own_positions():
             kwargs["position_ids"] = torch.arange(sequences.size(1), device=sequences.device).expand_as(sequences)
-        return self._mapped(model, self.with_media(model, kwargs, sequences, media))
+        return self._mapped(model, self.with_media(model, kwargs, sequences, media), sequences, media)
 
     def packed_inputs(self, model: nn.Module, input_ids: torch.Tensor, seq_lens: list[int],
                       media: dict[str, torch.Tensor] | None = None) -> dict:
         """Forward keyword arguments for a packed row of sequences with lengths `seq_lens`, with the
         row's `media` when it has any. Shape: (1, P)"""
         kwargs = packed_forward_kwargs(input_ids, seq_lens, model.config._attn_implementation)
-        return self._mapped(model, self.with_media(model, kwargs, input_ids, media))
+        return self._mapped(model, self.with_media(model, kwargs, input_ids, media), input_ids, media)
 
     def shared_inputs(self, model: nn.Module, input_ids: torch.Tensor, layout: SharedPromptLayout) -> dict:
         """Forward keyword arguments for the shared-prompt row of `layout`, built from the packed row (1, P)."""
-        return self._mapped(model, shared_prompt_forward_kwargs(input_ids, layout))
+        kwargs = shared_prompt_forward_kwargs(input_ids, layout)
+        return self._mapped(model, kwargs, kwargs["input_ids"])
 
     def value_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None,
                      packed_seq_lens: list[int] | None) -> dict:
@@ -176,13 +209,13 @@ class ModelFamily:
         """`merge_media(samples)`, for code that holds a family but cannot import this module (the engines)."""
         return merge_media(samples)
 
-    def decoding_positions(self, model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """What the Hugging Face rollout engine applies to its positions (`HFEngine(positions=...)`):
-        None when they are the model's already."""
+    def decoding_positions(self, model: nn.Module) -> Callable[..., torch.Tensor] | None:
+        """What the Hugging Face rollout engine applies to a prompt batch's positions, as
+        `f(input_ids, positions, media)` (`model_position_ids`); None when they are the model's
+        already."""
         if not self.has_own_positions():
             return None
-        config = model.config
-        return lambda positions: self.position_ids(config, positions)
+        return lambda input_ids, positions, media: self.model_position_ids(model, input_ids, positions, media)
 
     def __repr__(self) -> str:
         return f"<model family {self.name!r}>"

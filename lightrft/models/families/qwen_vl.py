@@ -1,0 +1,202 @@
+"""Qwen2-VL and Qwen2.5-VL: a ViT whose merger turns each 2 x 2 block of patches into one
+`<|image_pad|>` token of a Qwen2 decoder with multimodal rotary positions (M-RoPE).
+
+M-RoPE gives each token three positions (time, height, width). A text token has the same value
+in all three, counting on from the previous token; an image's tokens count their row and column
+from the position where the image starts, and the text after an image continues from that start
+plus the image's larger side (in merged patches), not plus its token count. Positions are
+therefore a function of the tokens and the images' grids: `model_position_ids` computes them per
+sequence, for padded batches and packed rows alike (a packed row restarts at each sequence), as
+four rows: lightrft's own count (from which transformers would derive a packed row's mask) and
+the three M-RoPE rows. With plain 1-D positions the model runs without an error and gets other
+log-probs (up to 1.1 off in a log-prob on the tiny models), which is why this family exists.
+
+The vision tower runs in its own call, its features replace the `<|image_pad|>` embeddings and the
+decoder gets `inputs_embeds` (as for Idefics3: a packed row's attention arguments never reach the
+image patches; a batch without images runs the tower on a blank image with weight 0, which
+ZeRO-3 needs). The Hugging Face engine decodes each new token at the last prompt position + 1 in
+all three rows (the prompt ends with text). `<|image_pad|>` and `<|video_pad|>` are never sampled.
+
+A prompt marks an image with `<|vision_start|><|image_pad|><|vision_end|>` (what the model's chat
+template writes for an `{"type": "image"}` part); a bare `<image>` in a prompt's text stands for
+the same. Videos are not taken. transformers' Qwen-VL processors carry a video processor, which
+needs torchvision; where it does not import (PyPI has no CPU build of it for this torch), the
+folder's tokenizer and image processor (its PIL backend) are joined by `QwenVLImageText`, which
+expands the placeholders the same way. vLLM's Qwen-VL modules import torchvision too: without it
+a run takes `--rollout_engine hf`.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+
+from lightrft.models.families.base import ModelFamily, register_family
+from lightrft.models.hf_utils import context_length
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+class QwenVL(ModelFamily):
+    name = "Qwen2-VL / Qwen2.5-VL"
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+
+    def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
+        return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
+
+    def load_processor(self, path: str | os.PathLike, tokenizer=None, trust_remote_code: bool = False):
+        """The folder's `AutoProcessor`, or where its video processor cannot be built (no
+        torchvision), its tokenizer (`tokenizer` if given) and image processor as `QwenVLImageText`."""
+        try:
+            return super().load_processor(path, tokenizer, trust_remote_code)
+        except ImportError:
+            from transformers import AutoImageProcessor, AutoTokenizer
+
+            image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            return QwenVLImageText(tokenizer, image_processor)
+
+    def image_marker(self, processor) -> tuple[str, tuple[str, ...]]:
+        return VISION_START + IMAGE_PAD + VISION_END, ("<image>",)
+
+    def engine_problem(self, engine: str) -> str | None:
+        if engine == "vllm" and importlib.util.find_spec("torchvision") is None:
+            return ("vLLM's Qwen-VL model modules import torchvision, which is not installed here (PyPI has no CPU "
+                    "build of it for this torch); install torchvision (GPU machines) or pass --rollout_engine hf")
+        return super().engine_problem(engine)
+
+    def context_length(self, config: PretrainedConfig) -> int | None:
+        return context_length(config.get_text_config())
+
+    def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
+        return tuple(sorted({config.image_token_id, config.video_token_id}))
+
+    def image_media(self, processor, images: list) -> dict[str, torch.Tensor]:
+        """pixel_values (patches of all images, C x temporal patch x patch^2) and image_grid_thw
+        (N, 3): each image's grid of patches (time, height, width) before the 2 x 2 merge."""
+        out = processor.image_processor(images=list(images), return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+    def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
+        """`media`: "pixel_values" (patches, D) and "image_grid_thw" (N, 3), the N images of the batch
+        in the order of their `<|image_pad|>` runs."""
+        if sorted(media) != ["image_grid_thw", "pixel_values"]:
+            raise ValueError(f"Qwen-VL takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
+        config, inner = model.config, inner_model(model)
+        grids = media["image_grid_thw"]
+        expected = int((grids.prod(-1) // inner.visual.spatial_merge_size ** 2).sum())
+        placeholders = int((input_ids == config.image_token_id).sum())      # a host sync, once per forward
+        if placeholders != expected:
+            raise ValueError(f"the batch has {placeholders} {IMAGE_PAD} tokens (id {config.image_token_id}) for "
+                             f"{grids.size(0)} images of {expected} tokens in all; each image needs its run of "
+                             "placeholders in the prompt")
+        features = torch.cat(inner.get_image_features(media["pixel_values"], grids, return_dict=True).pooler_output)
+        embeds = model.get_input_embeddings()(input_ids)                                      # (B, T, H)
+        where = (input_ids == config.image_token_id).unsqueeze(-1)                           # (B, T, 1)
+        return {"inputs_embeds": embeds.masked_scatter(where, features.to(embeds.dtype))}
+
+    def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
+        """One grey image of a single merged token through the vision tower, added with weight 0."""
+        visual = inner_model(model).visual
+        merge, vision = visual.spatial_merge_size, model.config.vision_config
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        dtype = next(visual.parameters()).dtype
+        pixels = torch.full((merge * merge, width), 0.5, device=input_ids.device, dtype=dtype)
+        grid = torch.tensor([[1, merge, merge]], device=input_ids.device)
+        features = torch.cat(inner_model(model).get_image_features(pixels, grid, return_dict=True).pooler_output)
+        embeds = model.get_input_embeddings()(input_ids)
+        return {"inputs_embeds": embeds + 0.0 * features.sum().to(embeds.dtype)}
+
+    def model_position_ids(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                           media: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """(4, B, T): `positions` and the three M-RoPE rows (module doc) of every sequence."""
+        grids = None if not media else media.get("image_grid_thw")
+        rope = mrope_positions(input_ids, positions, grids, model.config.image_token_id,
+                               model.config.vision_config.spatial_merge_size)
+        return torch.cat([positions.unsqueeze(0), rope])
+
+    def vision_modules(self, model: nn.Module) -> tuple[str, ...]:
+        return ("model.visual",)
+
+
+def mrope_positions(input_ids: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor | None,
+                    image_token_id: int, merge: int) -> torch.Tensor:
+    """The three M-RoPE position rows (time, height, width) of a batch or packed row whose tokens
+    lightrft counts at `positions` (0 at the first token of each sequence, +1 per token; pads 0),
+    with the images of `grids` (time, height, width patches before the `merge` x `merge` merge) in
+    the order of their `<|image_pad|>` runs, row by row. Computed on the host (a few image runs per
+    batch). Shape: (B, T), (B, T), (N, 3) -> (3, B, T) long"""
+    rope = positions.detach().to("cpu", torch.long).unsqueeze(0).repeat(3, 1, 1)      # (3, B, T)
+    if grids is None or grids.numel() == 0:
+        return rope.to(positions.device)
+    where = (input_ids.detach().cpu() == image_token_id).nonzero().tolist()          # [(row, column)] row-major
+    starts = positions.detach().cpu()
+    grid_list = grids.detach().cpu().long().tolist()
+    sizes = [t * (h // merge) * (w // merge) for t, h, w in grid_list]
+    if len(where) != sum(sizes):
+        raise ValueError(f"the batch has {len(where)} {IMAGE_PAD} tokens for {len(grid_list)} images of "
+                         f"{sum(sizes)} tokens in all")
+    consumed, length = 0, input_ids.size(-1)
+    for (t, h, w), size in zip(grid_list, sizes):
+        row, first = where[consumed]
+        last_row, last = where[consumed + size - 1]
+        if last_row != row or last - first + 1 != size:
+            raise ValueError(f"an image of {size} tokens does not fill one run of {IMAGE_PAD} tokens "
+                             f"(row {row}, column {first})")
+        consumed += size
+        h, w = h // merge, w // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+        rope[:, row, first:first + size] = rope[0, row, first] + grid.reshape(3, -1)
+        # The rest of this sequence (up to the next one's first token, position 0) moves on by the
+        # image's larger side instead of its token count.
+        restarts = (starts[row, last + 1:] == 0).nonzero()
+        end = last + 1 + (int(restarts[0]) if len(restarts) else length - last - 1)
+        rope[:, row, last + 1:end] += max(h, w) - size
+    return rope.to(positions.device)
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The `Qwen2VLModel` / `Qwen2_5_VLModel` inside the conditional-generation wrapper (or a peft model around it)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model
+
+
+class QwenVLImageText:
+    """A Qwen-VL processor for images and text where transformers' cannot be built (its video
+    processor needs torchvision): the folder's tokenizer and image processor, each `<|image_pad|>`
+    of a prompt expanded to its image's merged patch count, as `Qwen2_5_VLProcessor` does.
+    `save_pretrained` writes both, so an export loads with `AutoProcessor` where torchvision is."""
+
+    image_token = IMAGE_PAD
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+
+    def __call__(self, text: list[str], images: list[list] | None = None, add_special_tokens: bool = True, **_):
+        if images is not None and len(images) != len(text):
+            raise ValueError(f"{len(text)} texts and {len(images)} image lists")
+        expanded = []
+        for i, prompt in enumerate(text):
+            pieces = prompt.split(IMAGE_PAD)
+            grids = []
+            if images is not None and images[i]:
+                grids = self.image_processor(images=list(images[i]), return_tensors="pt")["image_grid_thw"].tolist()
+            if len(grids) != len(pieces) - 1:
+                raise ValueError(f"the text has {len(pieces) - 1} {IMAGE_PAD} markers for {len(grids)} images")
+            out = pieces[0]
+            for grid, piece in zip(grids, pieces[1:]):
+                out += IMAGE_PAD * (grid[0] * grid[1] * grid[2] // self.merge ** 2) + piece
+            expanded.append(out)
+        return {"input_ids": [self.tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in expanded]}
+
+    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.tokenizer.save_pretrained(path, **kwargs)
+        self.image_processor.save_pretrained(path, **kwargs)
+
+
+register_family(QwenVL())
