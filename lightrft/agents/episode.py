@@ -115,11 +115,18 @@ class Episode:
 
     def __init__(self, *, prompt: Any, label: Any, prompt_ids: list[int], tokenizer, request: TurnRequest,
                  max_turns: int, max_tokens: int, max_new_tokens: int, renderer: Optional[ChatRenderer] = None,
-                 tools=None, index: int = 0, sample: int = 0):
+                 tools=None, index: int = 0, sample: int = 0, images=None, max_images: Optional[int] = None):
         self.prompt, self.label = prompt, label
         self.messages: list[dict] = (list(prompt) if isinstance(prompt, list)
                                      else [{"role": "user", "content": str(prompt)}])
         self.prompt_ids = list(prompt_ids)
+        # A vision-language run (`images`: its `ImagePrompts`): the pictures of the prompt and of
+        # environment messages, their model inputs in placeholder order, and the sequence with one
+        # marker per picture (what an engine that expands placeholders itself takes).
+        self._images, self.max_images = images, max_images
+        self.pictures: list = list(getattr(prompt, "images", ()))
+        self._media: list = [(-1, prompt.media)] if getattr(prompt, "media", None) else []   # (response offset, media)
+        self._marker_ids: list[int] = list(getattr(prompt, "marker_ids", None) or prompt_ids)
         self.tokenizer, self._request, self._renderer, self.tools = tokenizer, request, renderer, tools
         self.max_turns, self.max_tokens, self.max_new_tokens = max_turns, max_tokens, max_new_tokens
         self.index, self.sample = index, sample
@@ -160,6 +167,7 @@ class Episode:
         limit = min(self.max_new_tokens if max_new_tokens is None else max_new_tokens, self.tokens_left)
         ids, log_probs, cut = await self._request(self.prompt_ids + self.response_ids, limit, len(self.turns))
         self.response_ids += ids
+        self._marker_ids += ids
         self.loss_mask += [True] * len(ids)
         self.log_probs += log_probs
         self.turn_ends.append(len(self.response_ids) - 1)
@@ -179,18 +187,86 @@ class Episode:
     # -------------------------------------------------------------------------------- environment
     def add_messages(self, *messages: dict) -> None:
         """Environment messages (role "tool" or "user"), rendered by the chat template and
-        appended with the next assistant header; they are attended to, never trained."""
+        appended with the next assistant header; they are attended to, never trained. In a
+        vision-language run a message's content may be a list of parts, `{"type": "text", "text":
+        ...}` and `{"type": "image", "image": picture}` (a PIL image, PNG/JPEG bytes, base64 or a
+        file path): the picture is shown to the policy where the part stands."""
         if self._renderer is None:
             raise ValueError("add_messages() needs the tokenizer's chat template; add raw text with add_text()")
-        self._check_length(sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict)))
-        self._append_environment(self._renderer.environment_ids(messages))
+        flat, pictures = self._take_pictures(messages)
+        if pictures and self.max_images is not None and len(self.pictures) + len(pictures) > self.max_images:
+            raise ValueError(f"add_messages: the episode would show {len(self.pictures) + len(pictures)} pictures, "
+                             f"over --max_images_per_prompt {self.max_images} (the prompt's and the environment's "
+                             "together); raise it")
+        self._check_length(sum(len(str(m.get("content") or "")) for m in flat if isinstance(m, dict)))
+        if not pictures:
+            ids = self._renderer.environment_ids(flat)
+            self._append_environment(ids, ids)
+        else:
+            text = self._renderer.environment_text(flat)
+            self._append_environment(self._images.expand(text, pictures, add_special_tokens=False),
+                                     self._images.marker_ids(text, add_special_tokens=False),
+                                     pictures, self._images.media(pictures))
         self.messages.extend(messages)
 
     def add_text(self, text: str) -> None:
         """Raw environment text, encoded as is and appended; attended to, never trained."""
         self._check_length(len(text))
-        self._append_environment(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self._append_environment(ids, ids)
         self.messages.append({"role": "user", "content": text})
+
+    def _take_pictures(self, messages: Sequence[dict]) -> tuple[list, list]:
+        """`messages` with image parts replaced by the model's image marker (contents joined into
+        text), and the pictures (PIL) in order."""
+        if not any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages):
+            return list(messages), []
+        from lightrft.datasets.images import open_image
+        from lightrft.datasets.validation import DatasetRowError
+
+        flat, pictures = [], []
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                flat.append(message)
+                continue
+            pieces = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    pieces.append(part["text"])
+                elif kind == "image" and "image" in part:
+                    if self._images is None:
+                        raise ValueError("an environment message holds an image, but this run takes none: train a "
+                                         "vision-language model with --image_key (docs/vlm.md)")
+                    try:
+                        pictures.append(open_image(part["image"], None, "environment message", i,
+                                                   f"content[{j}].image"))
+                    except DatasetRowError as err:
+                        raise ValueError(f"add_messages: message {i}, content[{j}]: {err.reason}") from None
+                    pieces.append(self._images.marker)
+                else:
+                    raise ValueError(f"add_messages: message {i}, content[{j}] must be {{'type': 'text', 'text': ...}} "
+                                     f"or {{'type': 'image', 'image': ...}}, got {part!r:.80}")
+            flat.append({**message, "content": "".join(pieces)})
+        return flat, pictures
+
+    # ------------------------------------------------------------------------------------ images
+    def media(self, before: Optional[int] = None) -> Optional[dict]:
+        """The model inputs of every picture in the sequence so far (or in the prompt and the
+        first `before` response tokens), in placeholder order, or None."""
+        from lightrft.models.media import merge_media
+
+        return merge_media([media for at, media in self._media if before is None or at < before])
+
+    def engine_images(self):
+        """The sequence's pictures as an engine that expands placeholders itself takes them
+        (`PromptImages`: pictures, ids with one marker each, the expanded ids), or None."""
+        if not self.pictures:
+            return None
+        from lightrft.rollout.base import PromptImages
+
+        return PromptImages(tuple(self.pictures), tuple(self._marker_ids), tuple(self.prompt_ids + self.response_ids))
 
     def _check_length(self, chars: int) -> None:
         """Ends the episode (token budget) before tokenising a text that cannot fit: one token
@@ -201,10 +277,15 @@ class Episode:
             self.truncated = True
             raise EpisodeEnd("token_budget")
 
-    def _append_environment(self, ids: list[int]) -> None:
+    def _append_environment(self, ids: list[int], marker_ids: list[int], pictures: Sequence = (),
+                            media: Optional[dict] = None) -> None:
         if len(ids) > self.tokens_left:
             self.truncated = True
             raise EpisodeEnd("token_budget")
+        self.pictures += list(pictures)
+        if media:
+            self._media.append((len(self.response_ids), media))
+        self._marker_ids += marker_ids
         self.response_ids += ids
         self.loss_mask += [False] * len(ids)
         self.log_probs += [0.0] * len(ids)
@@ -255,3 +336,4 @@ class EpisodeRecord:
     turns: int
     stats: EpisodeStats = field(default_factory=EpisodeStats)
     extra: dict = field(default_factory=dict)
+    media: Optional[dict] = None               # the pictures' model inputs (prompt's and environment's), or None

@@ -152,8 +152,11 @@ class WorkflowRunner:
 
     def __init__(self, workflow, tokenizer, *, max_turns: int, max_episode_tokens: Optional[int],
                  eos_token_ids: Sequence[int], tools=None, episode_timeout: Optional[float] = None,
-                 blocked_seconds: float = 60.0):
+                 blocked_seconds: float = 60.0, images=None, max_images: Optional[int] = None):
         self.workflow, self.tokenizer, self.tools = workflow, tokenizer, tools
+        # A vision-language run's `ImagePrompts`: environment messages may then show pictures, at
+        # most `max_images` in one episode with the prompt's (--max_images_per_prompt).
+        self.images, self.max_images = images, max_images
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.episode_timeout, self.blocked_seconds = episode_timeout, blocked_seconds
         self.eos_token_ids = list(eos_token_ids)
@@ -169,18 +172,25 @@ class WorkflowRunner:
 
     # ------------------------------------------------------------------------------------- engine
     def _generate(self, engine, requests: list, params: SamplingParams) -> None:
-        """Answers `requests` ((ids, limit, seed, future) each) with one engine call per limit."""
+        """Answers `requests` ((ids, limit, seed, future, episode) each) with one engine call per
+        limit; the episodes' pictures go with their sequences."""
         by_limit: dict[int, list] = {}
         for request in requests:
             by_limit.setdefault(request[1], []).append(request)
         for limit, group in sorted(by_limit.items()):
             turn_params = dataclasses.replace(params, n=1, max_new_tokens=limit,
                                               min_new_tokens=min(params.min_new_tokens, limit))
-            out = engine.generate([ids for ids, *_ in group], turn_params, seeds=[seed for _, _, seed, _ in group])
+            episodes = [request[4] for request in group]
+            inputs = {}
+            if any(episode.pictures for episode in episodes):
+                inputs = {"media": [episode.media() for episode in episodes],
+                          "images": [episode.engine_images() for episode in episodes]}
+            out = engine.generate([ids for ids, *_ in group], turn_params, seeds=[request[2] for request in group],
+                                  **inputs)
             lengths = out.action_mask.sum(dim=1).tolist()
             responses, log_probs = out.responses.tolist(), out.rollout_log_probs.tolist()
             truncated = out.truncated.tolist() if out.truncated is not None else [False] * len(group)
-            for row, (*_, future) in enumerate(group):
+            for row, (_, _, _, future, _) in enumerate(group):
                 n = lengths[row]
                 future.set_result((responses[row][:n], log_probs[row][:n], bool(truncated[row])))
 
@@ -193,7 +203,7 @@ class WorkflowRunner:
         def make_request(episode: Episode, episode_seed: int):
             async def request(ids: list[int], limit: int, turn: int):
                 future = loop.create_future()
-                pending.append((ids, limit, mix_seed(episode_seed, turn), future))
+                pending.append((ids, limit, mix_seed(episode_seed, turn), future, episode))
                 wake.set()
                 episode._deadline.pause()          # waiting for the policy does not count
                 try:
@@ -227,7 +237,7 @@ class WorkflowRunner:
                         with watchdog.generating():
                             self._generate(engine, batch, params)
                     except BaseException as err:
-                        for *_, future in batch:
+                        for _, _, _, future, _ in batch:
                             future.set_exception(err)
                         await asyncio.gather(*tasks, return_exceptions=True)
                         raise
@@ -273,6 +283,7 @@ class WorkflowRunner:
         if kept == 0:
             valid = False       # no turn: nothing to train
         return EpisodeRecord(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids[:kept],
+                             media=episode.media(before=kept),
                              loss_mask=episode.loss_mask[:kept], log_probs=episode.log_probs[:kept],
                              reward=math.nan if reward is None else float(reward), turn_rewards=turn_rewards,
                              truncated=episode.truncated or stop in ("max_turns", "token_budget"), valid=valid,
@@ -284,7 +295,8 @@ class WorkflowRunner:
         max_tokens = self.max_episode_tokens or self.max_turns * params.max_new_tokens
         return [Episode(prompt=prompt, label=label, prompt_ids=ids, tokenizer=self.tokenizer, request=None,
                         max_turns=self.max_turns, max_tokens=max_tokens, max_new_tokens=params.max_new_tokens,
-                        renderer=self.renderer, tools=self.tools, index=i, sample=j)
+                        renderer=self.renderer, tools=self.tools, index=i, sample=j, images=self.images,
+                        max_images=self.max_images)
                 for i, (prompt, label, ids) in enumerate(zip(prompts, labels, prompt_ids)) for j in range(params.n)]
 
     def run(self, engine, prompt_ids: list[list[int]], prompts: list, labels: Optional[list],
@@ -312,6 +324,8 @@ class WorkflowRunner:
         rollout = RolloutOutput.from_episodes([r.prompt_ids for r in records], [r.response_ids for r in records],
                                               [r.loss_mask for r in records], [r.log_probs for r in records],
                                               [r.truncated for r in records], self.pad_token_id)
+        if any(r.media for r in records):
+            rollout = dataclasses.replace(rollout, media=[r.media for r in records])
         token_rewards = None
         if any(r.turn_rewards for r in records):
             token_rewards = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)

@@ -38,7 +38,9 @@ the function's signature are answered without reaching a worker.
 """
 
 import asyncio
+import base64
 import inspect
+import io
 import json
 import os
 import queue
@@ -231,6 +233,7 @@ class ToolResult:
     output: str
     error: Optional[str] = None
     seconds: float = 0.0
+    images: tuple[bytes, ...] = ()      # pictures the tool returned (PNG bytes), shown to the policy before the text
 
     @property
     def ends_episode(self) -> bool:
@@ -242,9 +245,12 @@ def tool_message(call: ToolCall, result: ToolResult, role: str = "tool") -> dict
     """The chat message carrying `result` back to the policy. Role "tool" (Qwen, Hermes, ChatML
     templates) gives `{"role": "tool", "name": ..., "content": ...}`; any other role (use "user"
     for templates that reject "tool") wraps the content in <tool_response> tags as Qwen renders it."""
-    if role == "tool":
-        return {"role": "tool", "name": call.name, "content": result.output}
-    return {"role": role, "content": f"<tool_response>\n{result.output}\n</tool_response>"}
+    text = result.output if role == "tool" else f"<tool_response>\n{result.output}\n</tool_response>"
+    if result.images:       # a vision-language run: the pictures as image parts, then the text
+        content = [*({"type": "image", "image": image} for image in result.images), {"type": "text", "text": text}]
+    else:
+        content = text
+    return {"role": "tool", "name": call.name, "content": content} if role == "tool" else {"role": role, "content": content}
 
 
 def cap_output(text: str, max_chars: int) -> str:
@@ -252,6 +258,28 @@ def cap_output(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     return f"{text[:max_chars]}\n[... {len(text) - max_chars} chars cut]"
+
+
+def is_picture(value: Any) -> bool:
+    """Whether `value` is a PIL image (checked without importing PIL)."""
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "save") and hasattr(value, "size")
+
+
+def split_pictures(value: Any) -> tuple[Any, list[bytes]]:
+    """A tool's return value without its pictures, and the pictures as PNG bytes: a PIL image
+    alone, or the PIL images in a list or tuple (the rest stays the value; one item left is the
+    value itself, none leaves "")."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    pictures = [item for item in items if is_picture(item)]
+    if not pictures:
+        return value, []
+    encoded = []
+    for picture in pictures:
+        buffer = io.BytesIO()
+        picture.save(buffer, format="PNG")
+        encoded.append(buffer.getvalue())
+    rest = [item for item in items if not is_picture(item)]
+    return (rest[0] if len(rest) == 1 else rest or ""), encoded
 
 
 def output_text(value: Any) -> str:
@@ -488,10 +516,10 @@ class ToolRunner:
             worker.stop()
             return ToolResult(f"Error: the tool {name!r} did not finish within {self.timeout:g} s (--tool_timeout) "
                               "and was stopped", "timeout", seconds)
-        status, text = answer
+        status, text, *pictures = answer
         if status == "exception":
             return ToolResult(f"Error: the tool {name!r} raised {text}", "exception", seconds)
-        return ToolResult(text, None, seconds)
+        return ToolResult(text, None, seconds, tuple(base64.b64decode(p) for p in (pictures[0] if pictures else ())))
 
     def _record(self, result: ToolResult) -> ToolResult:
         with self._lock:
@@ -645,7 +673,9 @@ def serve_tools(fd: str, parent_pid: str, arm_death_signal: str) -> None:
             value = functions[index](**arguments)
             if inspect.iscoroutine(value):  # an async def tool
                 value = asyncio.run(value)
-            answer = ["ok", cap_output(output_text(value), max_chars)]
+            value, pictures = split_pictures(value)
+            answer = ["ok", cap_output(output_text(value), max_chars),
+                      [base64.b64encode(picture).decode() for picture in pictures]]
         except BaseException as err:  # SystemExit and KeyboardInterrupt from the tool too: the worker lives on
             answer = ["exception", f"{type(err).__name__}: {err}"]
         conn.send_bytes(json.dumps(answer).encode())

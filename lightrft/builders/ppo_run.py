@@ -157,8 +157,9 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     strategy = strategy or build_strategy(config)
     tokenizer = build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
     eos_token_ids = stop_token_ids(tokenizer, config.model.pretrain)
-    workflow_runner = build_workflow_runner(config.agent, tokenizer, eos_token_ids)   # a bad file fails before loading
     images = run_images(config, tokenizer)            # a bad folder fails before loading
+    workflow_runner = build_workflow_runner(config.agent, tokenizer, eos_token_ids, images,   # a bad file too
+                                            max_images=config.data.max_images_per_prompt)
     models = build_ppo_models(config, strategy)
     prompts, data_source, reward_sources = build_ppo_data(config, tokenizer, models.reward_models,
                                                           build_reward_sources(config.rewards), images)

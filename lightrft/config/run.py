@@ -206,7 +206,7 @@ class PPORunConfig(RunConfig):
         """What a run with images (--image_key) cannot do yet, each refused with the flag to change:
         the critic, reward models and teacher would score the image placeholders as text."""
         unsupported = {"--critic_pretrain": self.model.critic_pretrain, "--reward_pretrain": self.model.reward_pretrain,
-                       "--teacher_pretrain": self.model.teacher_pretrain, "--workflow": self.agent.workflow,
+                       "--teacher_pretrain": self.model.teacher_pretrain,
                        "--recorded_data": self.data.recorded_data, "--pretrain_data": self.data.pretrain_data,
                        "--explorer_ranks": self.roles.explorer_ranks > 0, "--sync_offset": self.roles.sync_offset > 0,
                        "--enable_ema": self.model.enable_ema}

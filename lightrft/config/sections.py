@@ -458,8 +458,9 @@ class PPODataConfig(DataConfig):
     label_key: Optional[str] = option(None, "field holding the reference answer")
     image_key: Optional[str] = option(None, "field holding each prompt's images (paths, bytes or base64; "
                                             "a vision-language policy, docs/vlm.md)")
-    max_images_per_prompt: int = option(1, "most images one prompt may hold (more is a bad row); vLLM budgets its "
-                                           "image encoder for this many", at_least=1)
+    max_images_per_prompt: int = option(1, "most images one prompt may hold (more is a bad row), counting those a "
+                                           "--workflow episode's environment shows; vLLM budgets its image encoder "
+                                           "for this many", at_least=1)
     prompt_max_len: int = option(1024, "most prompt tokens")
     truncate_long_prompts: bool = option(False, "keep the last --prompt_max_len tokens of longer prompts instead of "
                                                 "rejecting the row")

@@ -109,8 +109,5 @@ class Generator:
         if self.workflow_runner is None:
             rollout = self.engine.generate(self.tokenize(prompts), params, seeds=seeds, **inputs)
             return Generation(self.with_media(rollout, inputs.get("media"), params.n))
-        if inputs:
-            raise ValueError("multi-turn workflows (--workflow) take text prompts only so far; this batch has "
-                             "prompts with images (--image_key)")
         batch = self.workflow_runner.run(self.engine, self.tokenize(prompts), prompts, labels, params, seeds)
         return Generation(batch.rollout, batch.rewards, batch.unscored)

@@ -327,22 +327,23 @@ def build_tiny_qwen_vl(version: str = "2.5", tokenizer: PreTrainedTokenizerFast 
     return model.float().eval()
 
 
-def build_tiny_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast | None = None):
+def build_tiny_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast | None = None, version: str = "2.5"):
     """The processor of `build_tiny_qwen_vl`: transformers' PIL image processor (no torchvision;
     images of 4-16 merged tokens) and the tokenizer, joined by the family's `QwenVLImageText`."""
     from transformers import Qwen2VLImageProcessorPil
 
-    from lightrft.models.families.qwen_vl import QwenVLImageText
+    from lightrft.utils.qwen_vl_processor import PROCESSOR_CLASSES, QwenVLImageText
 
     image_processor = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS)
-    return QwenVLImageText(tokenizer or build_qwen_vl_tokenizer(), image_processor)
+    return QwenVLImageText(tokenizer or build_qwen_vl_tokenizer(), image_processor,
+                           PROCESSOR_CLASSES["qwen2_vl" if version == "2" else "qwen2_5_vl"])
 
 
 def save_tiny_qwen_vl(path: str | Path, version: str = "2.5", seed: int = 0) -> Path:
     """The tiny Qwen-VL of `version` and its tokenizer and image processor, saved as a Hugging Face
     folder (`AutoModelForImageTextToText`; the family's `load_processor` reads the rest)."""
     path = Path(path)
-    processor = build_tiny_qwen_vl_processor()
+    processor = build_tiny_qwen_vl_processor(version=version)
     build_tiny_qwen_vl(version, processor.tokenizer, seed=seed).save_pretrained(path)
     processor.save_pretrained(path)
     return path

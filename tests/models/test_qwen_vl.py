@@ -165,4 +165,35 @@ def test_a_saved_folder_reads_image_rows_without_torchvision(tmp_path):
     export = tmp_path / "export"
     images.processor.save_pretrained(export)
     assert (export / "preprocessor_config.json").is_file() and (export / "tokenizer_config.json").is_file()
+    assert json.loads((export / "processor_config.json").read_text()) == {"processor_class": "Qwen2_5_VLProcessor"}
     assert family_for(model.config).context_length(model.config) == 512
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision imports here")
+def test_vllm_rollouts_without_torchvision_stop_before_building(tmp_path):
+    from lightrft.builders.engines import check_engine_serves_family
+    from lightrft.config import ConfigError, PPORunConfig
+    from tests.conftest import to_flags
+
+    folder = save_tiny_qwen_vl(tmp_path / "qwen", "2", seed=0)
+
+    def run_config(engine: str) -> PPORunConfig:
+        values = dict(pretrain=folder, prompt_data="p.jsonl", remote_rm_url="exact", image_key="images",
+                      advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8,
+                      train_batch_size=32, rollout_engine=engine)
+        return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+
+    with pytest.raises(ConfigError, match=r"--rollout_engine vllm: --pretrain .* is a Qwen2-VL / Qwen2.5-VL model "
+                                          r"\(model_type 'qwen2_vl'\); vLLM's Qwen-VL model modules import "
+                                          r"torchvision, .* or pass --rollout_engine hf"):
+        check_engine_serves_family(run_config("vllm"))
+    check_engine_serves_family(run_config("hf"))
+
+
+def test_qwen3_vl_is_named_as_not_trained_yet(tmp_path):
+    from transformers import Qwen3VLConfig
+
+    Qwen3VLConfig().save_pretrained(tmp_path / "qwen3")
+    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* is a 'qwen3_vl' model, a vision-language "
+                                         r"model of a kind lightrft does not train yet"):
+        build_image_prompts(str(tmp_path / "qwen3"), None)

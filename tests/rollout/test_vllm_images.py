@@ -52,9 +52,10 @@ def case(tmp_path_factory):
         records.append(PromptRecord(text, images.expand(text, [picture], True), [picture], images.media([picture]),
                                     images.marker_ids(text, True)))
     engine = VLLMEngine(str(folder), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
-                        kv_cache_gb=0.25, max_model_len=128, enforce_eager=True,
+                        kv_cache_gb=0.25, max_model_len=128, enforce_eager=True, max_images_per_prompt=2,
                         banned_token_ids=family_of(model).banned_token_ids(model.config))
-    return dict(engine=engine, model=model, tokenizer=tokenizer, records=records, image_token=image_token)
+    return dict(engine=engine, model=model, tokenizer=tokenizer, records=records, image_token=image_token,
+                images=images)
 
 
 def banned_log_probs(model, rollout, media, image_token, ban: bool = True) -> torch.Tensor:
@@ -72,7 +73,7 @@ def banned_log_probs(model, rollout, media, image_token, ban: bool = True) -> to
         if ban:
             logits[:, image_token] = float("-inf")
         out[row, :one.num_actions] = logits.log_softmax(-1).gather(-1, ids[0, one.prompt_len:, None])[:, 0]
-    return out * rollout.action_mask
+    return torch.where(rollout.action_mask, out, 0.0)     # an environment's placeholders are -inf: not sampled
 
 
 def generate(case, records, n=2, **extra):
@@ -127,3 +128,67 @@ def test_a_vision_only_sync_reaches_an_image_seen_before(case):
             for name, param in vision:
                 param.copy_(original[name])
         engine.update_weights([(name, param.detach()) for name, param in vision])
+
+
+def test_a_picture_from_the_environment_reaches_vllm_between_turns(case):
+    """A multi-turn episode whose environment shows a picture after the first turn: vLLM gets the
+    whole sequence with one marker per picture (the prompt's and the environment's) and expands it
+    to the trainer's ids (checked), and the second turn's log-probs are the trainer's with both pictures."""
+    from lightrft.agents import WorkflowRunner
+    from tests.agents.test_workflow_images import ShowPicture, png
+
+    tokenizer, images = case["tokenizer"], case["images"]
+    record = case["records"][0]
+    runner = WorkflowRunner(ShowPicture(), tokenizer, max_turns=3, max_episode_tokens=80,
+                            eos_token_ids=[tokenizer.eos_token_id], images=images, max_images=2)
+    labels = [png(draw_disc("g", random.Random(5))), png(draw_disc("y", random.Random(6)))]
+    prompts = [record, "Wait for a picture."]
+    batch = runner.run(case["engine"], [list(record.token_ids), tokenizer.encode("Wait for a picture.")], prompts,
+                       labels, SamplingParams(max_new_tokens=4, n=2), [3, 4])
+    rollout = batch.rollout
+    assert [r.media["pixel_values"].size(0) for r in batch.records] == [2, 2, 1, 1]
+    for row, r in enumerate(batch.records):
+        assert (torch.tensor(r.response_ids) == case["image_token"]).sum() == 4        # one environment picture
+    expected = banned_log_probs(case["model"], rollout, rollout.media, case["image_token"])
+    torch.testing.assert_close(rollout.rollout_log_probs * rollout.action_mask, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
+                    reason="torchvision is not installed, and vLLM's Qwen-VL modules import it (PyPI has no CPU "
+                           "build of it for this torch): the Qwen-VL vLLM rows run where it imports (GPU machines)")
+def test_qwen_vl_prompts_are_sampled_like_the_trainer(tmp_path):
+    """Qwen2.5-VL through vLLM: one marker per image expanded by vLLM to the trainer's ids, and the
+    sampled tokens' log-probs equal transformers' forward with its own multimodal positions."""
+    from lightrft.utils.tiny import save_tiny_qwen_vl
+
+    folder = save_tiny_qwen_vl(tmp_path / "qwen", "2.5", seed=4)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = build_tokenizer(str(folder), padding_side="left")
+    images = build_image_prompts(str(folder), tokenizer)
+    rng = random.Random(0)
+    records = []
+    for colour, size in (("r", (56, 84)), ("b", (112, 112))):
+        picture = draw_disc(colour, rng).resize(size)
+        text = f"{images.marker}Colour?"
+        records.append(PromptRecord(text, images.expand(text, [picture], True), [picture], images.media([picture]),
+                                    images.marker_ids(text, True)))
+    banned = family_of(model).banned_token_ids(model.config)
+    engine = VLLMEngine(str(folder), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0, dtype="float32",
+                        kv_cache_gb=0.25, max_model_len=128, enforce_eager=True, banned_token_ids=banned)
+    try:
+        rollout = engine.generate([list(r.token_ids) for r in records], SamplingParams(max_new_tokens=6, n=2),
+                                  seeds=[0, 1], images=[prompt_images(r) for r in records])
+    finally:
+        engine.shutdown()
+    for row in range(4):
+        record = records[row // 2]
+        sequence = rollout.sequences[row][rollout.attention_mask[row].bool()]
+        assert sequence[:len(record.token_ids)].tolist() == list(record.token_ids)
+        inputs = {"input_ids": sequence[None], "mm_token_type_ids": (sequence[None] == model.config.image_token_id).int(),
+                  **record.media}
+        with torch.no_grad():
+            logits = model(**inputs).logits[0].float()
+        logits[:, list(banned)] = float("-inf")
+        start = len(record.token_ids)
+        expected = logits.log_softmax(-1)[start - 1:-1].gather(-1, sequence[start:, None])[:, 0]
+        torch.testing.assert_close(rollout.rollout_log_probs[row, :len(expected)], expected, atol=1e-4, rtol=0)

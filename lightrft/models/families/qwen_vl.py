@@ -21,23 +21,24 @@ A prompt marks an image with `<|vision_start|><|image_pad|><|vision_end|>` (what
 template writes for an `{"type": "image"}` part); a bare `<image>` in a prompt's text stands for
 the same. Videos are not taken. transformers' Qwen-VL processors carry a video processor, which
 needs torchvision; where it does not import (PyPI has no CPU build of it for this torch), the
-folder's tokenizer and image processor (its PIL backend) are joined by `QwenVLImageText`, which
+folder's tokenizer and image processor (its PIL backend) are joined by
+`lightrft.utils.qwen_vl_processor.QwenVLImageText`, which
 expands the placeholders the same way. vLLM's Qwen-VL modules import torchvision too: without it
 a run takes `--rollout_engine hf`.
 """
 
 import importlib.util
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
 from lightrft.models.families.base import ModelFamily, register_family
 from lightrft.models.hf_utils import context_length
+from lightrft.utils.qwen_vl_processor import IMAGE_PAD, PROCESSOR_CLASSES, QwenVLImageText
 
-VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
 
 
 class QwenVL(ModelFamily):
@@ -57,7 +58,8 @@ class QwenVL(ModelFamily):
 
             image_processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            return QwenVLImageText(tokenizer, image_processor)
+            model_type = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
+            return QwenVLImageText(tokenizer, image_processor, PROCESSOR_CLASSES.get(model_type))
 
     def image_marker(self, processor) -> tuple[str, tuple[str, ...]]:
         return VISION_START + IMAGE_PAD + VISION_END, ("<image>",)
@@ -162,41 +164,6 @@ def inner_model(model: nn.Module) -> nn.Module:
     """The `Qwen2VLModel` / `Qwen2_5_VLModel` inside the conditional-generation wrapper (or a peft model around it)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inner.model
-
-
-class QwenVLImageText:
-    """A Qwen-VL processor for images and text where transformers' cannot be built (its video
-    processor needs torchvision): the folder's tokenizer and image processor, each `<|image_pad|>`
-    of a prompt expanded to its image's merged patch count, as `Qwen2_5_VLProcessor` does.
-    `save_pretrained` writes both, so an export loads with `AutoProcessor` where torchvision is."""
-
-    image_token = IMAGE_PAD
-
-    def __init__(self, tokenizer, image_processor):
-        self.tokenizer, self.image_processor = tokenizer, image_processor
-        self.merge = int(getattr(image_processor, "merge_size", 2))
-
-    def __call__(self, text: list[str], images: list[list] | None = None, add_special_tokens: bool = True, **_):
-        if images is not None and len(images) != len(text):
-            raise ValueError(f"{len(text)} texts and {len(images)} image lists")
-        expanded = []
-        for i, prompt in enumerate(text):
-            pieces = prompt.split(IMAGE_PAD)
-            grids = []
-            if images is not None and images[i]:
-                grids = self.image_processor(images=list(images[i]), return_tensors="pt")["image_grid_thw"].tolist()
-            if len(grids) != len(pieces) - 1:
-                raise ValueError(f"the text has {len(pieces) - 1} {IMAGE_PAD} markers for {len(grids)} images")
-            out = pieces[0]
-            for grid, piece in zip(grids, pieces[1:]):
-                out += IMAGE_PAD * (grid[0] * grid[1] * grid[2] // self.merge ** 2) + piece
-            expanded.append(out)
-        return {"input_ids": [self.tokenizer(t, add_special_tokens=add_special_tokens)["input_ids"] for t in expanded]}
-
-    def save_pretrained(self, path: str | os.PathLike, **kwargs) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save_pretrained(path, **kwargs)
-        self.image_processor.save_pretrained(path, **kwargs)
 
 
 register_family(QwenVL())
