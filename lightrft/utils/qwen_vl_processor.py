@@ -8,7 +8,8 @@ from pathlib import Path
 
 IMAGE_PAD = "<|image_pad|>"
 # transformers' processor class of each model type, named in an export's processor_config.json.
-PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+PROCESSOR_CLASSES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                     "qwen3_vl": "Qwen3VLProcessor"}
 
 
 class QwenVLImageText:

@@ -281,8 +281,6 @@ def save_tiny_idefics3(path: str | Path, seed: int = 0) -> Path:
 
 
 QWEN_VL_IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-# Each image is resized to between 2 x 2 and 4 x 4 merged tokens (28-pixel blocks): 4 to 16 tokens.
-QWEN_VL_PIXELS = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
 
 
 def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
@@ -295,11 +293,13 @@ def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_qwen_vl(version: str = "2.5", tokenizer: PreTrainedTokenizerFast | None = None,
                        seed: int = 0) -> torch.nn.Module:
-    """A randomly initialised tiny Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5") in float32: a
-    Qwen2 decoder (hidden 64, 2 layers, head dimension 32, one KV head, M-RoPE sections 4/6/6)
-    and a 2-layer ViT (14-pixel patches, 2 x 2 merge; Qwen2.5-VL: window attention in its first
-    layer). Same seed, same weights."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    """A randomly initialised tiny Qwen2-VL (`version` "2"), Qwen2.5-VL ("2.5") or Qwen3-VL ("3")
+    in float32: a decoder (hidden 64, 2 layers, head dimension 32, one KV head, M-RoPE sections
+    4/6/6) and a 2-layer ViT (14-pixel patches, 2 x 2 merge; Qwen2.5-VL: window attention in its
+    first layer; Qwen3-VL: 16-pixel patches, deepstack features from both layers). Same seed,
+    same weights."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
     tokenizer = tokenizer or build_qwen_vl_tokenizer()
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
@@ -318,8 +318,14 @@ def build_tiny_qwen_vl(version: str = "2.5", tokenizer: PreTrainedTokenizerFast 
         config, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
         vision.update(hidden_size=64, intermediate_size=128, out_hidden_size=64, window_size=56,
                       fullatt_block_indexes=[1])
+    elif version == "3":
+        config, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+        text.update(head_dim=32)
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision.update(patch_size=16, hidden_size=64, intermediate_size=128, out_hidden_size=64,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
     else:
-        raise ValueError(f"unknown Qwen-VL version {version!r}: choose '2' or '2.5'")
+        raise ValueError(f"unknown Qwen-VL version {version!r}: choose '2', '2.5' or '3'")
     config = config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -328,15 +334,19 @@ def build_tiny_qwen_vl(version: str = "2.5", tokenizer: PreTrainedTokenizerFast 
 
 
 def build_tiny_qwen_vl_processor(tokenizer: PreTrainedTokenizerFast | None = None, version: str = "2.5"):
-    """The processor of `build_tiny_qwen_vl`: transformers' PIL image processor (no torchvision;
-    images of 4-16 merged tokens) and the tokenizer, joined by the family's `QwenVLImageText`."""
+    """The processor of `build_tiny_qwen_vl` of `version`: transformers' PIL image processor (no
+    torchvision; each image resized to 2 x 2 to 4 x 4 merged tokens) and the tokenizer, joined by
+    `QwenVLImageText`."""
     from transformers import Qwen2VLImageProcessorPil
 
     from lightrft.utils.qwen_vl_processor import PROCESSOR_CLASSES, QwenVLImageText
 
-    image_processor = Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, **QWEN_VL_PIXELS)
-    return QwenVLImageText(tokenizer or build_qwen_vl_tokenizer(), image_processor,
-                           PROCESSOR_CLASSES["qwen2_vl" if version == "2" else "qwen2_5_vl"])
+    patch = 16 if version == "3" else 14
+    block = 2 * patch          # one merged token
+    image_processor = Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=2, merge_size=2,
+                                               min_pixels=block * block * 4, max_pixels=block * block * 16)
+    model_type = {"2": "qwen2_vl", "2.5": "qwen2_5_vl", "3": "qwen3_vl"}[version]
+    return QwenVLImageText(tokenizer or build_qwen_vl_tokenizer(), image_processor, PROCESSOR_CLASSES[model_type])
 
 
 def save_tiny_qwen_vl(path: str | Path, version: str = "2.5", seed: int = 0) -> Path:

@@ -42,14 +42,15 @@ class ShowPicture(Workflow):
         return 1.0
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_5_vl", "qwen3_vl"])
 def case(request):
     if request.param == "idefics3":
         processor = build_tiny_idefics3_processor()
         model = build_tiny_idefics3(processor.tokenizer, seed=5)
     else:
-        processor = build_tiny_qwen_vl_processor()
-        model = build_tiny_qwen_vl("2.5", processor.tokenizer, seed=5)
+        version = {"qwen2_5_vl": "2.5", "qwen3_vl": "3"}[request.param]
+        processor = build_tiny_qwen_vl_processor(version=version)
+        model = build_tiny_qwen_vl(version, processor.tokenizer, seed=5)
     images = ImagePrompts(processor, family_of(model))
     rng = random.Random(3)
     pictures = [draw_disc(c, rng) for c in "rgb"]

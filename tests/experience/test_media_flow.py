@@ -32,11 +32,12 @@ def build_family(name: str):
     if name == "idefics3":
         processor = build_tiny_idefics3_processor()
         return processor, build_tiny_idefics3(processor.tokenizer, seed=1)
-    processor = build_tiny_qwen_vl_processor()
-    return processor, build_tiny_qwen_vl({"qwen2_vl": "2", "qwen2_5_vl": "2.5"}[name], processor.tokenizer, seed=1)
+    version = {"qwen2_vl": "2", "qwen2_5_vl": "2.5", "qwen3_vl": "3"}[name]
+    processor = build_tiny_qwen_vl_processor(version=version)
+    return processor, build_tiny_qwen_vl(version, processor.tokenizer, seed=1)
 
 
-@pytest.fixture(scope="module", params=["idefics3", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def setup(request):
     processor, model = build_family(request.param)
     tokenizer = processor.tokenizer

@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL (tiny, random): lightrft's multimodal rotary positions against
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (tiny, random): lightrft's multimodal rotary positions against
 transformers' own (`get_rope_index` and the model's forward computing them from
 `mm_token_type_ids`), in left-padded batches, packed rows and the Hugging Face engine's decoding;
 the trap they guard against (1-D positions run silently, with other log-probs); the processor
@@ -25,12 +25,12 @@ from lightrft.rollout.base import SamplingParams
 from lightrft.rollout.hf_engine import hf_engine_for
 from lightrft.utils.tiny import build_tiny_qwen_vl, build_tiny_qwen_vl_processor, save_tiny_qwen_vl
 
-VERSIONS = ["2", "2.5"]
+VERSIONS = ["2", "2.5", "3"]
 
 
 @pytest.fixture(scope="module", params=VERSIONS, ids=lambda v: f"qwen{v}-vl")
 def case(request):
-    processor = build_tiny_qwen_vl_processor()
+    processor = build_tiny_qwen_vl_processor(version=request.param)
     model = build_tiny_qwen_vl(request.param, processor.tokenizer, seed=3)
     images = ImagePrompts(processor, family_of(model))
     rng = random.Random(1)
@@ -190,10 +190,10 @@ def test_vllm_rollouts_without_torchvision_stop_before_building(tmp_path):
     check_engine_serves_family(run_config("hf"))
 
 
-def test_qwen3_vl_is_named_as_not_trained_yet(tmp_path):
-    from transformers import Qwen3VLConfig
+def test_a_vision_language_model_of_another_kind_is_named_as_not_trained_yet(tmp_path):
+    from transformers import LlavaConfig
 
-    Qwen3VLConfig().save_pretrained(tmp_path / "qwen3")
-    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* is a 'qwen3_vl' model, a vision-language "
+    LlavaConfig().save_pretrained(tmp_path / "llava")
+    with pytest.raises(ValueError, match=r"--image_key is set but --pretrain .* is a 'llava' model, a vision-language "
                                          r"model of a kind lightrft does not train yet"):
-        build_image_prompts(str(tmp_path / "qwen3"), None)
+        build_image_prompts(str(tmp_path / "llava"), None)

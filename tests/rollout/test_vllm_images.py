@@ -156,12 +156,13 @@ def test_a_picture_from_the_environment_reaches_vllm_between_turns(case):
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is None,
                     reason="torchvision is not installed, and vLLM's Qwen-VL modules import it (PyPI has no CPU "
                            "build of it for this torch): the Qwen-VL vLLM rows run where it imports (GPU machines)")
-def test_qwen_vl_prompts_are_sampled_like_the_trainer(tmp_path):
-    """Qwen2.5-VL through vLLM: one marker per image expanded by vLLM to the trainer's ids, and the
-    sampled tokens' log-probs equal transformers' forward with its own multimodal positions."""
+@pytest.mark.parametrize("version", ["2.5", "3"])
+def test_qwen_vl_prompts_are_sampled_like_the_trainer(tmp_path, version):
+    """Qwen2.5-VL and Qwen3-VL through vLLM: one marker per image expanded by vLLM to the trainer's
+    ids, and the sampled tokens' log-probs equal transformers' forward with its own multimodal positions."""
     from lightrft.utils.tiny import save_tiny_qwen_vl
 
-    folder = save_tiny_qwen_vl(tmp_path / "qwen", "2.5", seed=4)
+    folder = save_tiny_qwen_vl(tmp_path / "qwen", version, seed=4)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = build_tokenizer(str(folder), padding_side="left")
     images = build_image_prompts(str(folder), tokenizer)

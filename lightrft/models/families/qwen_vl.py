@@ -1,5 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL: a ViT whose merger turns each 2 x 2 block of patches into one
-`<|image_pad|>` token of a Qwen2 decoder with multimodal rotary positions (M-RoPE).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a ViT whose merger turns each 2 x 2 block of patches into
+one `<|image_pad|>` token of a Qwen decoder with multimodal rotary positions (M-RoPE); Qwen3-VL
+also adds features of several vision layers in the first decoder layers ("deepstack").
 
 M-RoPE gives each token three positions (time, height, width). A text token has the same value
 in all three, counting on from the previous token; an image's tokens count their row and column
@@ -87,14 +88,8 @@ class QwenVL(ModelFamily):
         in the order of their `<|image_pad|>` runs."""
         if sorted(media) != ["image_grid_thw", "pixel_values"]:
             raise ValueError(f"Qwen-VL takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
-        config, inner = model.config, inner_model(model)
-        grids = media["image_grid_thw"]
-        expected = int((grids.prod(-1) // inner.visual.spatial_merge_size ** 2).sum())
-        placeholders = int((input_ids == config.image_token_id).sum())      # a host sync, once per forward
-        if placeholders != expected:
-            raise ValueError(f"the batch has {placeholders} {IMAGE_PAD} tokens (id {config.image_token_id}) for "
-                             f"{grids.size(0)} images of {expected} tokens in all; each image needs its run of "
-                             "placeholders in the prompt")
+        config, inner, grids = model.config, inner_model(model), media["image_grid_thw"]
+        self._check_placeholders(model, input_ids, grids)
         features = torch.cat(inner.get_image_features(media["pixel_values"], grids, return_dict=True).pooler_output)
         embeds = model.get_input_embeddings()(input_ids)                                      # (B, T, H)
         where = (input_ids == config.image_token_id).unsqueeze(-1)                           # (B, T, 1)
@@ -102,15 +97,30 @@ class QwenVL(ModelFamily):
 
     def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
         """One grey image of a single merged token through the vision tower, added with weight 0."""
+        features = torch.cat(self._blank_features(model, input_ids).pooler_output)
+        embeds = model.get_input_embeddings()(input_ids)
+        return {"inputs_embeds": embeds + 0.0 * features.sum().to(embeds.dtype)}
+
+    @staticmethod
+    def _blank_features(model: nn.Module, input_ids: torch.Tensor):
+        """The vision tower's output for one grey image of a single merged token."""
         visual = inner_model(model).visual
         merge, vision = visual.spatial_merge_size, model.config.vision_config
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
         dtype = next(visual.parameters()).dtype
         pixels = torch.full((merge * merge, width), 0.5, device=input_ids.device, dtype=dtype)
         grid = torch.tensor([[1, merge, merge]], device=input_ids.device)
-        features = torch.cat(inner_model(model).get_image_features(pixels, grid, return_dict=True).pooler_output)
-        embeds = model.get_input_embeddings()(input_ids)
-        return {"inputs_embeds": embeds + 0.0 * features.sum().to(embeds.dtype)}
+        return inner_model(model).get_image_features(pixels, grid, return_dict=True)
+
+    @staticmethod
+    def _check_placeholders(model: nn.Module, input_ids: torch.Tensor, grids: torch.Tensor) -> None:
+        config = model.config
+        expected = int((grids.prod(-1) // inner_model(model).visual.spatial_merge_size ** 2).sum())
+        placeholders = int((input_ids == config.image_token_id).sum())      # a host sync, once per forward
+        if placeholders != expected:
+            raise ValueError(f"the batch has {placeholders} {IMAGE_PAD} tokens (id {config.image_token_id}) for "
+                             f"{grids.size(0)} images of {expected} tokens in all; each image needs its run of "
+                             "placeholders in the prompt")
 
     def model_position_ids(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                            media: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -166,4 +176,36 @@ def inner_model(model: nn.Module) -> nn.Module:
     return inner.model
 
 
+class Qwen3VL(QwenVL):
+    """Qwen3-VL: Qwen2.5-VL's positions and placeholders, and "deepstack": features from several
+    vision layers are added to the image tokens' hidden states in the first decoder layers too.
+    The tower still runs apart; its output (last-layer and deepstack features) goes to the model
+    as `mm_encoder_outputs`, with the token ids, so the model scatters both."""
+
+    name = "Qwen3-VL"
+    model_types = ("qwen3_vl",)
+
+    def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
+        if sorted(media) != ["image_grid_thw", "pixel_values"]:
+            raise ValueError(f"Qwen3-VL takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
+        self._check_placeholders(model, input_ids, media["image_grid_thw"])
+        features = inner_model(model).get_image_features(media["pixel_values"], media["image_grid_thw"],
+                                                         return_dict=True)
+        return {"mm_encoder_outputs": {"image": features}}
+
+    def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
+        """The blank image's output as `mm_encoder_outputs` of no tokens (each an empty slice plus
+        0 x the sum of all), so a batch without images takes the same path through the model as
+        one with them (the token embedding looked up inside the forward: under ZeRO-3 a lookup
+        outside it on one rank and inside on another hangs)."""
+        features = self._blank_features(model, input_ids)
+        pooled = torch.cat(features.pooler_output)
+        deep = [torch.cat(f) for f in features.deepstack_features]
+        total = 0.0 * (pooled.sum() + sum(f.sum() for f in deep))
+        features.pooler_output = (pooled[:0] + total,)
+        features.deepstack_features = [(f[:0] + total,) for f in deep]
+        return {"mm_encoder_outputs": {"image": features}}
+
+
 register_family(QwenVL())
+register_family(Qwen3VL())
