@@ -68,6 +68,7 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks, explorers=True, link=link)
     args, trainer = run.args, run.trainer
     consumed = 0
+    run.strategy.check_shared_folder(args.ckpt_path)       # node-local disks: refused before the first step
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, run.dataloader, run.pretrain_dataloader, consumed, run.updates_per_step,

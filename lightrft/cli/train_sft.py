@@ -115,6 +115,8 @@ def run_supervised(args, strategy, model, tokenizer, trainer_cls, train_set, eva
                           save_hf_ckpt=args.save_hf_ckpt, disable_ds_ckpt=args.disable_ds_ckpt,
                           preemption_grace=args.preemption_grace, max_nonfinite_steps=args.max_nonfinite_steps,
                           max_ckpt_num=args.max_ckpt_num)
+    if not args.disable_ds_ckpt:
+        strategy.check_shared_folder(args.ckpt_path)       # node-local disks: refused before the first step
     if args.load_checkpoint:
         trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, dataloader)

@@ -460,6 +460,24 @@ def resolve_checkpoint(save_dir: Path, tag: str | None = None, *, verify: bool =
 # Client state
 
 
+PROBE_PREFIX = ".shared-check-"
+
+
+def write_probe(folder: Path, token: str, rank: int) -> Path:
+    """Writes rank `rank`'s probe file for the shared-folder check (`token` is the same on every
+    rank of one check) into `folder`, creating it, and returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{PROBE_PREFIX}{token}-rank{rank}"
+    path.write_text(f"{rank}\n")
+    fsync_file(path)
+    return path
+
+
+def missing_probes(folder: Path, token: str, world_size: int) -> list[int]:
+    """The ranks whose probe file of check `token` this process does not see in `folder`."""
+    return [rank for rank in range(world_size) if not (folder / f"{PROBE_PREFIX}{token}-rank{rank}").is_file()]
+
+
 def client_state_path(ckpt_dir: Path, rank: int) -> Path:
     return Path(ckpt_dir) / CLIENT_STATE_DIR / f"rank_{rank}.pt"
 
@@ -630,6 +648,7 @@ def save_checkpoint_dir(
     is_writer: bool = True,
     all_ok: Callable[[bool], bool] = lambda ok: ok,
     max_num: int = 3,
+    ranks: int = 1,
 ) -> Path:
     """Runs the save protocol (module docstring) and returns the final folder `save_dir/<tag>`.
 
@@ -638,7 +657,9 @@ def save_checkpoint_dir(
     a single process passes the default. `is_writer` is True on exactly one rank (rank 0).
     Raises CheckpointSaveError naming the path when any rank fails to write; the previous
     checkpoints are then untouched and the temporary folder is removed. A failed clean-up after
-    the commit only warns: the new checkpoint is already complete.
+    the commit only warns: the new checkpoint is already complete. With `ranks` > 1 every rank
+    writes its client state (`save_client_state`), and the writer refuses to commit a folder
+    where it does not see all of them (ranks on node-local disks write elsewhere).
     """
     save_dir = Path(save_dir)
     validate_tag(tag)
@@ -647,7 +668,7 @@ def save_checkpoint_dir(
         raise ValueError(f"--max_ckpt_num must be >= 1, got {max_num}")
     tmp = save_dir / (TMP_PREFIX + tag)
     try:
-        _save_steps(save_dir, tag, tmp, write_shard, is_writer, all_ok)
+        _save_steps(save_dir, tag, tmp, write_shard, is_writer, all_ok, ranks)
     except CheckpointSaveError:
         # Every rank has stopped writing (the failure was agreed on), so the partial folder can go:
         # left behind, it would keep a full disk full and fail every later save.
@@ -666,7 +687,7 @@ def save_checkpoint_dir(
 
 
 def _save_steps(save_dir: Path, tag: str, tmp: Path, write_shard: Callable[[Path], None], is_writer: bool,
-                all_ok: Callable[[bool], bool]) -> None:
+                all_ok: Callable[[bool], bool], ranks: int = 1) -> None:
     """Steps 1-3 of the protocol; CheckpointSaveError on every rank when one fails on any."""
     final = save_dir / tag
     error = None
@@ -689,6 +710,11 @@ def _save_steps(save_dir: Path, tag: str, tmp: Path, write_shard: Callable[[Path
     error = None
     if is_writer:
         try:
+            missing = [rank for rank in range(ranks) if ranks > 1 and not client_state_path(tmp, rank).is_file()]
+            if missing:
+                raise RuntimeError(f"the files of rank(s) {', '.join(map(str, missing))} are not in {tmp} as rank 0 "
+                                   "sees it: the ranks do not share this folder (node-local disks); put it on a "
+                                   "filesystem every node mounts at the same path")
             _commit(save_dir, tmp, tag)
         except Exception as err:  # reported on every rank by _agreed
             error = err

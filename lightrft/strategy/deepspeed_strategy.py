@@ -418,6 +418,40 @@ class DeepspeedStrategy:
             norm = model.get_global_grad_norm() if hasattr(model, "get_global_grad_norm") else None
         return None if norm is None else float(norm)
 
+    def check_shared_folder(self, folder: str | os.PathLike | None, flag: str = "--ckpt_path") -> None:
+        """Refuses, on every rank, a checkpoint folder that is not one folder for all ranks: a
+        checkpoint holds every rank's shards in one place (rank 0 lists and checks them, and any
+        rank may read another's), so the same path on node-local disks would save checkpoints
+        that no node can load. Each rank writes a probe file; a rank that does not see every
+        probe names what it misses (`lightrft.strategy.checkpoint_io.missing_probes`). All ranks
+        call it; nothing happens on one rank or without a folder."""
+        if not folder or not is_dist_initialized() or self.world_size == 1:
+            return
+        token = [os.urandom(8).hex() if self.is_rank_0() else None]
+        dist.broadcast_object_list(token, src=0)
+        path = Path(folder).expanduser()
+        error = None
+        try:
+            probe = checkpoint_io.write_probe(path, token[0], self.rank)
+        except OSError as err:
+            probe, error = None, f"rank {self.rank} on {socket.gethostname()} cannot write to {path}: {err}"
+        dist.barrier()
+        if error is None:
+            missing = checkpoint_io.missing_probes(path, token[0], self.world_size)
+            if missing:
+                error = (f"rank {self.rank} on {socket.gethostname()} does not see the files of rank(s) "
+                         f"{', '.join(map(str, missing))} in {path}")
+        reports = [None] * self.world_size
+        dist.all_gather_object(reports, error)
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+        problems = [r for r in reports if r]
+        if problems:
+            raise ValueError(f"{flag} {folder} is not one folder for every rank: {'; '.join(problems)}. A checkpoint "
+                             "holds every rank's files in one folder, so saves there could never be resumed: put "
+                             f"{flag} on a filesystem every node mounts at the same path (NFS, Lustre, a shared "
+                             "volume)")
+
     # ------------------------------------------------------------------------------------------
     # Collectives
 
@@ -647,7 +681,7 @@ class DeepspeedStrategy:
             checkpoint_io.save_client_state(tmp_dir, self.rank, client_state)
 
         return checkpoint_io.save_checkpoint_dir(save_dir, tag, write_shard, is_writer=self.is_rank_0(),
-                                                 all_ok=self._all_ok, max_num=max_num)
+                                                 all_ok=self._all_ok, max_num=max_num, ranks=self.world_size)
 
     def load_ckpt(self, model, load_dir: str | os.PathLike, tag: str | None = None, load_optimizer_states: bool = True,
                   load_lr_scheduler_states: bool = True, load_module_strict: bool = True, load_module_only: bool = False):
