@@ -478,6 +478,13 @@ def missing_probes(folder: Path, token: str, world_size: int) -> list[int]:
     return [rank for rank in range(world_size) if not (folder / f"{PROBE_PREFIX}{token}-rank{rank}").is_file()]
 
 
+def saved_ranks(ckpt_dir: Path) -> int:
+    """How many ranks saved the checkpoint `ckpt_dir` (every rank writes its client state); 0 when
+    it holds none (a checkpoint written outside `DeepspeedStrategy.save_ckpt`)."""
+    folder = Path(ckpt_dir) / CLIENT_STATE_DIR
+    return len(list(folder.glob("rank_*.pt"))) if folder.is_dir() else 0
+
+
 def client_state_path(ckpt_dir: Path, rank: int) -> Path:
     return Path(ckpt_dir) / CLIENT_STATE_DIR / f"rank_{rank}.pt"
 

@@ -12,7 +12,9 @@ import contextlib
 import os
 import warnings
 import resource
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -160,6 +162,9 @@ class DeepspeedStrategy:
         self._ema_global_step: dict[int, int] = {}
         self._grad_norms: dict[int, torch.Tensor] = {}     # id(engine) -> norm, where `optimizer_step` clips
         self._hf_zero3_config = None
+        # Why a checkpoint must be resumed on the number of ranks that saved it (None: any number,
+        # through DeepSpeed's universal checkpoint; `load_ckpt`).
+        self.same_ranks_reason: str | None = None
 
     # ------------------------------------------------------------------------------------------
     # Process group
@@ -708,15 +713,63 @@ class DeepspeedStrategy:
             raise FileNotFoundError(value)
         if value is None:
             return None, None
-        load_path, _ = model.load_checkpoint(value, tag=DS_SUBDIR, load_module_strict=load_module_strict,
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only)
+        saved = [checkpoint_io.saved_ranks(Path(value)) if self.is_rank_0() else None]
+        if is_dist_initialized():
+            dist.broadcast_object_list(saved, src=0)
+        options = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        if saved[0] and saved[0] != self.world_size:
+            if self.same_ranks_reason:
+                raise ValueError(f"cannot resume {value}, saved by {saved[0]} rank(s), on {self.world_size}: "
+                                 f"{self.same_ranks_reason}; resume on {saved[0]} rank(s)")
+            load_path = self._load_elsewhere(model, Path(value), saved[0], options)
+        else:
+            load_path, _ = model.load_checkpoint(value, tag=DS_SUBDIR, **options)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {value}/{DS_SUBDIR} (see its log "
                                f"above); the folder is complete, so it was probably saved with a different "
                                f"world size or ZeRO stage")
         return value, checkpoint_io.load_client_state(Path(value), self.rank)
+
+    def _load_elsewhere(self, model, ckpt_dir: Path, saved: int, options: dict):
+        """Loads a checkpoint saved by `saved` ranks into this job of another size through
+        DeepSpeed's universal checkpoint: rank 0 converts the ZeRO shards (`ds_to_universal`, in
+        a process of its own) into a temporary folder beside the checkpoint, every rank loads its
+        new partition from it, and the folder is removed. The checkpoint itself is not touched."""
+        out = ckpt_dir.parent / f"{checkpoint_io.TMP_PREFIX}universal-{ckpt_dir.name}-{os.getpid()}"
+        token = [str(out) if self.is_rank_0() else None]
+        if is_dist_initialized():
+            dist.broadcast_object_list(token, src=0)
+        out = Path(token[0])
+        error = None
+        if self.is_rank_0():
+            self.print(f"{ckpt_dir} was saved by {saved} rank(s) and this job has {self.world_size}: converting it "
+                       "to DeepSpeed's universal checkpoint to load the shards on the new ranks")
+            error = convert_to_universal(ckpt_dir / DS_SUBDIR, out / DS_SUBDIR)
+        if not self._all_ok(error is None):
+            if self.is_rank_0():
+                shutil.rmtree(out, ignore_errors=True)
+            raise RuntimeError(f"cannot resume {ckpt_dir} (saved by {saved} rank(s)) on {self.world_size}: converting "
+                               f"it to DeepSpeed's universal checkpoint failed" + (f": {error}" if error else
+                                                                                    " on rank 0 (see its log)")
+                               + f"; resume on {saved} rank(s)")
+        config = model._config
+        try:
+            config.load_universal_checkpoint = True
+            load_path, _ = model.load_checkpoint(str(out), tag=DS_SUBDIR, **options)
+            # ZeRO-3's universal load gives every parameter group one shared `step` tensor, which
+            # torch's Adam then advances once per group and step (Adam's step 4 where 3 was due, a
+            # bias correction off): each group gets its own.
+            inner = getattr(getattr(model, "optimizer", None), "optimizer", None)
+            for state in getattr(inner, "state", {}).values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        finally:
+            config.load_universal_checkpoint = False
+            self._all_ok(True)                 # every rank has read the folder before it goes
+            if self.is_rank_0():
+                shutil.rmtree(out, ignore_errors=True)
+        return load_path
 
     # ------------------------------------------------------------------------------------------
     # Memory
@@ -734,6 +787,22 @@ class DeepspeedStrategy:
             stats = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
         self.print(f"[memory] {tag} " + ", ".join(f"{k}={v:.3f}" for k, v in stats.items()))
         return stats
+
+
+def convert_to_universal(source: Path, target: Path) -> str | None:
+    """Converts the DeepSpeed checkpoint folder `source` (ZeRO shards of one tag) into the universal
+    format at `target` with DeepSpeed's own converter, in a child process; None when it worked,
+    else what went wrong (the converter's last lines)."""
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+               "--output_folder", str(target), "--inject_missing_state", "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    if proc.returncode != 0:
+        return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+    return None
 
 
 def get_strategy(config) -> DeepspeedStrategy:

@@ -148,3 +148,25 @@ def actor_weights_sft(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
     files = list((ckpt / f"global_step{step}").rglob("mp_rank_00_model_states.pt"))
     assert len(files) == 1, files
     return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+
+
+def test_a_run_saved_on_two_ranks_resumes_on_one(toy, tmp_path, clean_runs):
+    """GRPO saved on 2 ranks resumes on 1 (DeepSpeed's universal checkpoint): rollouts are seeded by
+    their place in the global batch, so steps 3 and 4 sample what the uninterrupted 2-rank run
+    sampled (same rewards), and the weights end where that run's did up to float rounding."""
+    from safetensors.torch import load_file
+
+    launch(toy, tmp_path, max_steps=2)
+    proc = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True})],
+                        nproc=1, module=True)
+    assert "was saved by 2 rank(s) and this job has 1: converting it" in proc.stdout
+    assert summary_line(proc.stdout)["step"] == 4
+    uninterrupted = clean_runs["uninterrupted"][0]
+    full = {t: dict(s) for t, s in tensorboard_scalars(uninterrupted / "tb").items()}
+    again = {t: dict(s) for t, s in tensorboard_scalars(tmp_path / "tb").items()}
+    assert [again["rollout/reward"][s] for s in (3, 4)] == [full["rollout/reward"][s] for s in (3, 4)]
+    start, end = actor_weights(uninterrupted / "ckpt", 2), actor_weights(uninterrupted / "ckpt", 4)
+    assert max((end[k].float() - start[k].float()).abs().max().item() for k in end) > 1e-4     # steps 3-4 trained
+    expected = load_file(uninterrupted / "model" / "model.safetensors")
+    got = load_file(tmp_path / "model" / "model.safetensors")
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) < 1e-5
