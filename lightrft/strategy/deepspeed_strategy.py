@@ -197,9 +197,18 @@ class DeepspeedStrategy:
         # Also when the group exists already (explorer roles start it): deepspeed.initialize then
         # starts DeepSpeed's communication backend itself, which would build the op.
         skip_shared_memory_comm_op()
-        if not is_dist_initialized():
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                       timeout=timedelta(minutes=self.config.dist_timeout_minutes))
+        for attempt in range(5):
+            if is_dist_initialized():
+                break
+            try:
+                deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                           timeout=timedelta(minutes=self.config.dist_timeout_minutes))
+            except dist.DistNetworkError as err:
+                # A port this process picked for its own one-rank group can be taken by another
+                # process between the pick and the bind (parallel test workers): pick another.
+                if present or "EADDRINUSE" not in str(err) or attempt == 4:
+                    raise
+                os.environ["MASTER_PORT"] = str(_free_port())
 
     def close(self) -> None:
         """Leaves the process group cleanly; call it (or use `with strategy:`) at the end of

@@ -185,7 +185,7 @@ def test_vllm_rollouts_without_torchvision_stop_before_building(tmp_path):
 
     with pytest.raises(ConfigError, match=r"--rollout_engine vllm: --pretrain .* is a Qwen2-VL / Qwen2.5-VL model "
                                           r"\(model_type 'qwen2_vl'\); vLLM's Qwen-VL model modules import "
-                                          r"torchvision, .* or pass --rollout_engine hf"):
+                                          r"torchvision, .*: only hf can serve it; pass --rollout_engine hf"):
         check_engine_serves_family(run_config("vllm"))
     check_engine_serves_family(run_config("hf"))
 

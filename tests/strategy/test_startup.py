@@ -91,3 +91,29 @@ def test_a_build_lock_left_by_a_killed_build_is_named_with_the_fix(tmp_path, mon
     warn_if_build_is_locked("cpu_adam")
     err = capsys.readouterr().err
     assert f"waiting for the build lock {lock}" in err and f"delete {lock}" in err and "cpu_adam extension" in err
+
+
+TAKEN_PORT = """
+import socket
+import lightrft.strategy.deepspeed_strategy as ds
+from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+ports = [taken.getsockname()[1]]              # the first pick is a port another process holds
+real = ds._free_port
+ds._free_port = lambda: ports.pop() if ports else real()
+strategy = DeepspeedStrategy(StrategyConfig())
+strategy.setup_distributed()
+print("joined on another port:", strategy.world_size, int(__import__("os").environ["MASTER_PORT"]) != taken.getsockname()[1])
+strategy.close()
+"""
+
+
+def test_a_one_rank_group_whose_port_was_taken_picks_another():
+    """A single process picks a free port for its own group; another process may bind it first
+    (parallel test workers did: EADDRINUSE). The strategy then picks another instead of failing."""
+    result = subprocess.run([sys.executable, "-c", TAKEN_PORT], env=subprocess_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "joined on another port: 1 True" in result.stdout

@@ -65,11 +65,15 @@ class QwenVL(ModelFamily):
     def image_marker(self, processor) -> tuple[str, tuple[str, ...]]:
         return VISION_START + IMAGE_PAD + VISION_END, ("<image>",)
 
+    # vLLM's Qwen-VL model modules import torchvision: without it only the Hugging Face engine serves them.
+    rollout_engines = None if importlib.util.find_spec("torchvision") is not None else frozenset({"hf"})
+
     def engine_problem(self, engine: str) -> str | None:
-        if engine == "vllm" and importlib.util.find_spec("torchvision") is None:
+        problem = super().engine_problem(engine)
+        if problem and importlib.util.find_spec("torchvision") is None:
             return ("vLLM's Qwen-VL model modules import torchvision, which is not installed here (PyPI has no CPU "
-                    "build of it for this torch); install torchvision (GPU machines) or pass --rollout_engine hf")
-        return super().engine_problem(engine)
+                    f"build of it for this torch; install it on GPU machines): {problem}")
+        return problem
 
     def context_length(self, config: PretrainedConfig) -> int | None:
         return context_length(config.get_text_config())
