@@ -181,10 +181,14 @@ class HFEngine:
         never = self._banned.to(device)            # (K,) placeholder ids: banned at every step
         early = torch.cat([eos, never])            # before min_new_tokens, EOS too
         position_ids = (prompt_mask.cumsum(dim=-1) - 1).clamp(min=0)  # (B, Tp)
+        first, expand = rows
+        # The distinct prompts' media, joined once for their positions and their prefill.
+        merged = None if self.family is None else self.family.merge_media([media[row] for row in first.tolist()])
         if self.positions is not None:
-            # The model's own, e.g. (4, B, Tp) multimodal rotary rows: each row continues by one per step.
-            merged = self.family.merge_media(media) if media else None
-            position_ids = self.positions(input_ids, position_ids, merged)
+            # The model's own, e.g. (4, B, Tp) multimodal rotary rows, computed for the distinct
+            # prompts and copied to their samples; each row continues by one per step.
+            first_d, expand_d = first.to(device), expand.to(device)
+            position_ids = self.positions(input_ids[first_d], position_ids[first_d], merged)[..., expand_d, :]
         # Written in place, one column per step, and read as a prefix: no concatenation per step.
         attention_mask = torch.zeros((batch, prompt_len + steps), dtype=prompt_mask.dtype, device=device)
         attention_mask[:, :prompt_len] = prompt_mask
@@ -198,7 +202,7 @@ class HFEngine:
         # last EOS are padding, which the caller trims. On the CPU each step checks (no queue).
         check_every = self.stop_check_steps or (STOP_CHECK_STEPS if device.type == "cuda" else 1)
 
-        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, media)
+        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, merged)
         decoded = 0
         for step in range(steps):
             if step > 0:
@@ -223,15 +227,14 @@ class HFEngine:
 
     def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor], extra: dict,
-                 media: list[dict | None]) -> tuple[torch.Tensor, object]:
+                 merged: dict | None) -> tuple[torch.Tensor, object]:
         """The prompt forward, once per distinct prompt: the n samples of a prompt share its KV
         cache and next-token logits, so a group of G samples costs one prompt forward instead of
         G. The prompts' media (images) enter here, through the model family; the decoding steps
-        after it see tokens only. Returns the last position's logits (B, V) and the cache, both
-        expanded to all B rows."""
+        after it see tokens only (`merged`: the distinct prompts' media joined, or None). Returns
+        the last position's logits (B, V) and the cache, both expanded to all B rows."""
         first, expand = rows  # (U,), (B,)
         dedupe = first.numel() < input_ids.shape[0]
-        kept = first.tolist() if dedupe else range(input_ids.shape[0])
         if dedupe:
             first = first.to(input_ids.device)
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[..., first, :]
@@ -239,7 +242,6 @@ class HFEngine:
         if self.family is not None:
             # Media, or a model that takes them running its vision tower on a blank (every rank
             # runs the same modules: ZeRO-3), may replace the ids by embeddings.
-            merged = self.family.merge_media([media[row] for row in kept])
             inputs = self.family.with_media(self.model, inputs, input_ids, merged)
         out = self.model(**inputs, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)

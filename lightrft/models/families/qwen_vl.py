@@ -90,10 +90,7 @@ class QwenVL(ModelFamily):
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
         """`media`: "pixel_values" (patches, D) and "image_grid_thw" (N, 3), the N images of the batch
         in the order of their `<|image_pad|>` runs."""
-        if sorted(media) != ["image_grid_thw", "pixel_values"]:
-            raise ValueError(f"Qwen-VL takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
-        config, inner, grids = model.config, inner_model(model), media["image_grid_thw"]
-        self._check_placeholders(model, input_ids, grids)
+        config, inner, grids = model.config, inner_model(model), self._checked_grids(model, input_ids, media)
         features = torch.cat(inner.get_image_features(media["pixel_values"], grids, return_dict=True).pooler_output)
         embeds = model.get_input_embeddings()(input_ids)                                      # (B, T, H)
         where = (input_ids == config.image_token_id).unsqueeze(-1)                           # (B, T, 1)
@@ -116,15 +113,18 @@ class QwenVL(ModelFamily):
         grid = torch.tensor([[1, merge, merge]], device=input_ids.device)
         return inner_model(model).get_image_features(pixels, grid, return_dict=True)
 
-    @staticmethod
-    def _check_placeholders(model: nn.Module, input_ids: torch.Tensor, grids: torch.Tensor) -> None:
-        config = model.config
+    def _checked_grids(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`media`'s image grids, once its keys and the batch's placeholder count are checked."""
+        if sorted(media) != ["image_grid_thw", "pixel_values"]:
+            raise ValueError(f"{self.name} takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
+        grids, config = media["image_grid_thw"], model.config
         expected = int((grids.prod(-1) // inner_model(model).visual.spatial_merge_size ** 2).sum())
         placeholders = int((input_ids == config.image_token_id).sum())      # a host sync, once per forward
         if placeholders != expected:
             raise ValueError(f"the batch has {placeholders} {IMAGE_PAD} tokens (id {config.image_token_id}) for "
                              f"{grids.size(0)} images of {expected} tokens in all; each image needs its run of "
                              "placeholders in the prompt")
+        return grids
 
     def model_position_ids(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                            media: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -190,11 +190,8 @@ class Qwen3VL(QwenVL):
     model_types = ("qwen3_vl",)
 
     def media_inputs(self, model: nn.Module, input_ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict:
-        if sorted(media) != ["image_grid_thw", "pixel_values"]:
-            raise ValueError(f"Qwen3-VL takes media 'pixel_values' and 'image_grid_thw', got {sorted(media)}")
-        self._check_placeholders(model, input_ids, media["image_grid_thw"])
-        features = inner_model(model).get_image_features(media["pixel_values"], media["image_grid_thw"],
-                                                         return_dict=True)
+        grids = self._checked_grids(model, input_ids, media)
+        features = inner_model(model).get_image_features(media["pixel_values"], grids, return_dict=True)
         return {"mm_encoder_outputs": {"image": features}}
 
     def blank_media_inputs(self, model: nn.Module, input_ids: torch.Tensor) -> dict:
