@@ -37,6 +37,7 @@ def build_strategy(config: PPORunConfig):
     strategy = get_strategy(config)
     strategy.setup_distributed()
     check_world_size(config.rollout.rollout_batch_size, strategy.world_size)
+    strategy.sequence_parallel       # the groups of --sequence_parallel_size, refused now if they cannot be made
     return strategy
 
 
@@ -80,6 +81,11 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
         # The teacher is served like the reference: same builder, sharding, offload and packing.
         teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature)
                          if model.teacher_pretrain else None)
+    # The trained models split their packed rows over the sequence-parallel group (rollout-time
+    # forwards of padded batches, and the frozen models', run whole).
+    for trained in (actor, critic):
+        if trained is not None:
+            trained.use_sequence_parallel(strategy.sequence_parallel)
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
 
 

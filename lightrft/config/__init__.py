@@ -8,12 +8,13 @@ from lightrft.config.options import add_section_flags, option, section_from_name
 from lightrft.config.run import PPORunConfig, RMRunConfig, RunConfig, SFTRunConfig
 from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, DataConfig,
                                       DistributedConfig, EvalConfig, LoggingConfig, ModelConfig, OptimConfig,
-                                      PPODataConfig, PPOLoggingConfig, PPOModelConfig, PPOOptimConfig, RewardConfig,
-                                      RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig, RolloutConfig,
+                                      PPODataConfig, PPODistributedConfig, PPOLoggingConfig, PPOModelConfig,
+                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig, RolloutConfig,
                                       SFTDataConfig, SupervisedOptimConfig)
 
 __all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig",
            "EvalConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PPODataConfig", "PPOLoggingConfig",
-           "PPOModelConfig", "PPOOptimConfig", "PPORunConfig", "RMDataConfig", "RMModelConfig", "RMOptimConfig",
+           "PPODistributedConfig", "PPOModelConfig", "PPOOptimConfig", "PPORunConfig", "RMDataConfig",
+           "RMModelConfig", "RMOptimConfig",
            "RMRunConfig", "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig", "SFTDataConfig",
            "SFTRunConfig", "SupervisedOptimConfig", "add_section_flags", "option", "section_from_namespace"]

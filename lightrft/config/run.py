@@ -20,9 +20,10 @@ from typing import Any, ClassVar
 
 from lightrft.config.options import add_section_flags, flag_fields, section_from_namespace
 from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, DistributedConfig,
-                                      EvalConfig, LoggingConfig, PPODataConfig, PPOLoggingConfig, PPOModelConfig,
-                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig,
-                                      RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig, ModelConfig,
+                                      EvalConfig, LoggingConfig, PPODataConfig, PPODistributedConfig, PPOLoggingConfig,
+                                      PPOModelConfig, PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig,
+                                      RMOptimConfig, RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig,
+                                      ModelConfig,
                                       check_bounds, check_distillation, check_finite)
 
 
@@ -147,7 +148,7 @@ class PPORunConfig(RunConfig):
                         ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"),
                         ("roles", "explorer and trainer roles"), ("agent", "multi-turn agents"))
 
-    distributed: DistributedConfig = _section(DistributedConfig)
+    distributed: PPODistributedConfig = _section(PPODistributedConfig)
     model: PPOModelConfig = _section(PPOModelConfig)
     rollout: RolloutConfig = _section(RolloutConfig)
     algorithm: AlgorithmConfig = _section(AlgorithmConfig)
@@ -195,6 +196,8 @@ class PPORunConfig(RunConfig):
                               f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
         if self.data.image_key:
             self._check_images()
+        if self.distributed.sequence_parallel_size > 1:
+            self._check_sequence_parallel()
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
@@ -215,6 +218,20 @@ class PPORunConfig(RunConfig):
             raise ConfigError(f"--image_key {self.data.image_key} cannot be combined with {', '.join(used)} yet: a run "
                               "with images trains a critic-free policy (group_norm, rloo, reinforce++) scored by "
                               "--remote_rm_url sources (rules, Python files, HTTP servers); docs/vlm.md")
+
+    def _check_sequence_parallel(self) -> None:
+        """What a row split over ranks (--sequence_parallel_size) needs and cannot do yet, each named
+        with the flag to change."""
+        size = self.distributed.sequence_parallel_size
+        if not self.model.packing_samples:
+            raise ConfigError(f"--sequence_parallel_size {size} splits packed rows: add --packing_samples")
+        unsupported = {"--image_key": self.data.image_key, "--aux_loss_coef > 0": self.algorithm.aux_loss_coef > 0,
+                       "--explorer_ranks": self.roles.explorer_ranks > 0, "--sync_offset": self.roles.sync_offset > 0}
+        used = [flag for flag, value in unsupported.items() if value]
+        if used:
+            raise ConfigError(f"--sequence_parallel_size {size} cannot be combined with {', '.join(used)} yet: the "
+                              "split covers a text model's packed training rows on the trainer ranks; change those "
+                              "flags or use --sequence_parallel_size 1")
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each

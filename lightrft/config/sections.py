@@ -181,6 +181,14 @@ class CheckpointConfig:
 
 # ======================================================================================= PPO
 @dataclass(frozen=True)
+class PPODistributedConfig(DistributedConfig):
+    sequence_parallel_size: int = option(
+        1, "ranks sharing each packed training row (Ulysses sequence parallelism: each computes 1/N of its tokens, "
+           "attention over the whole row); needs --packing_samples and heads divisible by N; docs/scaling.md",
+        at_least=1)
+
+
+@dataclass(frozen=True)
 class PPOModelConfig(ModelConfig):
     critic_pretrain: Optional[str] = option(None, "Hugging Face folder to start the critic from (needed by "
                                                   "--advantage_estimator gae)")

@@ -162,6 +162,8 @@ def recommendations(phase: str, config: PPORunConfig) -> list[str]:
             flags.append("--packing_samples")
         if not distributed.adam_offload:
             flags.append("--adam_offload")
+        flags.append(f"--sequence_parallel_size (now {distributed.sequence_parallel_size}; ranks sharing each packed "
+                     "row, each holding 1/N of its activations)")
     elif phase == "weight sync":
         flags.append(f"--vllm_sync_bucket_mb (now {rollout.vllm_sync_bucket_mb})")
     if phase in ("forwards", "train") and distributed.zero_stage < 3:
@@ -174,8 +176,10 @@ def recommendations(phase: str, config: PPORunConfig) -> list[str]:
 def check_memory(run, budget_gb: float | None = None, probe: MemoryProbe | None = None) -> CheckResult:
     config, strategy = run.args, run.strategy
     prompt_max_len, generate_max_len = config.data.prompt_max_len, config.rollout.generate_max_len
+    split = config.distributed.sequence_parallel_size
     result = CheckResult("memory", f"one step at {prompt_max_len} prompt + {generate_max_len} response "
-                                   "tokens, peak memory per phase")
+                                   "tokens, peak memory per phase"
+                                   + (f", training rows split over {split} ranks" if split > 1 else ""))
     probe = probe or MemoryProbe()
     budget, budget_source = memory_budget_gib(strategy, budget_gb)
     step = run_step_at_max_lengths(run, probe)
@@ -183,6 +187,7 @@ def check_memory(run, budget_gb: float | None = None, probe: MemoryProbe | None 
     # CPU ranks share the machine's RAM (add them); GPU ranks each have a device (take the largest).
     peaks = strategy.all_reduce(local, op="max" if probe.cuda else "sum").tolist()
     result.figures.update(step, peaks_all_ranks=dict(zip(PHASES, peaks)), budget_gib=budget,
+                          sequence_parallel_size=split,
                           budget_source=budget_source, resettable=probe.resettable)
     what = "peak reserved per rank" if probe.cuda else "peak RSS, all ranks"
     result.rows.append(("phase", f"{what} (GiB)", "share of budget"))

@@ -140,6 +140,8 @@ class ActorLanguage(nn.Module):
             model = get_peft_model(model, lora_config)
         self.model = model
         self.prompt_sharing = PackedPromptSharing(model, "--pretrain")
+        # The sequence-parallel group packed rows are split over (`use_sequence_parallel`), or None.
+        self.sequence_parallel = None
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
@@ -150,6 +152,16 @@ class ActorLanguage(nn.Module):
         if not self.packing_checked:
             self.family.check_packing(self.model, "--pretrain")
             self.packing_checked = True
+
+    def use_sequence_parallel(self, group) -> None:
+        """Splits every packed-row forward over `group` (a `lightrft.models.sequence_parallel.
+        SequenceParallel` of size > 1; None or size 1 undoes it); raises naming --pretrain when
+        this model cannot run split. Split rows do not share prompts."""
+        if group is not None and group.size > 1:
+            reason = group.problem(self.model)
+            if reason is not None:
+                raise ValueError(f"--sequence_parallel_size {group.size}: --pretrain cannot be split over ranks: {reason}")
+        self.sequence_parallel = group if group is not None and group.size > 1 else None
 
     @property
     def is_moe(self) -> bool:
@@ -272,6 +284,11 @@ class ActorLanguage(nn.Module):
             return self.model(**self.family.packed_inputs(self.model, sequences, packed_seq_lens, media), **extra)
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
+        if self.sequence_parallel is not None:
+            if extra:
+                raise ValueError("a mixture-of-experts load-balancing loss (--aux_loss_coef) is not computed over a "
+                                 "row split by --sequence_parallel_size; set one of them off")
+            return self._forward_split(sequences, packed_seq_lens, num_actions, index, return_output, return_entropy)
         output = None
         if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
@@ -284,6 +301,22 @@ class ActorLanguage(nn.Module):
         log_probs = index.to_rows(log_probs_from_logits(output.logits[0], labels, self.temperature))  # (N, A)
         if return_output and return_entropy:
             output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
+        return (log_probs, output) if return_output else log_probs
+
+    def _forward_split(self, sequences, packed_seq_lens, num_actions, index, return_output, return_entropy):
+        """The packed forward with the row split over the sequence-parallel group: this rank's
+        slice runs through the model (`SequenceParallel.split_row`), and the log-probs (and
+        entropies) of the row's action tokens are gathered from the ranks that predict them.
+        `output.logits` then hold this rank's action-predicting positions only."""
+        kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens)
+        shard = self.sequence_parallel.split_row(self.model, kwargs, sequences, packed_seq_lens, num_actions)
+        positions = shard.local_positions(index.predict_positions)
+        output = self.model(**shard.local, logits_to_keep=positions)   # logits (1, K_r, V)
+        output.logits = self._without_banned(output.logits)
+        labels = sequences[0, positions + shard.start + 1]  # (K_r,)
+        log_probs = index.to_rows(shard.gather(log_probs_from_logits(output.logits[0], labels, self.temperature)))
+        if return_output and return_entropy:
+            output["entropy"] = index.to_rows(shard.gather(entropy_from_logits(output.logits[0], self.temperature)))
         return (log_probs, output) if return_output else log_probs
 
     def gradient_checkpointing_enable(self) -> None:

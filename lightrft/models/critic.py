@@ -65,6 +65,7 @@ class Critic(nn.Module):
         self.family = family_of(self.model)
         self.family.check(self.model, "--critic_pretrain")   # values must not see later tokens
         self.prompt_sharing = PackedPromptSharing(self.model, "--critic_pretrain")
+        self.sequence_parallel = None         # as ActorLanguage.sequence_parallel
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
@@ -108,6 +109,11 @@ class Critic(nn.Module):
             values = self.model(**self.family.value_inputs(self.model, sequences, attention_mask, None))  # (B, T)
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
+        if self.sequence_parallel is not None:
+            kwargs = self.family.value_inputs(self.model, sequences, None, packed_seq_lens)
+            shard = self.sequence_parallel.split_row(self.model, kwargs, sequences, packed_seq_lens, num_actions)
+            values = self.model(**shard.local)  # (1, P/N)
+            return index.to_rows(shard.gather(values[0, shard.local_positions(index.predict_positions)].float()))
         shared = self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)
         if shared is not None:
             return index.to_rows(shared)  # (N, A)
@@ -135,6 +141,15 @@ class Critic(nn.Module):
             return None
         rows = packed_action_index(seq_lens, actions, sequences.device).to_rows(values)  # (B, max response)
         return nn.functional.pad(rows, (0, num_actions - rows.size(1)))  # (B, A)
+
+    def use_sequence_parallel(self, group) -> None:
+        """As `ActorLanguage.use_sequence_parallel`, for the value model (--critic_pretrain)."""
+        if group is not None and group.size > 1:
+            reason = group.problem(self.model)
+            if reason is not None:
+                raise ValueError(f"--sequence_parallel_size {group.size}: --critic_pretrain cannot be split over "
+                                 f"ranks: {reason}")
+        self.sequence_parallel = group if group is not None and group.size > 1 else None
 
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)

@@ -38,7 +38,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-from lightrft.models.packing import SharedPromptLayout, check_seq_lens, cu_seqlens, packed_position_ids
+from lightrft.models.packing import (SPLIT_KEYWORD, SharedPromptLayout, check_seq_lens, cu_seqlens,
+                                     packed_position_ids)
 
 VARLEN_ATTENTION = "lightrft_varlen"
 # Earlier name, still registered. Names containing "sdpa" make transformers demand SDPA support
@@ -250,6 +251,12 @@ def varlen_attention(
     longest sequence (times the window or soft-capping scores), never with P^2.
     Shape: query (1, H, P, D), key/value (1, H_kv, P, D) -> output (1, P, H, D)
     """
+    split = kwargs.pop(SPLIT_KEYWORD, None)
+    if split is not None:
+        # A row split over a sequence-parallel group: the exchange gathers the whole row for this
+        # rank's heads and calls this function again with it (`lightrft.models.sequence_parallel`).
+        return split.attend(module, query, key, value, packed_seq_lens=packed_seq_lens,
+                            sliding_window=sliding_window, softcap=softcap, **kwargs)
     for name in ("s_aux", "position_bias"):
         if kwargs.get(name) is not None and packed_seq_lens is not None:
             raise NotImplementedError(

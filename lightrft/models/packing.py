@@ -26,6 +26,11 @@ class PackedBatch:
     seq_lens: list[int]  # N lengths, sum(seq_lens) == P
 
 
+# The forward keyword that carries a row split over a sequence-parallel group to the attention
+# (`lightrft.models.sequence_parallel.RowSplit`, read by `hf_utils.varlen_attention`).
+SPLIT_KEYWORD = "sequence_split"
+
+
 def check_seq_lens(seq_lens: Sequence[int], total: int) -> list[int]:
     """Validates packed lengths against the packed row length and returns them as a list of ints."""
     seq_lens = [int(n) for n in seq_lens]

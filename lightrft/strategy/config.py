@@ -25,6 +25,7 @@ class StrategyConfig:
     `micro_train_batch_size` samples per rank per forward; gradient accumulation is derived once the
     world size is known. `backend=None` picks NCCL on CUDA and gloo on CPU. `ref_reward_offload`
     keeps frozen models (reference, reward) on the CPU under ZeRO-3 between uses.
+    `sequence_parallel_size` ranks share each packed training row (`DeepspeedStrategy.sequence_parallel`).
     """
 
     seed: int = 42
@@ -39,6 +40,7 @@ class StrategyConfig:
     dist_timeout_minutes: float = 30
     backend: str | None = None
     ref_reward_offload: bool = False
+    sequence_parallel_size: int = 1
 
     def __post_init__(self):
         check_zero_stage(self.zero_stage)
@@ -52,6 +54,8 @@ class StrategyConfig:
         if self.backend is not None and self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)} "
                              f"(leave it unset to pick NCCL on CUDA and gloo on CPU)")
+        if self.sequence_parallel_size < 1:
+            raise ValueError(f"--sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}")
         if self.dist_timeout_minutes <= 0:
             raise ValueError(f"--dist_timeout_minutes must be > 0, got {self.dist_timeout_minutes}")
 
@@ -63,7 +67,8 @@ class StrategyConfig:
                    train_batch_size=optim.train_batch_size, zero_stage=distributed.zero_stage, bf16=distributed.bf16,
                    adam_offload=distributed.adam_offload, zero3_param_offload=distributed.zero3_param_offload,
                    grad_accum_dtype=distributed.grad_accum_dtype, dist_timeout_minutes=distributed.dist_timeout,
-                   ref_reward_offload=distributed.ref_reward_offload)
+                   ref_reward_offload=distributed.ref_reward_offload,
+                   sequence_parallel_size=getattr(distributed, "sequence_parallel_size", 1))
 
     @classmethod
     def from_args(cls, namespace: argparse.Namespace) -> StrategyConfig:

@@ -165,6 +165,7 @@ class DeepspeedStrategy:
         # Why a checkpoint must be resumed on the number of ranks that saved it (None: any number,
         # through DeepSpeed's universal checkpoint; `load_ckpt`).
         self.same_ranks_reason: str | None = None
+        self._sequence_parallel = None
 
     # ------------------------------------------------------------------------------------------
     # Process group
@@ -262,10 +263,57 @@ class DeepspeedStrategy:
         return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
     @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks sharing each packed training row (1: none)."""
+        return self.config.sequence_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Model replicas that train on different samples: the ranks over the sequence-parallel size."""
+        return self.world_size // self.sequence_parallel_size
+
+    @property
     def accumulated_gradient(self) -> int:
-        """Micro-batches per optimizer step on each rank (DeepSpeed's gradient_accumulation_steps)."""
+        """Micro-batches per optimizer step on each rank (DeepSpeed's gradient_accumulation_steps).
+        The ranks of a sequence-parallel group train on the same micro-batches, so the step's
+        samples are divided over the data-parallel replicas only."""
         return gradient_accumulation_steps(self.config.train_batch_size, self.config.micro_train_batch_size,
-                                           self.world_size)
+                                           self.data_parallel_size)
+
+    @property
+    def sequence_parallel(self):
+        """This rank's sequence-parallel group (`lightrft.models.sequence_parallel.SequenceParallel`):
+        consecutive ranks, `sequence_parallel_size` of them (on one node when that size divides the ranks
+        per node);
+        None with size 1. Made once; every rank builds every group, as torch requires."""
+        size = self.sequence_parallel_size
+        if size == 1:
+            return None
+        if self._sequence_parallel is None:
+            from lightrft.models.sequence_parallel import SequenceParallel
+
+            if self.world_size % size:
+                raise ValueError(f"--sequence_parallel_size {size} must divide the number of ranks "
+                                 f"({self.world_size}): each group of {size} ranks shares its rows")
+            mine = None
+            for first in range(0, self.world_size, size):
+                group = dist.new_group(list(range(first, first + size)))
+                if first <= self.rank < first + size:
+                    mine = SequenceParallel(group, size, self.rank - first)
+            self._sequence_parallel = mine
+        return self._sequence_parallel
+
+    def sequence_parallel_union(self, items: list) -> list:
+        """The items of every rank of this rank's sequence-parallel group, in rank order (the same
+        list on each of them): the group trains on its ranks' rollouts together. Tensors travel on
+        the CPU. `items` itself with size 1."""
+        group = self.sequence_parallel
+        if group is None:
+            return items
+        gathered = [None] * group.size
+        dist.all_gather_object(gathered, [item.to("cpu") if hasattr(item, "to") else item for item in items],
+                               group=group.group)
+        return [item for part in gathered for item in part]
 
     def rank_generator(self, offset: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded with `seed + rank + offset`, for randomness that must differ per rank."""
@@ -306,7 +354,9 @@ class DeepspeedStrategy:
 
     def get_ds_train_config(self) -> dict:
         c = self.config
-        return get_train_ds_config(zero_stage=c.zero_stage, train_batch_size=c.train_batch_size,
+        # DeepSpeed counts every rank as a data-parallel one: its batch spans the repeated rows too.
+        return get_train_ds_config(zero_stage=c.zero_stage,
+                                   train_batch_size=c.train_batch_size * c.sequence_parallel_size,
                                    micro_train_batch_size=c.micro_train_batch_size, world_size=self.world_size,
                                    bf16=c.bf16, max_norm=0.0 if self.clips_gradients else c.max_norm,
                                    adam_offload=c.adam_offload,

@@ -98,8 +98,10 @@ def global_counts(strategy, groups: list) -> list[Mapping[str, float]]:
     local = torch.tensor([[sum(float(e.loss_mask.sum()) for e in group),
                            sum(float(e.loss_mask.any(dim=1).sum()) for e in group)] for group in groups],
                          dtype=torch.float64)
+    # The ranks of a sequence-parallel group hold the same samples: each is counted once.
+    repeats = getattr(strategy, "sequence_parallel_size", 1)
     pending = strategy.start_all_reduce(local, op="sum").then(
-        lambda totals: [{"tokens": tokens, "seqs": seqs} for tokens, seqs in totals.tolist()])
+        lambda totals: [{"tokens": tokens / repeats, "seqs": seqs / repeats} for tokens, seqs in totals.tolist()])
     return [GlobalCounts(pending, index) for index in range(len(groups))]
 
 

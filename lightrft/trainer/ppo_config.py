@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, DistributedConfig, PPODataConfig,
+from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, PPODataConfig, PPODistributedConfig,
                                       PPOModelConfig, PPOOptimConfig, RolloutConfig)
 
 
@@ -40,7 +40,7 @@ class PPOTrainerConfig:
     optim: PPOOptimConfig             # micro_train_batch_size, max_epochs, max_norm
     data: PPODataConfig               # prompt_max_len, apply_chat_template
     checkpoint: CheckpointConfig      # save_hf_ckpt, disable_ds_ckpt, max_ckpt_num, preemption_grace
-    distributed: DistributedConfig    # gradient_checkpointing
+    distributed: PPODistributedConfig    # gradient_checkpointing
 
 
 def rollout_generate_kwargs(rollout: RolloutConfig) -> dict:
@@ -74,7 +74,7 @@ def classic_trainer_config(*, algo: Optional[AlgorithmConfig], classic: dict, em
                            apply_chat_template=apply_chat_template),
         checkpoint=CheckpointConfig(save_hf_ckpt=save_hf_ckpt, disable_ds_ckpt=disable_ds_ckpt,
                                     max_ckpt_num=max_ckpt_num, preemption_grace=preemption_grace),
-        distributed=DistributedConfig(gradient_checkpointing=gradient_checkpointing))
+        distributed=PPODistributedConfig(gradient_checkpointing=gradient_checkpointing))
 
 
 def legacy_models(actor, critic=None, reward_model=None, initial_model=None, ema_model=None, actor_optim=None,

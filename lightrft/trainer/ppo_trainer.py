@@ -334,6 +334,11 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         training draws them, as the doctor's memory probe forces their lengths), and the KL
         controller follows the observed KL. Returns the step's rollout/* and train/* logs;
         `global_step` counts it."""
+        # The controller counts the step's samples over all ranks (every rank makes as many).
+        samples = sum(experience.batch_size for experience in experiences) * self.strategy.world_size
+        # The ranks sharing rows (--sequence_parallel_size) train on their rollouts together.
+        if getattr(self.strategy, "sequence_parallel_size", 1) > 1:
+            experiences = self.strategy.sequence_parallel_union(experiences)
         for experience in experiences:
             self.replay_buffer.append(experience)
         if self.normalize_advantages_globally:
@@ -347,8 +352,6 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
             self.check_engine_gap(train_logs)
         self.replay_buffer.clear()
         rollout_logs = distill_metrics(totals.result())
-        # The controller counts the step's samples over all ranks (every rank holds as many).
-        samples = sum(experience.batch_size for experience in experiences) * self.strategy.world_size
         self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0), samples)
         self.global_step += 1
         return {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value}

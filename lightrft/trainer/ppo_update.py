@@ -104,15 +104,20 @@ class PPOUpdate:
             groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
             counts = self.global_counts(groups)     # in flight until the first loss needs them
             self.fill_old_log_probs(micro_batches[grad_accum:], drawn[grad_accum:])
-            local, grad_sources = [], []
+            local, grad_sources, norms = [], [], []
+            trains_actor = global_steps > self.algo.freezing_actor_steps
             for group, group_counts in zip(groups, counts):
                 local.append([self.training_step(exp, global_steps, group_counts) for exp in group])
                 grad_sources.append(nonfinite_grad_norms(self.strategy, actor=self.actor, critic=self.critic))
+                norms.append(self.strategy.grad_norm(self.actor) if trains_actor else None)
             # One all-reduce for the metrics of every optimizer step of the pass: each is a barrier
             # between ranks, and none of them is needed before the pass ends. It also tells whether
             # any rank was asked to stop, so the step needs no collective of its own for that.
             reduced, self.pass_preempted = self.reduce_pass_metrics(local, self.services.preemption.raised)
-            for metrics, sources in zip(reduced, grad_sources):
+            for metrics, sources, norm in zip(reduced, grad_sources, norms):
+                if norm is not None:
+                    # The actor's global gradient norm before clipping (the same on every rank).
+                    metrics["train/actor_grad_norm"] = norm
                 self.check_step_finite(metrics, sources)
                 self.callbacks.on_step_end(self, metrics)
                 step_metrics.append(metrics)

@@ -348,3 +348,19 @@ def test_a_vision_language_run_passes_with_its_images_in_every_check(tmp_path):
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
         ["data", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
     assert report.check("engine").figures["gap_mean"] < 1e-3
+
+
+def test_the_memory_check_measures_a_step_with_rows_split_over_two_ranks(task, tmp_path, torchrun):
+    report = tmp_path / "doctor.json"
+    proc = torchrun(["lightrft.cli.doctor", *flags(task, tmp_path / "run", generate_max_len=6, packing_samples=True,
+                                                   sequence_parallel_size=2),
+                     "--doctor_checks", "memory", "--doctor_report", report, "--doctor_memory_budget_gb", "0.05"],
+                    module=True, timeout=300, check=False)
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    memory = checks["memory"]
+    assert memory["title"].endswith("training rows split over 2 ranks")
+    assert memory["figures"]["sequence_parallel_size"] == 2 and memory["figures"]["response_tokens_min"] == 6
+    assert memory["figures"]["peaks_all_ranks"]["train"] > 0
+    train = [f["text"] for f in memory["findings"] if f["text"].startswith("train:")]
+    assert train and "--sequence_parallel_size (now 2;" in train[0]
+    assert proc.returncode == 1            # over the 50 MB budget: the step ran, then failed the check

@@ -1,0 +1,182 @@
+"""Sequence parallelism (Ulysses): N ranks share the forward and backward of one packed row.
+
+Each rank of a sequence-parallel group holds the same packed row and computes the hidden states of
+its contiguous slice of it (1/N of the tokens), so activations per rank shrink N-fold. Everything
+but attention is per token; attention is DeepSpeed's Ulysses exchange
+(`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`): an all-to-all turns
+"my tokens, all heads" into "all tokens, my heads" (H/N query heads, H_kv/N key/value heads),
+lightrft's varlen attention (`hf_utils.varlen_attention`) runs over the whole row for those heads,
+with the row's sequence borders, sliding windows and soft-caps, and a second all-to-all brings the
+output back to "my tokens, all heads".
+
+The row's log-probs (and entropies, values) are computed by each rank for the action tokens its
+slice predicts and gathered over the group (`gather_shards`), so every rank holds those of the
+whole row and computes the same loss. The gather's backward keeps the rank's own part of the
+gradient: each rank's weight gradients are its slice's share, and their sum over the group (the
+data-parallel reduction adds them up) is the gradient of the unsplit row.
+
+Only the training forwards of a packed row are split (`SequenceParallel.split_row`): the rollout
+engines generate whole sequences, and a padded batch (the rollout-time forwards) runs unsplit.
+
+Requirements (`SequenceParallel.problem`): the model's attention is `VARLEN_ATTENTION`, its query
+heads and key/value heads divide by N, and it is a text model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, all_ones_mask, varlen_attention
+from lightrft.models.packing import SPLIT_KEYWORD, cu_seqlens, packed_position_ids
+
+
+class SequenceParallel:
+    """A sequence-parallel group of this rank: `size` ranks, this one the `rank`-th.
+
+    `group` is a `torch.distributed` process group (None with size 1, where nothing is split).
+    Build one per run (`DeepspeedStrategy.sequence_parallel`) and give it to the models that train
+    on packed rows (`ActorLanguage.sequence_parallel`, `Critic.sequence_parallel`)."""
+
+    def __init__(self, group: Any, size: int, rank: int):
+        self.group, self.size, self.rank = group, int(size), int(rank)
+        self._attention: dict[int, Any] = {}
+
+    def problem(self, model: nn.Module) -> str | None:
+        """Why `model` cannot run split over this group, or None."""
+        config = getattr(model, "config", None)
+        if config is None:
+            return f"{type(model).__name__} has no Hugging Face config"
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
+            return (f"its attention is {implementation!r}; sequence parallelism runs over lightrft's "
+                    f"{VARLEN_ATTENTION!r} (flash attention's varlen kernel on CUDA, exact packing on the CPU): "
+                    f"pass --attn_implementation {VARLEN_ATTENTION} or leave it unset without flash-attn")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config:
+            return "it is a vision-language model (its image features would need splitting too)"
+        heads = getattr(text, "num_attention_heads", None)
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if heads is None:
+            return "its config names no num_attention_heads"
+        if heads % self.size or kv_heads % self.size:
+            return (f"its {heads} query heads and {kv_heads} key/value heads must both divide by "
+                    f"--sequence_parallel_size {self.size} (each rank attends with 1/N of them)")
+        return None
+
+    def attention(self, model: nn.Module):
+        """DeepSpeed's Ulysses exchange for `model`'s attention shapes, made once per model config."""
+        key = id(model.config)
+        if key not in self._attention:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            text = model.config
+            heads = text.num_attention_heads
+            self._attention[key] = UlyssesSPAttentionHF(
+                attn=varlen_attention, batch_size=1, attn_head_count=heads,
+                attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                kv_head_count=getattr(text, "num_key_value_heads", None) or heads,
+                num_hidden_layers=text.num_hidden_layers, process_group=self.group, seq_length_is_variable=True)
+        return self._attention[key]
+
+    def split_row(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, seq_lens: list[int],
+                  num_actions: list[int]) -> "RowShard":
+        """This rank's slice of the packed-row forward `kwargs` (as `packed_forward_kwargs` builds them
+        for `input_ids` (1, P) with lengths `seq_lens`), and where its action predictions fall.
+
+        The row is padded to a multiple of the group size with a filler sequence of its own (no
+        action, attended by nothing else); position ids and the padding mask are sliced; the
+        sequence lengths stay the whole row's, since the attention sees the whole row."""
+        seq_lens = [int(n) for n in seq_lens]
+        length = sum(seq_lens)
+        filler = -length % self.size
+        if filler:
+            seq_lens = seq_lens + [filler]
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, filler)], dim=1)
+        step = (length + filler) // self.size
+        start, stop = self.rank * step, (self.rank + 1) * step
+        device = input_ids.device
+        local = dict(kwargs)
+        local["input_ids"] = input_ids[:, start:stop]
+        positions = packed_position_ids(seq_lens, device)
+        local["position_ids"] = positions[:, start:stop]
+        if "attention_mask" in kwargs:
+            local["attention_mask"] = all_ones_mask(local["input_ids"])
+        local["packed_seq_lens"] = seq_lens
+        local["packed_cu_seqlens"] = cu_seqlens(seq_lens, device)
+        local[SPLIT_KEYWORD] = RowSplit(self.attention(model), local["position_ids"])
+        # The action-predicting positions of each rank's slice, from the host-side lengths.
+        counts, ends = [0] * self.size, 0
+        for n, a in zip(seq_lens, list(num_actions) + [0] * (len(seq_lens) - len(num_actions))):
+            ends += n
+            for r in range(self.size):
+                lo, hi = max(ends - a - 1, r * step), min(ends - 1, (r + 1) * step)
+                counts[r] += max(0, hi - lo)
+        return RowShard(local=local, start=start, counts=counts, offset=sum(counts[:self.rank]), group=self.group,
+                        rank=self.rank)
+
+
+@dataclass
+class RowSplit:
+    """What the attention of a split row needs besides its inputs: the Ulysses exchange and this
+    rank's position ids (transformers does not pass every model's to the attention)."""
+
+    ulysses: Any
+    position_ids: torch.Tensor
+
+    def attend(self, module, query, key, value, **kwargs):
+        """The attention of the whole row for this rank's heads, back on this rank's tokens.
+        Shape: query (1, H, P/N, D), key/value (1, H_kv, P/N, D) -> (1, P/N, H, D)"""
+        kwargs.setdefault("position_ids", self.position_ids)
+        return self.ulysses(module, query, key, value, None, **kwargs)
+
+
+@dataclass
+class RowShard:
+    """One rank's part of a split packed row (`SequenceParallel.split_row`): `local` forward
+    keywords; the row's action predictions from `offset` to `offset + counts[rank]` (in the order
+    `packing.packed_action_index` lists them) fall in this rank's slice, which starts at `start`."""
+
+    local: dict
+    start: int
+    counts: list[int]
+    offset: int
+    group: Any
+    rank: int
+
+    def local_positions(self, predict_positions: torch.Tensor) -> torch.Tensor:
+        """This slice's share of the row's action-predicting positions, relative to the slice. Shape: (K_r,)"""
+        return predict_positions[self.offset:self.offset + self.counts[self.rank]] - self.start
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The row's values from every rank's part of them (`gather_shards`). Shape: (K_r, ...) -> (K, ...)"""
+        return gather_shards(local, self.counts, self.rank, self.group)
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather of unequal parts along dim 0; the backward returns this rank's part of the
+    gradient, which is right when every rank computes the same function of the gathered tensor."""
+
+    @staticmethod
+    def forward(ctx, local, counts, rank, group):
+        ctx.offset, ctx.count = sum(counts[:rank]), counts[rank]
+        widest = max(counts)
+        padded = local.new_zeros((widest, *local.shape[1:]))
+        padded[:local.size(0)] = local
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.offset:ctx.offset + ctx.count], None, None, None
+
+
+def gather_shards(local: torch.Tensor, counts: list[int], rank: int, group: Any) -> torch.Tensor:
+    """`local` (this rank's `counts[rank]` rows) joined with the other ranks' parts, in rank order;
+    differentiable (`_GatherShards`: each rank keeps the gradient of its own part)."""
+    return _GatherShards.apply(local, list(counts), rank, group)

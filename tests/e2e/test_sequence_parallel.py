@@ -1,0 +1,70 @@
+"""`--sequence_parallel_size 2` on two ranks trains what one replica trains unsplit: the same
+rollouts, losses, entropy, KL, gradient norms and final weights as two data-parallel ranks, under
+ZeRO-2 and under ZeRO-3 with gradient checkpointing; and its refusals name the flag to change."""
+
+import pytest
+
+from lightrft.cli import train_ppo
+from tests.conftest import run_torchrun, run_torchrun_many
+from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+
+# One optimizer step per rollout (train batch = the rollout's 256 samples), so the data-parallel
+# and the sequence-parallel runs sum the same samples into each step; entropy and a KL loss
+# against the reference exercise every gathered per-token term.
+COMMON = {"max_steps": 2, "train_batch_size": 256, "packing_samples": True, "entropy_coef": 0.01,
+          "init_kl_coef": 0.01, "use_kl_loss": True, "kl_estimator": "k3"}
+RUNS = {"data_parallel": {}, "split_zero2": {"sequence_parallel_size": 2},
+        "split_zero3": {"sequence_parallel_size": 2, "zero_stage": 3, "gradient_checkpointing": True}}
+TAGS = ("train/policy_loss", "train/entropy", "train/kl_loss", "train/actor_grad_norm")
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def runs(toy, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sequence_parallel")
+    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**COMMON, **extra}) for name, extra in RUNS.items()],
+                                root)
+    return {name: (root / name, output) for name, output in zip(RUNS, outputs)}
+
+
+@pytest.mark.parametrize("name", ["split_zero2", "split_zero3"])
+def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
+    from safetensors.torch import load_file
+
+    reference, _ = runs["data_parallel"]
+    out, stdout = runs[name]
+    assert summary_line(stdout)["step"] == 2
+    expected = {t: dict(s) for t, s in tensorboard_scalars(reference / "tb").items()}
+    got = {t: dict(s) for t, s in tensorboard_scalars(out / "tb").items()}
+    assert got["rollout/reward"] == expected["rollout/reward"]          # the same samples
+    for tag in TAGS:
+        for step in (1, 2):
+            assert got[tag][step] == pytest.approx(expected[tag][step], rel=1e-4, abs=1e-6), (tag, step)
+    assert expected["train/actor_grad_norm"][1] > 0.1 and expected["train/kl_loss"][2] > 1e-3
+    final, split = load_file(reference / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert max((final[k] - split[k]).abs().max().item() for k in final) < 2e-5
+
+
+def test_a_group_that_does_not_divide_the_ranks_is_refused(toy, tmp_path):
+    proc = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, sequence_parallel_size=2,
+                                                                 packing_samples=True)],
+                        nproc=1, module=True, check=False)
+    assert proc.returncode != 0
+    assert "--sequence_parallel_size 2 must divide the number of ranks (1)" in proc.stdout + proc.stderr
+
+
+BASE = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "math", "--advantage_estimator",
+        "group_norm", "--n_samples_per_prompt", "4", "--sequence_parallel_size", "2"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--sequence_parallel_size 2 splits packed rows: add --packing_samples"),
+    (["--packing_samples", "--aux_loss_coef", "0.01"], "cannot be combined with --aux_loss_coef > 0"),
+    (["--packing_samples", "--image_key", "image"], "cannot be combined with --image_key"),
+    (["--packing_samples", "--explorer_ranks", "1"], "cannot be combined with --explorer_ranks"),
+])
+def test_what_a_split_run_cannot_do_is_refused_naming_the_flag(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(BASE + extra)
+    assert message in capsys.readouterr().err

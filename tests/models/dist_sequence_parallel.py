@@ -1,0 +1,141 @@
+"""A packed row split over two ranks (Ulysses sequence parallelism) against the same row unsplit.
+
+Run by tests/models/test_sequence_parallel.py with `torchrun --nproc_per_node 2`. For each tiny
+model every rank computes, on the same packed row: the unsplit log-probs, entropies, KL and policy
+loss and their weight gradients (the reference), and the same through `ActorLanguage` split over
+the two ranks, whose weight gradients are summed over the ranks (as the data-parallel reduction
+does). Writes one JSON line per model to `--out`.rank<r>.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from lightrft.algorithms.kl import compute_approx_kl
+from lightrft.models import ActorLanguage, Critic, PolicyLoss
+from lightrft.models.sequence_parallel import SequenceParallel
+from lightrft.strategy import DeepspeedStrategy, StrategyConfig
+from lightrft.utils.program import run_program
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+CONFIGS = {
+    # grouped-query attention (4 query, 2 key/value heads); layer 0 full, layer 1 an 8-token window
+    "qwen2_gqa_window": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "mistral_window": lambda: MistralConfig(**COMMON, sliding_window=8),
+    "gemma2_softcap": lambda: Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16, sliding_window=8,
+                                           query_pre_attn_scalar=16, attn_logit_softcapping=1.0,
+                                           final_logit_softcapping=30.0),
+    "llama_mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4}),
+}
+# Three sequences (prompt, response) whose 51 tokens do not divide by 2 (a filler pads the row),
+# longer than the window, with a response crossing the middle of the row.
+PROMPTS, RESPONSES = (7, 5, 11), (10, 12, 6)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def row(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    lens = [p + r for p, r in zip(PROMPTS, RESPONSES)]
+    ids = torch.randint(4, 96, (1, sum(lens)), generator=generator)
+    return ids, lens, list(RESPONSES)
+
+
+def losses(log_probs, entropy, base, advantages, mask):
+    policy = PolicyLoss(0.2)(log_probs, log_probs.detach() + 0.05 * base.sin(), advantages, action_mask=mask)
+    kl = compute_approx_kl(log_probs, base, mask, kl_estimator="k3")
+    total = policy + 0.1 * (kl * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
+    return total, kl
+
+
+def check_actor(name: str, group: SequenceParallel, checkpointing: bool) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).float()
+    state = model.state_dict()
+    reference = ActorLanguage(model, gradient_checkpointing=checkpointing)
+    twin = AutoModelForCausalLM.from_config(CONFIGS[name]()).float()
+    twin.load_state_dict(state)
+    split = ActorLanguage(twin, gradient_checkpointing=checkpointing)
+    split.use_sequence_parallel(group)
+    reference.train(), split.train()
+    ids, lens, actions = row(1)
+    base = -3.0 + torch.randn(3, max(actions), generator=torch.Generator().manual_seed(2))
+    advantages = torch.randn(3, max(actions), generator=torch.Generator().manual_seed(3))
+    mask = (torch.arange(max(actions)).unsqueeze(0) < torch.tensor(actions).unsqueeze(1)).float()
+    results = {}
+    for key, actor in (("reference", reference), ("split", split)):
+        log_probs, output = actor(ids, actions, packed_seq_lens=lens, return_output=True, return_entropy=True)
+        total, kl = losses(log_probs, output["entropy"], base, advantages, mask)
+        total.backward()
+        grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+        results[key] = (log_probs * mask, output["entropy"] * mask, kl * mask, total, grads, output.logits.size(1))
+    summed = {}
+    for n, grad in results["split"][4].items():
+        summed[n] = grad.clone()
+        dist.all_reduce(summed[n], group=group.group)
+    ref_grads = results["reference"][4]
+    return {
+        "check": f"{name}{'_checkpointing' if checkpointing else ''}",
+        "log_probs": max_diff(results["split"][0], results["reference"][0]),
+        "entropy": max_diff(results["split"][1], results["reference"][1]),
+        "kl": max_diff(results["split"][2], results["reference"][2]),
+        "loss": max_diff(results["split"][3], results["reference"][3]),
+        "grads": max(max_diff(summed[n], ref_grads[n]) for n in ref_grads),
+        "grad_names": sorted(summed) == sorted(ref_grads),
+        "grad_scale": max(ref_grads[n].abs().max().item() for n in ref_grads),
+        "log_prob_scale": results["reference"][0].abs().max().item(),
+        # Each rank's share alone is not the gradient, and computes a part of the row's logits:
+        # the split really divides the work.
+        "share_vs_reference": max(max_diff(results["split"][4][n], ref_grads[n]) for n in ref_grads),
+        "logits_kept": [results["split"][5], results["reference"][5]],
+    }
+
+
+def check_critic(group: SequenceParallel, folder: Path) -> dict:
+    torch.manual_seed(0)
+    if dist.get_rank() == 0:
+        AutoModelForCausalLM.from_config(CONFIGS["qwen2_gqa_window"]()).float().save_pretrained(folder)
+    dist.barrier()
+    reference, split = Critic(folder), Critic(folder)
+    with torch.no_grad():                         # a head that is not ~0, the same on both
+        for critic in (reference, split):
+            critic.model.score.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(5))
+    split.use_sequence_parallel(group)
+    ids, lens, actions = row(4)
+    values = {}
+    for key, critic in (("reference", reference), ("split", split)):
+        out = critic(ids, actions, packed_seq_lens=lens)
+        (out.square().sum()).backward()
+        values[key] = (out, {n: p.grad.clone() for n, p in critic.model.named_parameters() if p.grad is not None})
+    for grad in values["split"][1].values():
+        dist.all_reduce(grad, group=group.group)
+    return {"check": "critic", "values": max_diff(values["split"][0], values["reference"][0]),
+            "grads": max(max_diff(values["split"][1][n], g) for n, g in values["reference"][1].items()),
+            "grad_scale": max(g.abs().max().item() for g in values["reference"][1].values()),
+            "value_scale": values["reference"][0].abs().max().item()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    strategy = DeepspeedStrategy(StrategyConfig(zero_stage=0, seed=0))
+    strategy.setup_distributed()
+    group = SequenceParallel(dist.new_group([0, 1]), 2, strategy.rank)
+    out = Path(f"{args.out}.rank{strategy.rank}")
+    records = [check_actor(name, group, False) for name in CONFIGS]
+    records.append(check_actor("qwen2_gqa_window", group, True))
+    records.append(check_critic(group, out.parent / "critic"))
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    strategy.close()
+
+
+if __name__ == "__main__":
+    run_program(main)

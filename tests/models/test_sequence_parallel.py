@@ -1,0 +1,68 @@
+"""Ulysses sequence parallelism: a packed row split over two ranks computes what the unsplit row
+does (log-probs, entropies, KL, losses and weight gradients to float rounding), for grouped-query
+attention, sliding windows (on some layers, on all), soft-capped attention, multi-head attention,
+gradient checkpointing and the critic's values; and what cannot be split is refused with the reason."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from lightrft.models import ActorLanguage
+from lightrft.models.sequence_parallel import SequenceParallel
+from tests.conftest import read_json_lines, run_torchrun
+
+HERE = Path(__file__).parent
+ATOL = 1e-5
+ARCHS = ("qwen2_gqa_window", "mistral_window", "gemma2_softcap", "llama_mha", "qwen2_gqa_window_checkpointing")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    run_torchrun([HERE / "dist_sequence_parallel.py", "--out", out / "run.jsonl"], nproc=2)
+    return [{r["check"]: r for r in read_json_lines(out / f"run.jsonl.rank{rank}")} for rank in (0, 1)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_split_row_gives_the_unsplit_log_probs_losses_and_gradients(records, arch):
+    for rank in records:
+        r = rank[arch]
+        assert r["log_prob_scale"] > 1.0 and r["grad_scale"] > 1e-2      # something real was compared
+        for key in ("log_probs", "entropy", "kl", "loss"):
+            assert r[key] < ATOL, (key, r[key])
+        assert r["grad_names"] and r["grads"] < ATOL
+    # Each rank computed part of the row: its logits cover its own action predictions (the 28 of
+    # the row, between the two), and its gradient alone is far from the whole one.
+    kept = [rank[arch]["logits_kept"] for rank in records]
+    assert kept[0][1] == kept[1][1] == 28 and kept[0][0] + kept[1][0] == 28 and 0 < kept[0][0] < 28
+    assert all(rank[arch]["share_vs_reference"] > 100 * ATOL for rank in records)
+
+
+@pytest.mark.dist
+def test_a_split_row_gives_the_unsplit_values_and_critic_gradients(records):
+    for rank in records:
+        r = rank["critic"]
+        assert r["value_scale"] > 0.5
+        assert r["values"] < ATOL
+        assert r["grads"] < ATOL * r["grad_scale"]
+
+
+def test_models_that_cannot_be_split_are_refused_with_the_reason():
+    group = SequenceParallel(None, 2, 0)
+    odd = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=3,
+                                                       num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"--sequence_parallel_size 2: --pretrain cannot be split over ranks: its 3 "
+                                         r"query heads and 1 key/value heads must both divide by"):
+        ActorLanguage(odd).use_sequence_parallel(group)
+    even = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    eager = ActorLanguage(AutoModelForCausalLM.from_config(even), attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"its attention is 'eager'.*--attn_implementation lightrft_varlen"):
+        eager.use_sequence_parallel(group)
+    actor = ActorLanguage(AutoModelForCausalLM.from_config(even))
+    assert group.problem(actor.model) is None
+    actor.use_sequence_parallel(SequenceParallel(None, 1, 0))      # size 1: nothing to split
+    assert actor.sequence_parallel is None
