@@ -69,9 +69,6 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     args, trainer = run.args, run.trainer
     consumed = 0
     run.strategy.check_shared_folder(args.ckpt_path)       # node-local disks: refused before the first step
-    if args.explorer_ranks > 0 or args.sync_offset > 0:
-        run.strategy.same_ranks_reason = ("a run with explorers (--explorer_ranks, --sync_offset) hands rollout batches "
-                                          "to trainer ranks by number, so its ledgers resume on the same ranks only")
     if args.load_checkpoint:
         consumed = trainer.load_checkpoint(args, required=args.load_checkpoint == "required")
     trainer.fit(args, run.dataloader, run.pretrain_dataloader, consumed, run.updates_per_step,

@@ -9,12 +9,11 @@ from lightrft.config.run import PPORunConfig, RMRunConfig, RunConfig, SFTRunConf
 from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointConfig, ConfigError, DataConfig,
                                       DistributedConfig, EvalConfig, LoggingConfig, ModelConfig, OptimConfig,
                                       PPODataConfig, PPODistributedConfig, PPOLoggingConfig, PPOModelConfig,
-                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig, RolesConfig, RolloutConfig,
-                                      SFTDataConfig, SupervisedOptimConfig)
+                                      PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig, RMOptimConfig,
+                                      RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig)
 
 __all__ = ["AgentConfig", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "DistributedConfig",
            "EvalConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "PPODataConfig", "PPOLoggingConfig",
            "PPODistributedConfig", "PPOModelConfig", "PPOOptimConfig", "PPORunConfig", "RMDataConfig",
-           "RMModelConfig", "RMOptimConfig",
-           "RMRunConfig", "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig", "SFTDataConfig",
-           "SFTRunConfig", "SupervisedOptimConfig", "add_section_flags", "option", "section_from_namespace"]
+           "RMModelConfig", "RMOptimConfig", "RMRunConfig", "RewardConfig", "RolesConfig", "RolloutConfig", "RunConfig",
+           "SFTDataConfig", "SFTRunConfig", "SupervisedOptimConfig", "add_section_flags", "option", "section_from_namespace"]

@@ -33,3 +33,19 @@ class PromptLedger:
     def load_state_dict(self, state: dict) -> None:
         self.received, self.dropped = state["received"], state["dropped"]
         self.trained = list(state["trained"])
+
+    @staticmethod
+    def merged(states: list[dict]) -> dict:
+        """The ledger of a job whose ranks saved `states` (one per rank, in rank order), for a
+        resume on another number of ranks: each step's trained prompts are those any rank recorded
+        (every trainer records its batch's rows, so the ranks agree; a row listed by several is
+        listed once), in rank order; the batches received and dropped are rank 0's (every trainer
+        takes its share of each batch)."""
+        steps: dict[int, dict] = {}
+        for state in states:
+            for entry in state["trained"]:
+                merged = steps.setdefault(entry["step"], {**entry, "prompts": []})
+                known = set(merged["prompts"])
+                merged["prompts"] = merged["prompts"] + [p for p in entry["prompts"] if p not in known]
+        return {"received": states[0]["received"], "dropped": states[0]["dropped"],
+                "trained": [steps[step] for step in sorted(steps)]}

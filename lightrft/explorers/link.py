@@ -150,8 +150,14 @@ class ExplorerLink:
         return {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resumes the rollout count and the prompt ledger; a checkpoint saved by another number of
+        trainer ranks (`saved_rank_states`) gives every rank the ledger of all of them, so no prompt
+        of the episode trains twice whichever rank it now falls to."""
         self.calls = state.get("rollout_calls", 0)
-        if "prompt_ledger" in state:
+        ranks = [s["prompt_ledger"] for s in state.get("saved_rank_states", []) if "prompt_ledger" in s]
+        if ranks:
+            self.ledger.load_state_dict(PromptLedger.merged(ranks))
+        elif "prompt_ledger" in state:
             self.ledger.load_state_dict(state["prompt_ledger"])
 
 

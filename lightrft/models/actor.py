@@ -160,7 +160,8 @@ class ActorLanguage(nn.Module):
         if group is not None and group.size > 1:
             reason = group.problem(self.model)
             if reason is not None:
-                raise ValueError(f"--sequence_parallel_size {group.size}: --pretrain cannot be split over ranks: {reason}")
+                raise ValueError(f"--sequence_parallel_size {group.size}: --pretrain cannot be split over ranks: "
+                                 f"{reason}")
         self.sequence_parallel = group if group is not None and group.size > 1 else None
 
     @property

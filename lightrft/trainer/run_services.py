@@ -128,6 +128,11 @@ class RunServices:
             return None
         path, tag = picked
         state = checkpoint_io.load_client_state(Path(path), self.strategy.rank)
+        saved = checkpoint_io.saved_ranks(Path(path))
+        if saved and saved != self.strategy.world_size:
+            # Resumed on another number of ranks: what each saved rank recorded for itself (an
+            # explorer run's prompt ledger) is the sum of all of theirs (`ExplorerLink.load_state_dict`).
+            state["saved_rank_states"] = [checkpoint_io.load_client_state(Path(path), rank) for rank in range(saved)]
         check_resume_options(state.get("options", {}), options, path)
         for part in (primary, *others):
             self._load_engine(part, tag, path, options)

@@ -120,6 +120,21 @@ def test_the_ledger_refuses_a_prompt_trained_twice_in_one_episode():
     assert [e["prompts"] for e in again.trained] == [[3, 1], [0, 2], [1, 3]]
 
 
+def test_ledgers_of_the_saving_ranks_merge_for_a_resume_on_another_count():
+    entry = lambda step, prompts: {"step": step, "batch": step - 1, "episode": 0, "version": 0,  # noqa: E731
+                                   "prompts": prompts}
+    rank_0 = {"received": 3, "dropped": 1, "trained": [entry(1, [3, 1, 0, 2]), entry(2, [5, 4])]}
+    rank_1 = {"received": 3, "dropped": 1, "trained": [entry(1, [3, 1, 0, 2]), entry(2, [6, 7])]}
+    merged = PromptLedger.merged([rank_0, rank_1])
+    assert (merged["received"], merged["dropped"]) == (3, 1)
+    assert [(e["step"], e["prompts"]) for e in merged["trained"]] == [(1, [3, 1, 0, 2]), (2, [5, 4, 6, 7])]
+    resumed = PromptLedger()
+    resumed.load_state_dict(merged)
+    batch = SimpleNamespace(batch=2, episode=0, version=2, prompt_ids=[8, 6])
+    with pytest.raises(RuntimeError, match=r"rows \[6\] of episode 0 would be trained a second time at step 3"):
+        resumed.record_trained(3, batch)        # rank 1's row is known to the one rank left
+
+
 # ------------------------------------------------------------------------------- the channels
 def gloo_pair() -> tuple:
     """Two ranks of one gloo group, as two groups in this process (built concurrently)."""
