@@ -86,6 +86,10 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     for trained in (actor, critic):
         if trained is not None:
             trained.use_sequence_parallel(strategy.sequence_parallel)
+    if strategy.sequence_parallel is not None:
+        strategy.print(f"--sequence_parallel_size {strategy.sequence_parallel_size}: training rows are split over "
+                       f"{strategy.sequence_parallel_size} ranks and do not share their prompts "
+                       "(each sample's prompt is computed with it)")
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
 
 

@@ -1,6 +1,7 @@
 """`--sequence_parallel_size 2` on two ranks trains what one replica trains unsplit: the same
 rollouts, losses, entropy, KL, gradient norms and final weights as two data-parallel ranks, under
-ZeRO-2 and under ZeRO-3 with gradient checkpointing; and its refusals name the flag to change."""
+ZeRO-2, under ZeRO-3 with gradient checkpointing, and with a critic (GAE: the value loss too); and
+its refusals name the flag to change."""
 
 import pytest
 
@@ -13,8 +14,10 @@ from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 # against the reference exercise every gathered per-token term.
 COMMON = {"max_steps": 2, "train_batch_size": 256, "packing_samples": True, "entropy_coef": 0.01,
           "init_kl_coef": 0.01, "use_kl_loss": True, "kl_estimator": "k3"}
+GAE = {"advantage_estimator": "gae", "critic_learning_rate": 1e-3}
 RUNS = {"data_parallel": {}, "split_zero2": {"sequence_parallel_size": 2},
-        "split_zero3": {"sequence_parallel_size": 2, "zero_stage": 3, "gradient_checkpointing": True}}
+        "split_zero3": {"sequence_parallel_size": 2, "zero_stage": 3, "gradient_checkpointing": True},
+        "gae_data_parallel": GAE, "gae_split": {**GAE, "sequence_parallel_size": 2}}
 TAGS = ("train/policy_loss", "train/entropy", "train/kl_loss", "train/actor_grad_norm")
 
 pytestmark = pytest.mark.dist
@@ -23,22 +26,23 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def runs(toy, tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence_parallel")
-    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**COMMON, **extra}) for name, extra in RUNS.items()],
-                                root)
+    critic = {"critic_pretrain": toy["model"]}
+    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**COMMON, **(critic if "gae" in name else {}),
+                                                                **extra}) for name, extra in RUNS.items()], root)
     return {name: (root / name, output) for name, output in zip(RUNS, outputs)}
 
 
-@pytest.mark.parametrize("name", ["split_zero2", "split_zero3"])
+@pytest.mark.parametrize("name", ["split_zero2", "split_zero3", "gae_split"])
 def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
     from safetensors.torch import load_file
 
-    reference, _ = runs["data_parallel"]
+    reference, _ = runs["gae_data_parallel" if "gae" in name else "data_parallel"]
     out, stdout = runs[name]
     assert summary_line(stdout)["step"] == 2
     expected = {t: dict(s) for t, s in tensorboard_scalars(reference / "tb").items()}
     got = {t: dict(s) for t, s in tensorboard_scalars(out / "tb").items()}
     assert got["rollout/reward"] == expected["rollout/reward"]          # the same samples
-    for tag in TAGS:
+    for tag in TAGS + (("train/critic_loss",) if "gae" in name else ()):
         for step in (1, 2):
             assert got[tag][step] == pytest.approx(expected[tag][step], rel=1e-4, abs=1e-6), (tag, step)
     assert expected["train/actor_grad_norm"][1] > 0.1 and expected["train/kl_loss"][2] > 1e-3
