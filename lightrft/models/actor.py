@@ -21,6 +21,7 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
+from lightrft.models.sequence_parallel import checked_group
 from lightrft.models.shared_prompts import (
     PackedPromptSharing,
     PromptSharingUnsupported,
@@ -157,12 +158,7 @@ class ActorLanguage(nn.Module):
         """Splits every packed-row forward over `group` (a `lightrft.models.sequence_parallel.
         SequenceParallel` of size > 1; None or size 1 undoes it); raises naming --pretrain when
         this model cannot run split. Split rows do not share prompts."""
-        if group is not None and group.size > 1:
-            reason = group.problem(self.model)
-            if reason is not None:
-                raise ValueError(f"--sequence_parallel_size {group.size}: --pretrain cannot be split over ranks: "
-                                 f"{reason}")
-        self.sequence_parallel = group if group is not None and group.size > 1 else None
+        self.sequence_parallel = checked_group(group, self.model, "--pretrain")
 
     @property
     def is_moe(self) -> bool:

@@ -13,6 +13,7 @@ from lightrft.models.hf_utils import (
     zero_dropout,
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
+from lightrft.models.sequence_parallel import checked_group
 from lightrft.models.shared_prompts import PackedPromptSharing, padded_as_shared
 
 
@@ -144,12 +145,7 @@ class Critic(nn.Module):
 
     def use_sequence_parallel(self, group) -> None:
         """As `ActorLanguage.use_sequence_parallel`, for the value model (--critic_pretrain)."""
-        if group is not None and group.size > 1:
-            reason = group.problem(self.model)
-            if reason is not None:
-                raise ValueError(f"--sequence_parallel_size {group.size}: --critic_pretrain cannot be split over "
-                                 f"ranks: {reason}")
-        self.sequence_parallel = group if group is not None and group.size > 1 else None
+        self.sequence_parallel = checked_group(group, self.model, "--critic_pretrain")
 
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)

@@ -180,3 +180,14 @@ def gather_shards(local: torch.Tensor, counts: list[int], rank: int, group: Any)
     """`local` (this rank's `counts[rank]` rows) joined with the other ranks' parts, in rank order;
     differentiable (`_GatherShards`: each rank keeps the gradient of its own part)."""
     return _GatherShards.apply(local, list(counts), rank, group)
+
+
+def checked_group(group: SequenceParallel | None, model: nn.Module, flag: str) -> SequenceParallel | None:
+    """`group` if `model` can run split over it, None for no group or a group of one; raises naming
+    `flag` (the model's command-line flag) and the reason when it cannot."""
+    if group is None or group.size == 1:
+        return None
+    reason = group.problem(model)
+    if reason is not None:
+        raise ValueError(f"--sequence_parallel_size {group.size}: {flag} cannot be split over ranks: {reason}")
+    return group
