@@ -27,9 +27,14 @@ pytestmark = pytest.mark.dist
 def runs(toy, tmp_path_factory):
     root = tmp_path_factory.mktemp("sequence_parallel")
     critic = {"critic_pretrain": toy["model"]}
-    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**COMMON, **(critic if "gae" in name else {}),
-                                                                **extra}) for name, extra in RUNS.items()], root)
-    return {name: (root / name, output) for name, output in zip(RUNS, outputs)}
+    flags = [grpo_flags(toy, root / name, **{**COMMON, **(critic if "gae" in name else {}), **extra})
+             for name, extra in RUNS.items()]
+    # Saved after step 1 with the row split over 2 ranks, resumed unsplit for step 2.
+    flags += [grpo_flags(toy, root / "resumed", **{**COMMON, "max_steps": 1, "save_steps": 1,
+                                                   "sequence_parallel_size": 2}),
+              grpo_flags(toy, root / "resumed", **{**COMMON, "load_checkpoint": True})]
+    outputs = run_torchrun_many(flags, root)
+    return {name: (root / name, output) for name, output in zip([*RUNS, "saved", "resumed"], outputs)}
 
 
 @pytest.mark.parametrize("name", ["split_zero2", "split_zero3", "gae_split"])
@@ -48,6 +53,20 @@ def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
     assert expected["train/actor_grad_norm"][1] > 0.1 and expected["train/kl_loss"][2] > 1e-3
     final, split = load_file(reference / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     assert max((final[k] - split[k]).abs().max().item() for k in final) < 2e-5
+
+
+def test_a_split_run_resumes_unsplit(runs):
+    from safetensors.torch import load_file
+
+    reference, _ = runs["data_parallel"]
+    out, stdout = runs["resumed"]
+    assert "resumed from" in stdout and summary_line(stdout)["step"] == 2
+    expected = {t: dict(s) for t, s in tensorboard_scalars(reference / "tb").items()}
+    got = {t: dict(s) for t, s in tensorboard_scalars(out / "tb").items()}
+    assert got["rollout/reward"][2] == expected["rollout/reward"][2]
+    assert got["train/actor_grad_norm"][2] == pytest.approx(expected["train/actor_grad_norm"][2], rel=1e-4)
+    final, resumed = load_file(reference / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert max((final[k] - resumed[k]).abs().max().item() for k in final) < 2e-5
 
 
 def test_a_group_that_does_not_divide_the_ranks_is_refused(toy, tmp_path):
