@@ -309,3 +309,16 @@ def test_bench_scores_each_export_with_its_own_weights(smollm2, tokenizer, moved
     markdown = (out / "bench.md").read_text().splitlines()
     assert markdown[0] == "| step | checkpoint | eval/reward_greedy |" and len(markdown) == 2 + len(table)
     assert (out / "bench.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+
+
+# ------------------------------------------------------------------------ sequence parallel
+@pytest.mark.dist
+def test_a_row_split_over_three_ranks_gives_the_unsplit_log_probs_and_gradients(smollm2, tmp_path):
+    """dist_smollm2_sp.py: a packed row of three chat answers split over three ranks
+    (--sequence_parallel_size 3; the 9 query and 3 key/value heads allow no 2) against the unsplit row."""
+    result = tmp_path / "sp.json"
+    run_torchrun(["tests/real_model/dist_smollm2_sp.py", result, smollm2], nproc=3)
+    r = json.loads(result.read_text())
+    assert r["actions"] == 24 and r["log_prob_scale"] > 1.0 and r["grad_scale"] > 0.1
+    assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["loss"] < 1e-5
+    assert r["grads"] < 1e-5 * r["grad_scale"]
