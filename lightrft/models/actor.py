@@ -305,8 +305,9 @@ class ActorLanguage(nn.Module):
         slice runs through the model (`SequenceParallel.split_row`), and the log-probs (and
         entropies) of the row's action tokens are gathered from the ranks that predict them.
         `output.logits` then hold this rank's action-predicting positions only."""
-        kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens)
-        shard = self.sequence_parallel.split_row(self.model, kwargs, sequences, packed_seq_lens, num_actions)
+        shard = self.sequence_parallel.split_row(
+            self.model, lambda ids, lens: self.family.packed_inputs(self.model, ids, lens), sequences, packed_seq_lens,
+            num_actions)
         positions = shard.local_positions(index.predict_positions)
         output = self.model(**shard.local, logits_to_keep=positions)   # logits (1, K_r, V)
         output.logits = self._without_banned(output.logits)

@@ -111,8 +111,9 @@ class Critic(nn.Module):
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:
-            kwargs = self.family.value_inputs(self.model, sequences, None, packed_seq_lens)
-            shard = self.sequence_parallel.split_row(self.model, kwargs, sequences, packed_seq_lens, num_actions)
+            shard = self.sequence_parallel.split_row(
+                self.model, lambda ids, lens: self.family.value_inputs(self.model, ids, None, lens), sequences,
+                packed_seq_lens, num_actions)
             values = self.model(**shard.local)  # (1, P/N)
             return index.to_rows(shard.gather(values[0, shard.local_positions(index.predict_positions)].float()))
         shared = self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)

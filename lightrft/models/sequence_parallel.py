@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, all_ones_mask, varlen_attention
-from lightrft.models.packing import SPLIT_KEYWORD, cu_seqlens, packed_position_ids
+from lightrft.models.packing import SPLIT_KEYWORD
 
 
 class SequenceParallel:
@@ -83,14 +83,14 @@ class SequenceParallel:
                 num_hidden_layers=text.num_hidden_layers, process_group=self.group, seq_length_is_variable=True)
         return self._attention[key]
 
-    def split_row(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, seq_lens: list[int],
+    def split_row(self, model: nn.Module, build, input_ids: torch.Tensor, seq_lens: list[int],
                   num_actions: list[int]) -> "RowShard":
-        """This rank's slice of the packed-row forward `kwargs` (as `packed_forward_kwargs` builds them
-        for `input_ids` (1, P) with lengths `seq_lens`), and where its action predictions fall.
+        """This rank's slice of a packed-row forward and where its action predictions fall.
+        `build(ids, lens)` makes the forward keywords of a whole row (`ModelFamily.packed_inputs`).
 
         The row is padded to a multiple of the group size with a filler sequence of its own (no
-        action, attended by nothing else); position ids and the padding mask are sliced; the
-        sequence lengths stay the whole row's, since the attention sees the whole row."""
+        action, attended by nothing else); input ids, position ids and the padding mask are sliced;
+        the sequence lengths stay the whole row's, since the attention sees the whole row."""
         seq_lens = [int(n) for n in seq_lens]
         length = sum(seq_lens)
         filler = -length % self.size
@@ -99,15 +99,11 @@ class SequenceParallel:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, filler)], dim=1)
         step = (length + filler) // self.size
         start, stop = self.rank * step, (self.rank + 1) * step
-        device = input_ids.device
-        local = dict(kwargs)
+        local = dict(build(input_ids, seq_lens))
         local["input_ids"] = input_ids[:, start:stop]
-        positions = packed_position_ids(seq_lens, device)
-        local["position_ids"] = positions[:, start:stop]
-        if "attention_mask" in kwargs:
+        local["position_ids"] = local["position_ids"][:, start:stop]
+        if "attention_mask" in local:
             local["attention_mask"] = all_ones_mask(local["input_ids"])
-        local["packed_seq_lens"] = seq_lens
-        local["packed_cu_seqlens"] = cu_seqlens(seq_lens, device)
         local[SPLIT_KEYWORD] = RowSplit(self.attention(model), local["position_ids"])
         # The action-predicting positions of each rank's slice, from the host-side lengths.
         counts, ends = [0] * self.size, 0
