@@ -13,7 +13,7 @@ from lightrft.builders.engines import build_hf_engine, build_rollout_engine, che
 from lightrft.builders.models import policy_model_kwargs
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.config import PPORunConfig
-from lightrft.experience.scorer import Scorer
+from lightrft.experience.services import build_rollout_services
 from lightrft.explorers.explorer import Explorer, ExplorerParts
 from lightrft.explorers.link import start_ahead_explorer, trainer_link
 from lightrft.models.tokenizer import build_tokenizer, stop_token_ids
@@ -23,8 +23,9 @@ from lightrft.utils.threads import configure_threads
 
 def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
     """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
-    (a plain module with `HFEngine`, or vLLM seeded with the run's seed + `rank`), a scorer (the
-    reward sources), the workflow runner of --workflow and the prompts."""
+    (a plain module with `HFEngine`, or vLLM seeded with the run's seed + `rank`), the run's
+    generation and scoring services over that engine (the reward sources, the workflow runner of
+    --workflow) and the prompts."""
     from lightrft.models import ActorLanguage
 
     def load_tokenizer():
@@ -41,17 +42,17 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
             actor = actor.to(torch.device("cuda", torch.cuda.current_device()))
         module = actor.model.eval()
         engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size)
-    sources = build_reward_sources(config.rewards)
-    # The scorer decodes on its own thread: it gets its own tokenizer (a fast tokenizer is not
-    # safe to call from two threads at once).
-    algo = config.algorithm
-    scorer = Scorer(load_tokenizer(), reward_sources=sources, overlong_buffer_len=algo.overlong_buffer_len,
-                    overlong_penalty_factor=algo.overlong_penalty_factor, eos_token_ids=eos,
-                    # the trainers' teacher scores, or the workflow
-                    task_reward_optional=bool(config.model.teacher_pretrain or config.agent.workflow))
-    workflow_runner = build_workflow_runner(config.agent, tokenizer, eos)
-    return ExplorerParts(tokenizer, engine, module, scorer, build_prompt_dataset(config.data, tokenizer),
-                         workflow_runner)
+    # The trainer's generation and scoring services over the explorer's engine, without an
+    # experience builder. The scorer decodes on its own thread: it gets its own tokenizer.
+    services = build_rollout_services(
+        engine, tokenizer, algo=config.algorithm, prompt_max_len=config.data.prompt_max_len,
+        micro_rollout_batch_size=config.rollout.micro_rollout_batch_size,
+        apply_chat_template=config.data.apply_chat_template, reward_sources=build_reward_sources(config.rewards),
+        eos_token_ids=eos, workflow_runner=build_workflow_runner(config.agent, tokenizer, eos),
+        seed=config.distributed.seed, scorer_tokenizer=load_tokenizer(),
+        # the trainers' teacher scores, or the workflow
+        task_reward_optional=bool(config.model.teacher_pretrain or config.agent.workflow))
+    return ExplorerParts(engine, module, services, build_prompt_dataset(config.data, tokenizer))
 
 
 def build_explorer(config: PPORunConfig, link) -> Explorer:

@@ -190,9 +190,8 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     trainer = (trainer_cls or PPOTrainer).from_config(
         strategy, m, config, tokenizer=tokenizer, reward_sources=reward_sources, rollout_engine=rollout_engine,
         tracker=tracker, callbacks=callbacks, experience_source=experience_source or data_source,
-        eos_token_ids=eos_token_ids, workflow_runner=workflow_runner)
-    if images is not None:
-        trainer.processor = images.processor
+        eos_token_ids=eos_token_ids, workflow_runner=workflow_runner,
+        processor=images.processor if images is not None else None)
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)

@@ -121,6 +121,7 @@ class Evaluator:
     """Loads one checkpoint at a time and scores it with `evaluate_policy` (shared with train_ppo)."""
 
     def __init__(self, args: argparse.Namespace, strategy):
+        from lightrft.experience.generation import rollout_generate_kwargs
         from lightrft.models import RewardModel
         from lightrft.rewards import make_reward_source
 
@@ -131,8 +132,7 @@ class Evaluator:
                               for p in (args.reward_pretrain or "").split(",") if p.strip()]
         self.reward_sources = [make_reward_source(spec, timeout=args.reward_timeout, max_retries=args.reward_retries)
                                for spec in (args.remote_rm_url or "").split(",") if spec.strip()]
-        self.generate_kwargs = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                                "max_new_tokens": args.generate_max_len}
+        self.generate_kwargs = rollout_generate_kwargs(args)      # the flags of a run's rollout section
 
     def load(self, checkpoint: Checkpoint):
         """(model, tokenizer, folder of its tokenizer and generation config) of one checkpoint;
@@ -180,9 +180,7 @@ class Evaluator:
         from lightrft.serving.checkpoint_weights import CheckpointReadError
         from lightrft.rollout.manager import RolloutManager
         from lightrft.trainer.evaluation import evaluate_policy
-        from lightrft.experience.generation import Generator
-        from lightrft.experience.scorer import Scorer
-        from lightrft.experience.services import RolloutServices
+        from lightrft.experience.services import build_rollout_services
 
         args = self.args
         model = model.to(self.strategy.device).eval()
@@ -192,13 +190,10 @@ class Evaluator:
                                micro_batch_size=args.micro_rollout_batch_size * args.eval_n_samples,
                                family=family_of(model))
         # Generation and scoring alone (no experience is built); every evaluation seeds alike.
-        services = RolloutServices(
-            Generator(RolloutManager(engine), tokenizer, prompt_max_len=args.prompt_max_len,
-                      apply_chat_template=args.apply_chat_template, seed=args.seed, rank=self.strategy.rank,
-                      world_size=self.strategy.world_size),
-            Scorer(tokenizer, reward_models=list(self.reward_models or []), reward_sources=list(self.reward_sources),
-                   micro_batch_size=args.micro_rollout_batch_size, device=self.strategy.device, eos_token_ids=eos),
-            builder=None)
+        services = build_rollout_services(
+            RolloutManager(engine), tokenizer, self.strategy, prompt_max_len=args.prompt_max_len,
+            micro_rollout_batch_size=args.micro_rollout_batch_size, apply_chat_template=args.apply_chat_template,
+            reward_models=self.reward_models, reward_sources=self.reward_sources, eos_token_ids=eos, seed=args.seed)
         prompts = PromptDataset(args.eval_data, tokenizer, input_key=args.input_key, label_key=args.label_key,
                                 apply_chat_template=args.apply_chat_template, prompt_max_len=args.prompt_max_len,
                                 truncate_long_prompts=args.truncate_long_prompts)

@@ -1,12 +1,13 @@
 """The experience-building service: a scored rollout in, training experience out.
 
-    ExperienceBuilder.experience_from_rollout(rollout, rewards, n)  ->  list[Experience]
+    ExperienceBuilder.build(rollout, rewards, n)  ->  BuiltExperience(experiences, nonfinite counts)
 
 The actor / reference / teacher / critic forwards (micro-batched), the KL, the advantages and
 returns, and which samples may train. Colocated rollouts, explorers' rollouts and recorded traffic
 all go through it, so an experience is the same whatever made the samples.
 """
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -25,6 +26,19 @@ from lightrft.experience.scorer import RewardBatch, truncated_rows
 from lightrft.rollout.base import RolloutOutput
 
 
+NONFINITE_SOURCES = ("reward", "logprob", "advantage")
+
+
+@dataclass
+class BuiltExperience:
+    """What one `ExperienceBuilder.build` made: the experiences, and per source the samples it
+    dropped (kept in place, training on nothing) for a non-finite value. The counts go back to
+    whoever draws the batch (the experience source's `SourceBatch.nonfinite`), not into the builder."""
+
+    experiences: list[Experience]
+    nonfinite: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NONFINITE_SOURCES, 0))
+
+
 class ExperienceBuilder:
     """Turns a scored rollout into training experience on this rank: the actor, reference,
     teacher and critic forwards (micro-batched), the KL, the advantages and returns, and which
@@ -35,15 +49,16 @@ class ExperienceBuilder:
     `lightrft.algorithms.distill`) scores the student's sampled tokens like the reference does;
     with `distill_mode` "reward" its signal `distill_coef` x (log p_teacher - log p_student) joins
     the token rewards before the returns, with "loss" its log-probs travel in the experience for
-    the trainer's reverse-KL loss. `nonfinite_counts` counts, per source, the samples dropped for
-    a non-finite value."""
+    the trainer's reverse-KL loss. It keeps no state between calls: `build` returns what it
+    dropped with what it made."""
 
     def __init__(self, actor, critic, initial_model, kl_controller, strategy, *, advantage_estimator: str = "gae",
                  kl_estimator: str = "k1", use_kl_loss: bool = False, gamma: float = AlgorithmConfig.gamma,
                  lambd: float = AlgorithmConfig.lambd, kl_clamp: str = "scale",
                  micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size,
                  mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = (), teacher=None,
-                 distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode):
+                 distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode,
+                 reuse_policy_log_probs: bool = False):
         self.actor, self.critic, self.initial_model = actor, critic, initial_model
         self.teacher, self.distill_coef, self.distill_mode = teacher, distill_coef, distill_mode
         self.kl_ctl = kl_controller
@@ -56,8 +71,9 @@ class ExperienceBuilder:
         self.micro_rollout_batch_size = micro_rollout_batch_size
         self.mask_truncated_samples = mask_truncated_samples
         self.eos_token_ids = list(eos_token_ids)
-        self.nonfinite_counts = {"reward": 0, "logprob": 0, "advantage": 0}
-        self.reuse_policy_log_probs = False   # set by the trainer when it provides the old log-probs itself
+        # Whether the trainer provides the old log-probs itself (its first update is exactly
+        # on-policy: `PPOTrainer.on_policy`), so the rollout-time actor forward can be skipped.
+        self.reuse_policy_log_probs = reuse_policy_log_probs
 
     @classmethod
     def for_algorithm(cls, algo: AlgorithmConfig, actor, critic, initial_model, kl_controller, strategy,
@@ -107,8 +123,9 @@ class ExperienceBuilder:
                 ok &= (torch.isfinite(t) | ~mask).all(dim=1)
         return ok
 
-    def _count_invalid(self, source: str, before: Tensor, after: Tensor) -> None:
-        self.nonfinite_counts[source] += int((before & ~after).sum())
+    @staticmethod
+    def _count_invalid(counts: dict[str, int], source: str, before: Tensor, after: Tensor) -> None:
+        counts[source] += int((before & ~after).sum())
 
     def kl_in_use(self) -> bool:
         """Whether a KL term can reach the loss: a reference model and a non-zero coefficient
@@ -120,8 +137,16 @@ class ExperienceBuilder:
         """Which responses were cut at the length limit (`lightrft.experience.scorer.truncated_rows`)."""
         return truncated_rows(rollout, self.eos_token_ids)
 
-    @torch.no_grad()
     def experience_from_rollout(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> list[Experience]:
+        """The experiences of `build`, without its counts (the classic call)."""
+        return self.build(rollout, rewards, n).experiences
+
+    @torch.no_grad()
+    def build(self, rollout: RolloutOutput, rewards: RewardBatch, n: int) -> BuiltExperience:
+        """The training experience of a scored rollout (`n` samples per prompt in contiguous
+        rows): the forwards, the KL, the advantages and returns, which samples train; and per
+        source the samples dropped for a non-finite value."""
+        built = BuiltExperience([])
         rollout, rewards = arrive(rollout, rewards)
         action_mask = rollout.action_mask.bool()
         mask_f = action_mask.float()
@@ -139,8 +164,8 @@ class ExperienceBuilder:
             scores, token_rewards = scores + (token_rewards * mask_f).sum(dim=1), None
         truncated = self.truncated_rows(rollout)
 
-        valid = self._valid_samples(rewards.valid, scores, action_mask, n, action_log_probs, base_log_probs, values,
-                                    teacher_log_probs, rollout.rollout_log_probs)
+        valid = self._valid_samples(built.nonfinite, rewards.valid, scores, action_mask, n, action_log_probs,
+                                    base_log_probs, values, teacher_log_probs, rollout.rollout_log_probs)
         keep = valid.unsqueeze(1)
         scores = torch.where(valid, scores, torch.zeros_like(scores))
         action_log_probs, base_log_probs, values, teacher_log_probs = (
@@ -164,7 +189,7 @@ class ExperienceBuilder:
                                   kl, kl_coef)
         advantages, returns = outputs.advantages, outputs.returns
         checked = valid & self._finite_rows(action_mask, advantages, returns)
-        self._count_invalid("advantage", valid, checked)
+        self._count_invalid(built.nonfinite, "advantage", valid, checked)
         valid = checked
         if self.mask_truncated_samples:
             # Cut responses keep their place (and their group's baseline) but train on nothing.
@@ -189,7 +214,8 @@ class ExperienceBuilder:
             advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
             values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info, media=rollout.media)
-        return [exp]
+        built.experiences.append(exp)
+        return built
 
     @staticmethod
     def distill_info(student_log_probs: Tensor, teacher_log_probs: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -208,19 +234,19 @@ class ExperienceBuilder:
         the same experience."""
         return compute_advantages(self.estimator, inputs, kl=kl, kl_coef=kl_coef)
 
-    def _valid_samples(self, reward_valid: Tensor, scores: Tensor, action_mask: Tensor, n: int,
-                       *per_action: Optional[Tensor]) -> Tensor:
+    def _valid_samples(self, counts: dict[str, int], reward_valid: Tensor, scores: Tensor, action_mask: Tensor,
+                       n: int, *per_action: Optional[Tensor]) -> Tensor:
         """Samples that may train: a reward source scored them, and their reward and every given
         per-action tensor are finite. A group estimator's baseline needs the whole group, so one
         bad sample invalidates its group. Invalid samples keep their place in the batch (every
-        rank must run the same number of micro-batches) but count in no loss or normaliser.
-        Shape: (B,) bool."""
+        rank must run the same number of micro-batches) but count in no loss or normaliser; the
+        samples dropped are added to `counts` per source. Shape: (B,) bool."""
         valid = reward_valid.clone()
         checked = valid & torch.isfinite(scores)
-        self._count_invalid("reward", valid, checked)
+        self._count_invalid(counts, "reward", valid, checked)
         valid = checked
         checked = valid & self._finite_rows(action_mask, *per_action)
-        self._count_invalid("logprob", valid, checked)
+        self._count_invalid(counts, "logprob", valid, checked)
         valid = checked
         if self.estimator.group:
             valid = valid.view(-1, n).all(dim=1).repeat_interleave(n)

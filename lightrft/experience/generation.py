@@ -36,6 +36,13 @@ def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: b
     return rows
 
 
+def rollout_generate_kwargs(rollout) -> dict:
+    """The sampling parameters of a rollout section (`lightrft.config.RolloutConfig`), as generate
+    kwargs: what every rollout of a run samples with, colocated or on an explorer."""
+    return dict(max_new_tokens=rollout.generate_max_len, temperature=rollout.temperature, top_p=rollout.top_p,
+                top_k=rollout.top_k)
+
+
 def sampling_params(n: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 64,
                     min_new_tokens: int = 0, **unused) -> SamplingParams:
     """`SamplingParams` of `n` responses per prompt from a run's generate kwargs (other keys,
@@ -69,6 +76,14 @@ class Generator:
         self.seed, self.rank, self.world_size = seed, rank, world_size
         # Runs multi-turn episodes instead of one response per prompt (`lightrft.agents`, --workflow).
         self.workflow_runner = workflow_runner
+
+    def at(self, rank: int, world_size: int) -> "Generator":
+        """This generator placed at another position of the global batch: its prompts are global
+        positions `rank`, `rank + world_size`, ... (what an explorer generates for the trainer
+        ranks it serves, with the seeds a colocated rank would draw)."""
+        return Generator(self.engine, self.tokenizer, prompt_max_len=self.prompt_max_len,
+                         apply_chat_template=self.apply_chat_template, seed=self.seed, rank=rank,
+                         world_size=world_size, workflow_runner=self.workflow_runner)
 
     def tokenize(self, prompts: list[str]) -> list[list[int]]:
         """The token ids the engine is given for `prompts` (`encode_rollout_prompts`)."""

@@ -8,6 +8,7 @@ The B = prompts x G samples of one prompt are contiguous rows, so group estimato
 see each group whole on one rank.
 """
 
+from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from lightrft.experience.generation import (Generator, encode_rollout_prompts,  
                                             sampling_params)
 from lightrft.experience.samples import Experience
 from lightrft.experience.scorer import RewardBatch, Scorer, truncated_rows  # noqa: F401  (re-exported)
-from lightrft.experience.services import PHASES, RolloutServices
+from lightrft.experience.services import PHASES, RolloutServices, build_rollout_services
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 
 
@@ -26,7 +27,7 @@ class NaiveExperienceMaker:
     """Makes Experiences on each rank with a colocated rollout engine: generation (per-prompt
     seeds), scoring (every reward source) and experience building, as three services
     (`services`) behind the classic calls. Attributes it does not define itself are the
-    `ExperienceBuilder`'s (`nonfinite_counts`, `kl_in_use`, `advantages`, ...).
+    `ExperienceBuilder`'s (`kl_in_use`, `advantages`, ...).
 
     Models may be DeepSpeed engines or plain modules; `critic`, `reward_model` and `initial_model`
     may be None (critic-free methods, reward from `remote_rm_url` sources, no KL). `reward_model`
@@ -46,32 +47,26 @@ class NaiveExperienceMaker:
                  eos_token_ids: Optional[Sequence[int]] = None, teacher=None,
                  distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode,
                  workflow_runner=None):
-        eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
-        builder = ExperienceBuilder(actor, critic, initial_model, kl_controller, strategy,
-                                    advantage_estimator=advantage_estimator, kl_estimator=kl_estimator,
-                                    use_kl_loss=use_kl_loss, gamma=gamma, lambd=lambd, kl_clamp=kl_clamp,
-                                    micro_rollout_batch_size=micro_rollout_batch_size,
-                                    mask_truncated_samples=mask_truncated_samples, eos_token_ids=eos_token_ids,
-                                    teacher=teacher, distill_coef=distill_coef, distill_mode=distill_mode)
         reward_models = [] if reward_model is None else (
             list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
         if remote_rm_url:
             from lightrft.rewards import make_reward_sources
 
             reward_sources = [*reward_sources, *make_reward_sources(remote_rm_url)]
-        reward_sources = list(reward_sources)
-        scorer = Scorer(tokenizer, reward_models=reward_models, reward_sources=reward_sources, reward_fn=reward_fn,
-                        micro_batch_size=micro_rollout_batch_size,
-                        device=strategy.device if strategy is not None else None,
-                        overlong_buffer_len=overlong_buffer_len, overlong_penalty_factor=overlong_penalty_factor,
-                        eos_token_ids=eos_token_ids,
-                        task_reward_optional=teacher is not None or workflow_runner is not None)
-        generator = Generator(rollout_engine, tokenizer, prompt_max_len=prompt_max_len,
-                              apply_chat_template=apply_chat_template, seed=seed,
-                              rank=strategy.rank if strategy is not None else 0,
-                              world_size=strategy.world_size if strategy is not None else 1,
-                              workflow_runner=workflow_runner)
-        self._use(RolloutServices(generator, scorer, builder), n_samples_per_prompt)
+        # The classic keywords stand for an algorithm section (not validated as a run's: the
+        # classic front accepted any of their combinations).
+        algo = SimpleNamespace(advantage_estimator=advantage_estimator, kl_estimator=kl_estimator,
+                               use_kl_loss=use_kl_loss, gamma=gamma, lambd=lambd, kl_clamp=kl_clamp,
+                               mask_truncated_samples=mask_truncated_samples, distill_coef=distill_coef,
+                               distill_mode=distill_mode, overlong_buffer_len=overlong_buffer_len,
+                               overlong_penalty_factor=overlong_penalty_factor)
+        services = build_rollout_services(
+            rollout_engine, tokenizer, strategy, algo=algo, prompt_max_len=prompt_max_len,
+            micro_rollout_batch_size=micro_rollout_batch_size, apply_chat_template=apply_chat_template,
+            actor=actor, critic=critic, initial_model=initial_model, teacher=teacher, kl_controller=kl_controller,
+            reward_models=reward_models, reward_sources=reward_sources, reward_fn=reward_fn,
+            eos_token_ids=eos_token_ids, workflow_runner=workflow_runner, seed=seed)
+        self._use(services, n_samples_per_prompt)
 
     def _use(self, services: RolloutServices, n_samples_per_prompt: int) -> None:
         self.services, self.n_samples_per_prompt = services, n_samples_per_prompt

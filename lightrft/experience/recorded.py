@@ -312,7 +312,8 @@ class RecordedSource:
         self.context = context
         self._batches = context.prompts.batches(context.consumed_samples)
 
-    def next(self, step: int) -> Optional[SourceBatch]:
+    def next(self, step: int, params=None) -> Optional[SourceBatch]:
+        """The next batch of recorded samples, as served (`params` do not apply: nothing is sampled)."""
         batch = next(self._batches, None)
         if batch is None:
             return None
@@ -322,12 +323,12 @@ class RecordedSource:
         services.builder.eval_models()
         rollout, rewards = recorded_rollout(samples, services.generator.tokenizer.pad_token_id,
                                             services.builder.eos_token_ids)
-        experiences = services.builder.experience_from_rollout(rollout, rewards, 1)
+        built = services.builder.build(rollout, rewards, 1)
         versions = torch.tensor([float(s.policy_version) for s in samples])
-        for experience in experiences:
+        for experience in built.experiences:
             experience.info["policy_version"] = versions[:experience.batch_size]
-        return SourceBatch(experiences, self.context.rollout_batch_size,
-                           timings={"generate": 0.0, "reward": 0.0, "experience": time.perf_counter() - started})
+        return SourceBatch.of([built], self.context.rollout_batch_size,
+                              timings={"generate": 0.0, "reward": 0.0, "experience": time.perf_counter() - started})
 
     def after_step(self, step: int) -> dict[str, float]:
         return {}

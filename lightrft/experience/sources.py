@@ -12,12 +12,15 @@ same `PPOTrainer.step`, whatever made it:
   and score; this rank builds the experience with its current weights.
 
 A source is given what it may use once, at `start` (a `SourceContext`: the run's generation,
-scoring and experience-building services, the sampling parameters, the prompt sampler, a weight
-stream), and returns what it made with its
-counters (`SourceBatch`) instead of writing into the trainer. Its resumable state travels in the
+scoring and experience-building services, the prompt sampler, a weight stream), each step's
+sampling parameters as an argument of `next` (`PPOTrainer.sampling_params`, which a curriculum
+overrides), and returns what it made with its counters (`SourceBatch`) instead of writing into
+the trainer. Its resumable state travels in the
 trainer's checkpoint (`state_dict` / `load_state_dict`, keys of the trainer's client state).
 """
 
+import inspect
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -25,10 +28,11 @@ from typing import Any, Optional, Protocol
 import torch
 
 from lightrft.config.sections import AlgorithmConfig
+from lightrft.experience.builder import NONFINITE_SOURCES, BuiltExperience
 from lightrft.experience.dynamic_sampling import sample_informative_batch
-from lightrft.experience.generation import sampling_params
 from lightrft.experience.samples import Experience
 from lightrft.experience.services import PHASES, RolloutServices
+from lightrft.rollout.base import SamplingParams
 
 WeightBuckets = Callable[[], Iterable[list[tuple[str, torch.Tensor]]]]
 
@@ -66,7 +70,6 @@ class SourceContext:
     services: RolloutServices         # generation, scoring and experience building
     strategy: Any
     algo: AlgorithmConfig
-    generate_kwargs: dict             # the rollout sampling parameters (the trainer's own dict, read per step)
     prompts: PromptSampler            # the run's prompts, for sources that draw them on this rank
     consumed_samples: int             # prompts the run has drawn so far (over all ranks)
     rollout_batch_size: int           # prompts per step, over all ranks
@@ -84,6 +87,22 @@ class SourceBatch:
     prompts: int                                     # prompts drawn for it, over all ranks
     counters: dict[str, int] = field(default_factory=dict)      # added to the trainer's counters
     timings: dict[str, float] = field(default_factory=dict)     # seconds: generate, reward, experience
+    # samples dropped for a non-finite value, per source (reward, logprob, advantage): the run's
+    # totals (`rollout/nonfinite_*_samples`) are the trainer's, checkpointed with it
+    nonfinite: dict[str, int] = field(default_factory=lambda: dict.fromkeys(NONFINITE_SOURCES, 0))
+
+    @classmethod
+    def of(cls, built: list[BuiltExperience], prompts: int, experiences: Optional[list[Experience]] = None,
+           **kwargs) -> "SourceBatch":
+        """The batch of one or more builds (dynamic sampling's rounds), their non-finite counts
+        added up; `experiences` (default: all the builds') are those that train."""
+        nonfinite = dict.fromkeys(NONFINITE_SOURCES, 0)
+        for one in built:
+            for name, count in one.nonfinite.items():
+                nonfinite[name] += count
+        if experiences is None:
+            experiences = [e for one in built for e in one.experiences]
+        return cls(experiences, prompts, nonfinite=nonfinite, **kwargs)
 
 
 class ExperienceSource(Protocol):
@@ -95,9 +114,9 @@ class ExperienceSource(Protocol):
 
     def start(self, context: SourceContext) -> None: ...
 
-    def next(self, step: int) -> Optional[SourceBatch]:
-        """The experience of step `step` (0-based); None when the source is exhausted or the run
-        was preempted while waiting."""
+    def next(self, step: int, params: SamplingParams) -> Optional[SourceBatch]:
+        """The experience of step `step` (0-based), sampled with `params` where this source
+        samples; None when the source is exhausted or the run was preempted while waiting."""
 
     def after_step(self, step: int) -> dict[str, float]:
         """Called once step `step` (now completed, 1-based count) has trained; returns logs."""
@@ -107,6 +126,25 @@ class ExperienceSource(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def next_batch(source: ExperienceSource, step: int, params: SamplingParams) -> Optional[SourceBatch]:
+    """`source.next(step, params)`. A source written for the earlier protocol, `next(step)`
+    (before sources were handed the step's sampling parameters), is called that way, with a
+    warning once per class: it samples with whatever it was given at `start`."""
+    try:
+        inspect.signature(source.next).bind(step, params)
+    except TypeError:
+        if type(source) not in _WARNED_ONE_ARGUMENT:
+            _WARNED_ONE_ARGUMENT.add(type(source))
+            warnings.warn(f"{type(source).__name__}.next(step) takes no sampling parameters: define "
+                          "next(self, step, params) (lightrft.experience.sources.ExperienceSource)", FutureWarning,
+                          stacklevel=3)
+        return source.next(step)
+    return source.next(step, params)
+
+
+_WARNED_ONE_ARGUMENT: set = set()
 
 
 class ColocatedSource:
@@ -122,32 +160,29 @@ class ColocatedSource:
         self.context = context
         self._batches = context.prompts.batches(context.consumed_samples)
 
-    def _rollout(self, prompts: list, labels: list, timings: dict) -> list[Experience]:
+    def _rollout(self, prompts: list, labels: list, params: SamplingParams, timings: dict) -> BuiltExperience:
         self.calls += 1
-        ctx = self.context
-        params = sampling_params(ctx.algo.n_samples_per_prompt, **ctx.generate_kwargs)
-        return ctx.services.experiences(list(prompts), labels, params, self.calls, timings=timings)
+        return self.context.services.build(list(prompts), labels, params, self.calls, timings=timings)
 
-    def next(self, step: int) -> Optional[SourceBatch]:
+    def next(self, step: int, params: SamplingParams) -> Optional[SourceBatch]:
         ctx = self.context
         timings = dict.fromkeys(PHASES, 0.0)
         batch = next(self._batches, None)
         if batch is None:
             return None
-        drawn = 1
-        experiences = self._rollout(*batch, timings)
-        counters = {}
-        if ctx.algo.dynamic_sampling:
-            def extra_rollouts():
-                nonlocal drawn
-                for extra in self._batches:
-                    drawn += 1
-                    yield self._rollout(*extra, timings)
-            n = ctx.algo.n_samples_per_prompt
-            experiences, dropped, rounds = sample_informative_batch(
-                experiences, extra_rollouts(), len(batch[0]) * n, n, ctx.algo.max_sampling_rounds, ctx.strategy)
-            counters = {"dropped_groups": dropped, "sampling_rounds": rounds}
-        return SourceBatch(experiences, drawn * ctx.rollout_batch_size, counters, timings)
+        built = [self._rollout(*batch, params, timings)]
+        if not ctx.algo.dynamic_sampling:
+            return SourceBatch.of(built, ctx.rollout_batch_size, timings=timings)
+
+        def extra_rollouts():
+            for extra in self._batches:
+                built.append(self._rollout(*extra, params, timings))
+                yield built[-1].experiences
+        n = params.n
+        experiences, dropped, rounds = sample_informative_batch(
+            built[0].experiences, extra_rollouts(), len(batch[0]) * n, n, ctx.algo.max_sampling_rounds, ctx.strategy)
+        return SourceBatch.of(built, len(built) * ctx.rollout_batch_size, experiences, timings=timings,
+                              counters={"dropped_groups": dropped, "sampling_rounds": rounds})
 
     def after_step(self, step: int) -> dict[str, float]:
         return {}

@@ -18,10 +18,9 @@ from typing import Any, Optional
 import torch
 
 from lightrft.config.run import planned_steps
-from lightrft.rollout.base import RolloutOutput
-from lightrft.rollout.seeds import request_seeds
+from lightrft.experience.generation import Generation, rollout_generate_kwargs, sampling_params
 from lightrft.experience.placement import arrive
-from lightrft.experience.maker import encode_rollout_prompts, sampling_params
+from lightrft.experience.services import RolloutServices
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
 from lightrft.explorers.weights import WeightSubscriber
 from lightrft.utils.distributed_sampler import DistributedSampler
@@ -43,20 +42,20 @@ class ExplorerParts:
     """What an explorer generates and scores with, built from the run config by
     `lightrft.builders.explorers.build_explorer_parts`."""
 
-    tokenizer: Any                        # encodes the prompts
     engine: Any                           # a rollout engine of the policy: HFEngine over `module`, or vLLM
     module: Optional[torch.nn.Module]     # the policy copy HFEngine decodes with; None under vLLM
-    scorer: Any                           # a `Scorer` with a tokenizer of its own (it decodes on a thread)
+    services: RolloutServices             # generation (over `engine`, with the workflow runner) and scoring:
+    #                                       the trainer's services, with no experience builder
     prompts: Any                          # the PromptDataset of --prompt_data
-    workflow_runner: Any = None           # multi-turn episodes (--workflow), else one response each
 
 
 class Explorer:
     """An explorer's loop: wait for the weights a batch calls for, generate, score, send.
 
-    `parts` are the explorer's tokenizer, engine, policy copy, scorer, workflow runner and prompts
-    (`ExplorerParts`). Scoring and sending batch b run on a thread of their own while batch b + 1
-    generates, so a slow reward source (an HTTP server's latency) stays off the generation's path.
+    `parts` are the explorer's engine, policy copy, generation and scoring services and prompts
+    (`ExplorerParts`): it generates and scores exactly as a colocated trainer does
+    (`lightrft.experience.services`), with the seeds of the trainer ranks it serves. Scoring and
+    sending batch b run on a thread of their own while batch b + 1 generates, so a slow reward source (an HTTP server's latency) stays off the generation's path.
     Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
     generates global positions `first_position`, `first_position + stride`, ... (all of them
     on an explorer rank; one rank's share in the one-step-ahead mode) and sends trainer t of
@@ -65,8 +64,11 @@ class Explorer:
     def __init__(self, args, experience, control, parts: ExplorerParts, *, index: int = 0, explorers: int = 1,
                  trainers: int = 1, first_position: int = 0, stride: int = 1):
         self.args, self.experience, self.control = args, experience, control
-        self.engine, self.module, self.tokenizer = parts.engine, parts.module, parts.tokenizer
-        self.scorer, self.prompts, self.workflow_runner = parts.scorer, parts.prompts, parts.workflow_runner
+        self.engine, self.module, self.prompts = parts.engine, parts.module, parts.prompts
+        # The global positions of its prompts are those of the trainer ranks it serves: the seeds too.
+        self.generator = parts.services.generator.at(first_position, stride)
+        self.scorer = parts.services.scorer
+        self.params = sampling_params(args.algorithm.n_samples_per_prompt, **rollout_generate_kwargs(args.rollout))
         self._scored: Optional[BackgroundCall] = None     # the batch being scored and sent
         self.roles = args.roles
         self.index, self.explorers, self.trainers = index, explorers, trainers
@@ -144,26 +146,14 @@ class Explorer:
         ids = self._order(episode)[position * size:(position + 1) * size]
         mine = list(range(self.first_position, size, self.stride))
         prompts, labels = self.prompts.collate_fn([self.prompts[ids[p]] for p in mine])
-        sampling = args.rollout
-        params = sampling_params(args.algorithm.n_samples_per_prompt, max_new_tokens=sampling.generate_max_len,
-                                 temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         started = time.perf_counter()
-        # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
-        seeds = request_seeds(args.distributed.seed, batch + 1, self.first_position, len(mine), "train",
-                              stride=self.stride)
         with torch.no_grad():
-            prompt_ids = encode_rollout_prompts(self.tokenizer, prompts, args.data.apply_chat_template,
-                                                args.data.prompt_max_len)
-            episodes = None
-            if self.workflow_runner is not None:     # multi-turn episodes, scored by the workflow
-                episodes = self.workflow_runner.run(self.engine, prompt_ids, prompts, labels, params, seeds)
-                rollout = episodes.rollout
-            else:
-                rollout = self.engine.generate(prompt_ids, params, seeds=seeds)
+            # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
+            generation = self.generator.generate(prompts, labels, self.params, batch + 1)
         seconds = {"generate": time.perf_counter() - started}
         self._settle()                # the previous batch is scored and sent (in order), or its error raised
-        self._scored = BackgroundCall(self._score_and_send, batch, episode, ids, prompts, labels, rollout,
-                                      self.loaded_version, seconds, subscriber, episodes, on_error=subscriber.wake)
+        self._scored = BackgroundCall(self._score_and_send, batch, episode, ids, prompts, labels, generation,
+                                      self.loaded_version, seconds, subscriber, on_error=subscriber.wake)
 
     def _scoring_failed(self) -> bool:
         return self._scored is not None and self._scored.error is not None
@@ -179,19 +169,11 @@ class Explorer:
             scored.result()
 
     def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[str], labels: list,
-                        rollout: RolloutOutput, version: int, seconds: dict, subscriber: WeightSubscriber,
-                        episodes=None) -> None:
-        n = self.args.algorithm.n_samples_per_prompt
+                        generation: Generation, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
+        n = self.params.n
         started = time.perf_counter()
-        rollout = arrive(rollout)       # from the engine's device to where experience is made
-        if episodes is None:
-            rewards = self.scorer.score(rollout, prompts, labels, n, self.args.rollout.generate_max_len)
-        else:
-            rewards = episodes.rewards
-            if bool(episodes.unscored.any()):         # the workflow left these to the reward sources
-                scored = self.scorer.score(rollout, prompts, labels, n, shaping=False)
-                rewards.scores = torch.where(episodes.unscored, scored.scores, rewards.scores)
-                rewards.valid &= scored.valid | ~episodes.unscored
+        rollout = arrive(generation.rollout)       # from the engine's device to where experience is made
+        rewards = self.scorer.score_generation(generation, prompts, labels, self.params)
         seconds = {**seconds, "reward": time.perf_counter() - started}
         if subscriber.stopped:       # the trainers are done: nobody will take it
             return

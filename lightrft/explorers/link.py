@@ -98,10 +98,11 @@ class ExplorerLink:
             self.publisher.publish(version, named, start_batch=version)
 
     # ---------------------------------------------------------------------------------- steps
-    def next(self, step: int) -> Optional[SourceBatch]:
+    def next(self, step: int, params=None) -> Optional[SourceBatch]:
         """The experience of rollout batch `step`, built on this trainer; None when the
         explorers ended first or the run was preempted while waiting. A batch staler than the
-        bound is dropped and asked for again (--staleness_policy drop)."""
+        bound is dropped and asked for again (--staleness_policy drop). The explorers sample with
+        the run's sampling parameters (`params`, the trainer's for this step, are not sent)."""
         while True:
             started = time.perf_counter()
             batch = self.receiver.take(step, interrupted=self.context.preempted)
@@ -123,13 +124,12 @@ class ExplorerLink:
         self._window.append(staleness)
         started = time.perf_counter()
         rewards = RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info)
-        experiences = self.context.services.builder.experience_from_rollout(batch.rollout, rewards,
-                                                                            self.context.algo.n_samples_per_prompt)
-        for experience in experiences:   # per sample, for the logs and the rollout preview
+        built = self.context.services.builder.build(batch.rollout, rewards, self.context.algo.n_samples_per_prompt)
+        for experience in built.experiences:   # per sample, for the logs and the rollout preview
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         timings = {"generate": batch.seconds.get("generate", 0.0), "reward": batch.seconds.get("reward", 0.0),
                    "experience": time.perf_counter() - started}
-        return SourceBatch(experiences, self.context.rollout_batch_size, timings=timings)
+        return SourceBatch.of([built], self.context.rollout_batch_size, timings=timings)
 
     def after_step(self, step: int) -> dict[str, float]:
         """Records the trained prompts, publishes weights every --sync_interval steps and returns

@@ -10,9 +10,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.families import family_of, load_model
+from lightrft.models.attention import default_attn_implementation
 from lightrft.models.hf_utils import (
     check_packed_row,
-    default_attn_implementation,
     enable_gradient_checkpointing,
     explain_load_errors,
     model_dtype,
@@ -38,7 +38,7 @@ class ActorLanguage(nn.Module):
             (a causal LM with the Hugging Face forward signature) to wrap; its attention
             implementation is set as below.
         bf16: load weights in bfloat16 (else float32). Log-probs are float32 either way.
-        attn_implementation: None picks `hf_utils.default_attn_implementation()`
+        attn_implementation: None picks `attention.default_attn_implementation()`
             ("flash_attention_2" on CUDA with flash-attn, else exact per-sequence SDPA); any
             transformers name ("sdpa", "eager", "flex_attention", ...) overrides it.
         lora_rank: > 0 wraps the model in a peft LoRA adapter of this rank; only the adapter trains.

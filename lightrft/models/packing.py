@@ -27,7 +27,7 @@ class PackedBatch:
 
 
 # The forward keyword that carries a row split over a sequence-parallel group to the attention
-# (`lightrft.models.sequence_parallel.RowSplit`, read by `hf_utils.varlen_attention`).
+# (`lightrft.models.sequence_parallel.RowSplit`, read by `attention.varlen_attention`).
 SPLIT_KEYWORD = "sequence_split"
 
 

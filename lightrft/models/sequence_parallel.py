@@ -5,7 +5,7 @@ its contiguous slice of it (1/N of the tokens), so activations per rank shrink N
 but attention is per token; attention is DeepSpeed's Ulysses exchange
 (`deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF`): an all-to-all turns
 "my tokens, all heads" into "all tokens, my heads" (H/N query heads, H_kv/N key/value heads),
-lightrft's varlen attention (`hf_utils.varlen_attention`) runs over the whole row for those heads,
+lightrft's varlen attention (`attention.varlen_attention`) runs over the whole row for those heads,
 with the row's sequence borders, sliding windows and soft-caps, and a second all-to-all brings the
 output back to "my tokens, all heads".
 
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, all_ones_mask, varlen_attention
+from lightrft.models.attention import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, all_ones_mask, varlen_attention
 from lightrft.models.packing import SPLIT_KEYWORD
 
 
@@ -45,6 +45,14 @@ class SequenceParallel:
     def __init__(self, group: Any, size: int, rank: int):
         self.group, self.size, self.rank = group, int(size), int(rank)
         self._attention: dict[int, Any] = {}
+
+    def union(self, items: list) -> list:
+        """The items of every rank of this group, in rank order (the same list on each of them):
+        the group trains on its ranks' rollouts together. Tensors travel on the CPU."""
+        gathered = [None] * self.size
+        dist.all_gather_object(gathered, [item.to("cpu") if hasattr(item, "to") else item for item in items],
+                               group=self.group)
+        return [item for part in gathered for item in part]
 
     def problem(self, model: nn.Module) -> str | None:
         """Why `model` cannot run split over this group, or None."""

@@ -12,7 +12,7 @@ attention mask) are equal share, whatever order a shuffled replay buffer put the
 micro-batch without repeats takes the plain forward.
 
 Packed rows (`PackedPromptSharing`) need no cache: the row is rebuilt with each distinct prompt
-once (`packing.SharedPromptLayout`) and the attention (`hf_utils.varlen_attention`) lets every
+once (`packing.SharedPromptLayout`) and the attention (`attention.varlen_attention`) lets every
 response see its prompt, so it works with gradient checkpointing too. The groups come from the
 sequences' contents on the host (`packing.prompt_group_ids`, at collate time).
 """
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightrft.models.families import family_of
-from lightrft.models.hf_utils import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY
+from lightrft.models.attention import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY
 from lightrft.models.packing import SharedPromptLayout, pack_padded, shared_prompt_layout
 from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, returned_cache
 

@@ -303,18 +303,6 @@ class DeepspeedStrategy:
             self._sequence_parallel = mine
         return self._sequence_parallel
 
-    def sequence_parallel_union(self, items: list) -> list:
-        """The items of every rank of this rank's sequence-parallel group, in rank order (the same
-        list on each of them): the group trains on its ranks' rollouts together. Tensors travel on
-        the CPU. `items` itself with size 1."""
-        group = self.sequence_parallel
-        if group is None:
-            return items
-        gathered = [None] * group.size
-        dist.all_gather_object(gathered, [item.to("cpu") if hasattr(item, "to") else item for item in items],
-                               group=group.group)
-        return [item for part in gathered for item in part]
-
     def rank_generator(self, offset: int = 0, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded with `seed + rank + offset`, for randomness that must differ per rank."""
         generator = torch.Generator(device=device)

@@ -2,7 +2,8 @@
 
 Subclass `TrainerCallback`, override the hooks you need, and pass instances as
 `PPOTrainer(..., callbacks=[...])`. Every hook gets the trainer, so it can read `trainer.global_step`,
-change `trainer.generate_kwargs`, inspect `trainer.replay_buffer`, and so on. Hooks run on every
+inspect `trainer.replay_buffer`, and so on (what a step samples with: override
+`PPOTrainer.sampling_params(step)`). Hooks run on every
 rank; guard side effects with `trainer.strategy.is_rank_0()`.
 """
 

@@ -27,7 +27,7 @@ def as_ppo_config(args) -> PPORunConfig:
 class PPOCheckpoints:
     """Checkpoint and resume methods of `PPOTrainer` (see the module docstring).
 
-    What it reads from the trainer it is part of is declared below (`PPOTrainer.setup` sets each;
+    What it reads from the trainer it is part of is declared below (`PPOTrainer.assign` sets each;
     tests/trainer/test_trainer_options.py checks that nothing else is read)."""
 
     strategy: Any
@@ -40,7 +40,7 @@ class PPOCheckpoints:
     kl_ctl: Any                        # its state is saved and restored
     counters: dict
     callbacks: Any
-    experience_services: Any           # the builder's non-finite counts are saved and restored
+    nonfinite_counts: dict             # samples dropped for a non-finite value: saved and restored
     experience_source: Any             # its state travels in the checkpoint
     save_hf_ckpt: bool
     disable_ds_ckpt: bool
@@ -60,7 +60,7 @@ class PPOCheckpoints:
         counters = {"global_step": self.global_step, "consumed_samples": self.consumed_samples,
                     "kl_ctl": self.kl_ctl.state_dict(), **source_state,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
-                    "nonfinite_counts": dict(self.experience_services.builder.nonfinite_counts),
+                    "nonfinite_counts": dict(self.nonfinite_counts),
                     # the resolved run config travels with every checkpoint, its secrets redacted
                     "config": redact_options(plain_options(self.args))}
         return RunServices.client_state(counters, self.pinned_options(self.args))
@@ -101,5 +101,5 @@ class PPOCheckpoints:
         self.counters.pop("failed_saves", None)
         self.services.failed_saves = state.get("failed_saves", state.get("counters", {}).get("failed_saves", 0))
         self.services.guard.skipped = self.counters["skipped_steps"]
-        self.experience_services.builder.nonfinite_counts.update(state.get("nonfinite_counts", {}))
+        self.nonfinite_counts.update(state.get("nonfinite_counts", {}))
         return self.consumed_samples

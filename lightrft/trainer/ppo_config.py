@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lightrft.experience.generation import rollout_generate_kwargs  # noqa: F401  (re-exported)
 from lightrft.config.sections import (AlgorithmConfig, CheckpointConfig, PPODataConfig, PPODistributedConfig,
                                       PPOModelConfig, PPOOptimConfig, RolloutConfig)
 
@@ -27,6 +28,11 @@ class PPOModels:
     actor_scheduler: object = None
     critic_scheduler: object = None
 
+    @property
+    def classic_reward_model(self):
+        """The reward models as the classic signature takes them: one model, a list of several, or None."""
+        return self.reward_models[0] if len(self.reward_models) == 1 else list(self.reward_models) or None
+
 
 @dataclass(frozen=True)
 class PPOTrainerConfig:
@@ -41,12 +47,6 @@ class PPOTrainerConfig:
     data: PPODataConfig               # prompt_max_len, apply_chat_template
     checkpoint: CheckpointConfig      # save_hf_ckpt, disable_ds_ckpt, max_ckpt_num, preemption_grace
     distributed: PPODistributedConfig    # gradient_checkpointing
-
-
-def rollout_generate_kwargs(rollout: RolloutConfig) -> dict:
-    """The sampling parameters of a rollout section, as generate kwargs."""
-    return dict(max_new_tokens=rollout.generate_max_len, temperature=rollout.temperature, top_p=rollout.top_p,
-                top_k=rollout.top_k)
 
 
 def classic_trainer_config(*, algo: Optional[AlgorithmConfig], classic: dict, ema_beta: float,
@@ -77,6 +77,21 @@ def classic_trainer_config(*, algo: Optional[AlgorithmConfig], classic: dict, em
         distributed=PPODistributedConfig(gradient_checkpointing=gradient_checkpointing))
 
 
+#: The classic constructor's option arguments that `classic_trainer_config` turns into sections.
+CLASSIC_OPTIONS = ("ema_beta", "micro_train_batch_size", "micro_rollout_batch_size", "gradient_checkpointing",
+                   "max_epochs", "max_norm", "prompt_max_len", "save_hf_ckpt", "disable_ds_ckpt", "packing_samples",
+                   "preemption_grace", "apply_chat_template", "max_ckpt_num", "engine_logprob_gap_threshold",
+                   "engine_logprob_gap_action", "sync_bucket_mb")
+#: Its PPO arguments, which default to None: `algo`'s value, or the classic one without `algo`.
+CLASSIC_ALGORITHM_OPTIONS = ("init_kl_coef", "kl_target", "kl_horizon", "ptx_coef", "eps_clip", "value_clip")
+
+
+def classic_options_config(algo: Optional[AlgorithmConfig], arguments: dict) -> PPOTrainerConfig:
+    """`classic_trainer_config` of the classic constructor's `arguments` (its locals, by name)."""
+    return classic_trainer_config(algo=algo, classic={name: arguments[name] for name in CLASSIC_ALGORITHM_OPTIONS},
+                                  **{name: arguments[name] for name in CLASSIC_OPTIONS})
+
+
 def legacy_models(actor, critic=None, reward_model=None, initial_model=None, ema_model=None, actor_optim=None,
                   critic_optim=None, actor_scheduler=None, critic_scheduler=None, *, teacher_model=None) -> PPOModels:
     """`PPOModels` from the positional models of the classic signatures."""
@@ -84,3 +99,9 @@ def legacy_models(actor, critic=None, reward_model=None, initial_model=None, ema
         list(reward_model) if isinstance(reward_model, (list, tuple)) else [reward_model])
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model, actor_optim,
                      critic_optim, actor_scheduler, critic_scheduler)
+
+
+def legacy_positionals(models: PPOModels) -> tuple:
+    """The classic signature's nine positional models after the strategy (actor ... critic_scheduler)."""
+    return (models.actor, models.critic, models.classic_reward_model, models.initial_model, models.ema_model,
+            models.actor_optim, models.critic_optim, models.actor_scheduler, models.critic_scheduler)

@@ -8,35 +8,29 @@ resume); every method is meant to be overridden by research code.
 """
 
 import time
+from functools import cached_property
 from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
 
-from lightrft.algorithms.advantages import get_advantage_estimator
-from lightrft.algorithms.kl import make_kl_controller
-from lightrft.config.run import PPORunConfig
 from lightrft.config.sections import REQUIRED_LOSS_AGG, AlgorithmConfig  # noqa: F401  (re-exported)
+from lightrft.experience.builder import NONFINITE_SOURCES
+from lightrft.experience.generation import sampling_params
 from lightrft.experience.maker import NaiveExperienceMaker
-from lightrft.experience.replay_buffer import NaiveReplayBuffer
 from lightrft.experience.samples import Experience
-from lightrft.experience.services import RolloutServices
-from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext
-from lightrft.models.families import family_of
-from lightrft.models.loss import GPTLMLoss, PolicyLoss, ValueLoss
-from lightrft.rollout.checks import EngineGapCheck, engine_gap_tolerance
-from lightrft.rollout.hf_engine import hf_engine_for
-from lightrft.rollout.manager import RolloutManager, WeightStream, engine_capabilities_of
+from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext, next_batch
+from lightrft.rollout.base import SamplingParams
 from lightrft.strategy.deepspeed_strategy import PendingReduction
-from lightrft.trainer.callbacks import CallbackList
+from lightrft.trainer.assembly import PPOParts, build_ppo_parts, classic_reward_sources
 from lightrft.trainer.evaluation import evaluate_policy
 from lightrft.trainer.metrics import (EXTREME_SUFFIXES, GlobalCounts, combine_metric,  # noqa: F401  (re-exported)
                                      perf_metrics, start_step_totals)
-from lightrft.trainer.ppo_config import (PPOModels, PPOTrainerConfig, classic_trainer_config,  # noqa: F401
-                                         legacy_models, rollout_generate_kwargs)
+from lightrft.trainer.ppo_config import (PPOModels, PPOTrainerConfig, classic_options_config,  # noqa: F401
+                                         classic_trainer_config, legacy_models, legacy_positionals,
+                                         rollout_generate_kwargs)
 from lightrft.trainer.ppo_checkpoints import PINNED_OPTIONS, PPOCheckpoints, as_ppo_config  # noqa: F401
 from lightrft.trainer.ppo_update import PPOUpdate
-from lightrft.trainer.run_services import RunServices
 
 
 class PPOTrainer(PPOUpdate, PPOCheckpoints):
@@ -83,149 +77,79 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
                  eval_generate_kwargs: Optional[dict] = None, engine_logprob_gap_threshold: Optional[float] = None,
                  engine_logprob_gap_action: str = "stop", experience_source=None,
                  sync_bucket_mb: Optional[float] = None, teacher_model=None, workflow_runner=None,
-                 config: Optional[PPOTrainerConfig] = None, **generate_kwargs):
-        if config is None:             # the classic form: its arguments stand for the sections
-            config = classic_trainer_config(
-                algo=algo, classic=dict(init_kl_coef=init_kl_coef, kl_target=kl_target, kl_horizon=kl_horizon,
-                                        ptx_coef=ptx_coef, eps_clip=eps_clip, value_clip=value_clip),
-                ema_beta=ema_beta, micro_train_batch_size=micro_train_batch_size,
-                micro_rollout_batch_size=micro_rollout_batch_size, gradient_checkpointing=gradient_checkpointing,
-                max_epochs=max_epochs, max_norm=max_norm, prompt_max_len=prompt_max_len, save_hf_ckpt=save_hf_ckpt,
-                disable_ds_ckpt=disable_ds_ckpt, packing_samples=packing_samples, preemption_grace=preemption_grace,
-                apply_chat_template=apply_chat_template, max_ckpt_num=max_ckpt_num,
-                engine_logprob_gap_threshold=engine_logprob_gap_threshold,
-                engine_logprob_gap_action=engine_logprob_gap_action, sync_bucket_mb=sync_bucket_mb)
-            if remote_rm_url:
-                from lightrft.rewards import make_reward_sources
-
-                reward_sources = [*reward_sources, *make_reward_sources(remote_rm_url)]
-        else:
-            generate_kwargs = {**rollout_generate_kwargs(config.rollout), **generate_kwargs}
-        models = legacy_models(actor, critic, reward_model, initial_model, ema_model, actor_optim, critic_optim,
-                               actor_scheduler, critic_scheduler, teacher_model=teacher_model)
-        self.setup(strategy, models, config, tokenizer=tokenizer, rollout_engine=rollout_engine,
-                   reward_sources=reward_sources, reward_fn=reward_fn, callbacks=callbacks, tracker=tracker,
-                   experience_source=experience_source, workflow_runner=workflow_runner,
-                   eos_token_ids=eos_token_ids, generate_kwargs=generate_kwargs,
-                   eval_generate_kwargs=eval_generate_kwargs, buffer_limit=buffer_limit,
-                   buffer_cpu_offload=buffer_cpu_offload, dataloader_pin_memory=dataloader_pin_memory)
+                 config: Optional[PPOTrainerConfig] = None, processor=None, parts: Optional[PPOParts] = None,
+                 **generate_kwargs):
+        if parts is None:
+            if config is None:         # the classic form: its option arguments (by name) stand for the sections
+                config = classic_options_config(algo, locals())
+                reward_sources = [*reward_sources, *classic_reward_sources(remote_rm_url)]
+            else:
+                generate_kwargs = {**rollout_generate_kwargs(config.rollout), **generate_kwargs}
+            parts = build_ppo_parts(
+                strategy, legacy_models(actor, critic, reward_model, initial_model, ema_model, actor_optim, critic_optim,
+                                        actor_scheduler, critic_scheduler, teacher_model=teacher_model),
+                config, tokenizer=tokenizer, processor=processor, rollout_engine=rollout_engine,
+                reward_sources=reward_sources, reward_fn=reward_fn, callbacks=callbacks, tracker=tracker,
+                experience_source=experience_source, workflow_runner=workflow_runner, eos_token_ids=eos_token_ids,
+                generate_kwargs=generate_kwargs, eval_generate_kwargs=eval_generate_kwargs, buffer_limit=buffer_limit,
+                buffer_cpu_offload=buffer_cpu_offload, dataloader_pin_memory=dataloader_pin_memory,
+                reuse_old_log_probs=self.reuse_old_log_probs)
+        self.assign(parts)
 
     @classmethod
-    def from_config(cls, strategy, models: PPOModels, config=None, *legacy, tokenizer, rollout_engine=None,
-                    reward_sources: Sequence = (), reward_fn=None, callbacks: Sequence = (), tracker=None,
-                    experience_source=None, workflow_runner=None, eos_token_ids: Optional[Sequence[int]] = None,
-                    **kwargs) -> "PPOTrainer":
-        """The trainer of `models` (a `PPOModels`, prepared) with every option from `config` (a
-        `lightrft.config.PPORunConfig`, or any object with the `PPOTrainerConfig` sections). What
-        a config cannot hold comes as keywords: the tokenizer, a rollout engine (default: Hugging
-        Face decoding with the actor), reward sources (the reward models are in `models`), a
-        combining `reward_fn`, callbacks, a tracker, the experience source (default: colocated),
-        the workflow runner of multi-turn runs and the stop tokens. `kwargs` go to a subclass's
-        own constructor.
-
-        The earlier form, `from_config(config, strategy, actor, critic, reward_model,
-        initial_model, ema_model, actor_optim, critic_optim, actor_scheduler, critic_scheduler,
-        tokenizer=..., teacher_model=..., ...)`, still works."""
+    def from_config(cls, strategy, models: PPOModels, config=None, *legacy, tokenizer, **keywords) -> "PPOTrainer":
+        """The trainer of `models` (prepared) with every option from `config` (a `PPORunConfig`, or
+        the `PPOTrainerConfig` sections); `keywords` are `build_ppo_parts`' (what a config cannot
+        hold) and a subclass's own. The earlier form, `from_config(config, strategy, actor, critic,
+        ..., critic_scheduler, tokenizer=..., teacher_model=..., ...)`, still works."""
         if not isinstance(models, PPOModels):
             config, strategy, models = strategy, models, legacy_models(config, *legacy,
-                                                                       teacher_model=kwargs.pop("teacher_model", None))
+                                                                       teacher_model=keywords.pop("teacher_model", None))
         elif legacy:
             raise TypeError(f"PPOTrainer.from_config(strategy, models, config) takes 3 positional arguments; "
                             f"{3 + len(legacy)} were given")
-        return cls(strategy, models.actor, models.critic, models.reward_models or None, models.initial_model,
-                   models.ema_model, models.actor_optim, models.critic_optim, models.actor_scheduler,
-                   models.critic_scheduler, tokenizer=tokenizer, config=config, rollout_engine=rollout_engine,
-                   reward_sources=reward_sources, reward_fn=reward_fn, callbacks=callbacks, tracker=tracker,
-                   experience_source=experience_source, workflow_runner=workflow_runner,
-                   eos_token_ids=eos_token_ids, teacher_model=models.teacher_model, **kwargs)
+        return cls(strategy, *legacy_positionals(models), tokenizer=tokenizer, config=config,
+                   teacher_model=models.teacher_model, **keywords)
 
-    def setup(self, strategy, models: PPOModels, config, *, tokenizer, rollout_engine=None,
-              reward_sources: Sequence = (), reward_fn=None, callbacks: Sequence = (), tracker=None,
-              experience_source=None, workflow_runner=None, eos_token_ids: Optional[Sequence[int]] = None,
-              generate_kwargs: Optional[dict] = None, eval_generate_kwargs: Optional[dict] = None,
-              buffer_limit: int = 0, buffer_cpu_offload: bool = True, dataloader_pin_memory: bool = True) -> None:
-        """Builds the trainer's parts from the models and the config sections; both constructors
-        end here. `generate_kwargs` are the rollout sampling parameters (default: the rollout
-        section's)."""
-        algo = self.algo = config.algorithm
-        rollout_config, optim = config.rollout, config.optim
-        self.strategy = strategy
-        self.actor, self.critic = models.actor, models.critic
-        self.reward_model = (models.reward_models[0] if len(models.reward_models) == 1 else
-                             list(models.reward_models) or None)
-        self.initial_model, self.ema_model = models.initial_model, models.ema_model
-        self.teacher_model = models.teacher_model
+    @classmethod
+    def from_parts(cls, parts: PPOParts, **kwargs) -> "PPOTrainer":
+        """The trainer of parts already built (`lightrft.trainer.assembly.build_ppo_parts`);
+        `kwargs` are a subclass's own constructor arguments."""
+        return cls(parts.strategy, *legacy_positionals(parts.models), parts=parts, **kwargs)
+
+    def assign(self, parts: PPOParts) -> None:
+        """Takes the built parts (`PPOParts`), and starts the run's state (`args`: the config `fit` runs)."""
+        config, models, optim = parts.config, parts.models, parts.config.optim
+        self.strategy, self.tokenizer, self.processor, self.algo = (parts.strategy, parts.tokenizer, parts.processor,
+                                                                    config.algorithm)
+        self.actor, self.critic, self.initial_model = models.actor, models.critic, models.initial_model
+        self.ema_model, self.teacher_model, self.reward_model = (models.ema_model, models.teacher_model,
+                                                                 models.classic_reward_model)
         self.actor_optim, self.critic_optim = models.actor_optim, models.critic_optim
         self.actor_scheduler, self.critic_scheduler = models.actor_scheduler, models.critic_scheduler
         self.ema_beta, self.max_epochs, self.max_norm = config.model.ema_beta, optim.max_epochs, optim.max_norm
-        self.micro_train_batch_size, self.dataloader_pin_memory = optim.micro_train_batch_size, dataloader_pin_memory
-        self.tokenizer, self.prompt_max_len = tokenizer, config.data.prompt_max_len
-        self.processor = None          # a vision-language run's processor (build_ppo_run sets it)
+        self.micro_train_batch_size, self.prompt_max_len = optim.micro_train_batch_size, config.data.prompt_max_len
         self.save_hf_ckpt, self.disable_ds_ckpt = config.checkpoint.save_hf_ckpt, config.checkpoint.disable_ds_ckpt
-        self.gradient_checkpointing = config.distributed.gradient_checkpointing
-        self.generate_kwargs = dict(rollout_generate_kwargs(rollout_config) if generate_kwargs is None
-                                    else generate_kwargs)
-        self.eval_generate_kwargs = eval_generate_kwargs or {}
-        self.callbacks, self.tracker = CallbackList(callbacks), tracker
-        # Every step checks that the engine samples from the trained weights (`lightrft.rollout.checks`).
-        threshold = rollout_config.engine_logprob_gap_threshold
-        self.engine_gap = EngineGapCheck(engine_gap_tolerance(strategy.config.bf16)[0] if threshold is None
-                                         else threshold, rollout_config.engine_logprob_gap_action,
-                                         lambda message: self.strategy.print(message))
-        self.services = RunServices(strategy, preemption_grace=config.checkpoint.preemption_grace,
-                                    max_nonfinite_steps=algo.max_nonfinite_steps,
-                                    max_ckpt_num=config.checkpoint.max_ckpt_num)
+        self.gradient_checkpointing, self.dataloader_pin_memory = (config.distributed.gradient_checkpointing,
+                                                                   parts.dataloader_pin_memory)
+        self.generate_kwargs, self.eval_generate_kwargs = parts.generate_kwargs, parts.eval_generate_kwargs
+        self.rollout_engine, self.weight_stream, self.rollout = parts.rollout_engine, parts.weight_stream, parts.rollout
+        self.experience_services, self.replay_buffer = parts.services, parts.replay_buffer
+        self.experience_source = parts.experience_source     # None: the colocated source over `fit`'s prompts
+        self.kl_ctl, self.normalize_advantages_globally = parts.kl_ctl, parts.normalize_advantages_globally
+        self.actor_loss_fn, self.critic_loss_fn = parts.actor_loss_fn, parts.critic_loss_fn
+        self.ptx_loss_fn, self.engine_gap, self.services = parts.ptx_loss_fn, parts.engine_gap, parts.run_services
+        self.callbacks, self.tracker = parts.callbacks, parts.tracker
+        self.global_step, self.consumed_samples = 0, 0
+        self.counters, self.nonfinite_counts = ({"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0},
+                                                dict.fromkeys(NONFINITE_SOURCES, 0))
+        self.stop_reason = self.pass_preempted = self.pretrain_iter = self.args = None
+        self._warned_no_aux_loss, self.resumed_state, self.last_timings = False, {}, {}
 
-        estimator = get_advantage_estimator(algo.advantage_estimator)
-        if estimator.needs_critic and models.critic is None:
-            raise ValueError(f"--advantage_estimator {algo.advantage_estimator} needs a critic: pass "
-                             "--critic_pretrain, or pick a critic-free estimator such as group_norm or reinforce++")
-        self.normalize_advantages_globally = estimator.normalize_globally
-        self.kl_ctl = make_kl_controller(algo.init_kl_coef, algo.kl_target or None, algo.kl_horizon)
-        self.actor_loss_fn, self.critic_loss_fn = PolicyLoss.from_algorithm(algo), ValueLoss.from_algorithm(algo)
-        self.ptx_loss_fn = GPTLMLoss()
-
-        micro_rollout = rollout_config.micro_rollout_batch_size
-        if rollout_engine is None:
-            policy = strategy.unwrap_model(models.actor).model
-            rollout_engine = hf_engine_for(policy, tokenizer, eos_token_ids, micro_rollout,
-                                           synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3,
-                                           family=family_of(policy))
-        self.rollout_engine = rollout_engine
-        # The one owner of the engine's lifecycle: rollouts and evaluation both generate through it.
-        # The actor's weights bucket by bucket: what syncs the engine, and what explorers are sent.
-        # Bucket size: that of an engine with its own weights (--vllm_sync_bucket_mb), else
-        # the rollout section's, else 512 MB.
-        live = engine_capabilities_of(rollout_engine).shares_live_weights
-        engine_bucket_mb = None if live else rollout_engine.sync_bucket_mb
-        bucket_mb = engine_bucket_mb or rollout_config.vllm_sync_bucket_mb or 512.0
-        self.weight_stream = WeightStream(strategy, models.actor, bucket_mb)
-        self.rollout = RolloutManager.for_actor(rollout_engine, strategy, models.actor, stream=self.weight_stream)
-        # Generation, scoring and experience building (`lightrft.experience.services`), built by the
-        # classic front, which stays reachable as `experience_maker`.
-        self.experience_maker = NaiveExperienceMaker.for_algorithm(
-            algo, models.actor, models.critic, self.reward_model, models.initial_model, tokenizer,
-            self.prompt_max_len, self.kl_ctl, strategy, None, reward_fn, rollout_engine=self.rollout,
-            reward_sources=reward_sources, micro_rollout_batch_size=micro_rollout,
-            apply_chat_template=config.data.apply_chat_template, eos_token_ids=eos_token_ids,
-            teacher=models.teacher_model, workflow_runner=workflow_runner)
-        self.experience_services: RolloutServices = self.experience_maker.services
-        self.replay_buffer = NaiveReplayBuffer(self.micro_train_batch_size, buffer_limit, buffer_cpu_offload,
-                                               packing_samples=config.model.packing_samples,
-                                               pad_token_id=tokenizer.pad_token_id)
-        self.global_step = 0           # optimizer-step groups completed (one per rollout batch)
-        self.consumed_samples = 0      # prompts drawn from the dataset, over all ranks
-        self.counters = {"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0}
-        self.stop_reason = None
-        self.pass_preempted = None     # whether any rank was asked to stop, from the last pass's metrics
-        self._warned_no_aux_loss = False
-        # Where each step's experience comes from (`lightrft.experience.sources`): the
-        # colocated source over `fit`'s prompts unless one is given (recorded traffic, explorers).
-        self.experience_source = experience_source
-        self.resumed_state: dict = {}  # the checkpoint's client state, for the source to resume from
-        self.last_timings: dict[str, float] = {}
-        self.pretrain_iter = None
-        self.args: Optional[PPORunConfig] = None     # the run config `fit` runs
+    @cached_property
+    def experience_maker(self) -> NaiveExperienceMaker:
+        """The classic one-object front over the run's services, for research code that calls it."""
+        return NaiveExperienceMaker.from_services(self.experience_services, self.algo.n_samples_per_prompt)
 
     # ====================================================================================== fit
     def fit(self, args, prompts_dataloader, pretrain_dataloader=None, consumed_samples: int = 0,
@@ -274,7 +198,6 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         the experience source started where the run left off (the colocated one over
         `prompts_dataloader` unless one was given). Returns the planned steps."""
         self.set_pretrain_data(pretrain_dataloader)
-        self.experience_services.builder.reuse_policy_log_probs = self.on_policy(config)
         self.consumed_samples = consumed_samples
         total_steps = self.planned_steps(config, prompts_dataloader)
         if self.experience_source is None:
@@ -285,9 +208,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.services.start(self)
         self.experience_source.load_state_dict(self.resumed_state)
         self.experience_source.start(SourceContext(
-            services=self.experience_services, strategy=self.strategy, algo=self.algo,
-            generate_kwargs=self.generate_kwargs,
-            prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
+            services=self.experience_services, strategy=self.strategy, algo=self.algo, prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
             total_steps=total_steps, first_step=self.global_step, preempted=lambda: self.services.preemption.raised,
             weight_buckets=self.weight_stream.buckets))
         self.callbacks.on_train_begin(self)
@@ -317,14 +238,23 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         the prompts it drew and its counters (dynamic sampling's dropped groups and rounds).
         Override to act around each rollout (`prompt_batches` is unused, kept for subclasses that
         pass it on)."""
-        batch = self.experience_source.next(self.global_step)
+        batch = next_batch(self.experience_source, self.global_step, self.sampling_params(self.global_step))
         if batch is None:
             return None
         self.consumed_samples += batch.prompts
         for name, value in batch.counters.items():
             self.counters[name] += value
+        for name, value in batch.nonfinite.items():
+            self.nonfinite_counts[name] += value
         self.last_timings = {**dict.fromkeys(("generate", "reward", "experience"), 0.0), **batch.timings}
         return batch.experiences
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        """What step `step` (0-based) samples with, handed to the experience source: G =
+        `n_samples_per_prompt` responses per prompt under the run's sampling parameters
+        (`generate_kwargs`, from the rollout section). Override to change them per step (a length
+        curriculum, a temperature schedule); explorers sample with the run's own."""
+        return sampling_params(self.algo.n_samples_per_prompt, **self.generate_kwargs)
 
     def step(self, experiences: list[Experience], check_engine: bool = True) -> dict[str, float]:
         """One optimisation round on a rollout's experiences: the step `fit` repeats and
@@ -338,7 +268,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         samples = sum(experience.batch_size for experience in experiences) * self.strategy.world_size
         # The ranks sharing rows (--sequence_parallel_size) train on their rollouts together.
         if getattr(self.strategy, "sequence_parallel_size", 1) > 1:
-            experiences = self.strategy.sequence_parallel_union(experiences)
+            experiences = self.strategy.sequence_parallel.union(experiences)
         for experience in experiences:
             self.replay_buffer.append(experience)
         if self.normalize_advantages_globally:
@@ -359,9 +289,8 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     def start_step_totals(self, rollout_sums: dict[str, torch.Tensor]) -> PendingReduction:
         """The rollout's statistics over all ranks, in one all-reduce started now and read when
         the step ends (`lightrft.trainer.metrics.start_step_totals`)."""
-        services = self.experience_services
-        return start_step_totals(self.strategy, rollout_sums, services.builder.nonfinite_counts,
-                                 services.scorer.reward_sources)
+        return start_step_totals(self.strategy, rollout_sums, self.nonfinite_counts,
+                                 self.experience_services.scorer.reward_sources)
 
     def set_pretrain_data(self, pretrain_dataloader=None) -> None:
         """The pretraining data stream of the PPO-ptx loss (`--pretrain_data`), cycled; None for

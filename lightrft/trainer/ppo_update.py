@@ -34,7 +34,7 @@ from lightrft.trainer.metrics import EXTREME_SUFFIXES, combine_step_metrics, glo
 class PPOUpdate:
     """PPO epochs, micro-batch steps and losses of `PPOTrainer` (see the module docstring).
 
-    What it reads from the trainer it is part of is declared below (`PPOTrainer.setup` sets each;
+    What it reads from the trainer it is part of is declared below (`PPOTrainer.assign` sets each;
     tests/trainer/test_trainer_options.py checks that nothing else is read)."""
 
     # the models and their optimisation (prepared by the strategy)
@@ -73,15 +73,13 @@ class PPOUpdate:
     # rollout-time forward would have used.
     reuse_old_log_probs: Optional[bool] = None
 
-    def on_policy(self, args) -> bool:
+    def on_policy(self, args=None) -> bool:
         """Whether the first optimizer step of each rollout is exactly on-policy (one epoch, no
         dropout), so its ratio is 1 and the old log-probs need no forward at rollout time: that step
-        detaches its own, and `fill_old_log_probs` computes the later steps' before it updates."""
-        if self.reuse_old_log_probs is not None:
-            return self.reuse_old_log_probs
-        modules = self.strategy.unwrap_model(self.actor).modules()
-        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in modules)
-        return self.max_epochs == 1 and not dropout
+        detaches its own, and `fill_old_log_probs` computes the later steps' before it updates.
+        Decided when the trainer is built (`lightrft.trainer.assembly.decide_on_policy`, which
+        `reuse_old_log_probs` overrides); `args` is unused, kept for callers that pass it."""
+        return self.experience_services.builder.reuse_policy_log_probs
 
     def ppo_train(self, global_steps: int) -> dict[str, float]:
         """`max_epochs` passes over the replay buffer; returns train/* metrics averaged over steps."""

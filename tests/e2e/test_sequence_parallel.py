@@ -52,7 +52,10 @@ def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
             assert got[tag][step] == pytest.approx(expected[tag][step], rel=1e-4, abs=1e-6), (tag, step)
     assert expected["train/actor_grad_norm"][1] > 0.1 and expected["train/kl_loss"][2] > 1e-3
     final, split = load_file(reference / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
-    assert max((final[k] - split[k]).abs().max().item() for k in final) < 2e-5
+    # Two Adam steps at lr 1e-3 move a weight by up to 2e-3; Adam's per-element normalisation turns
+    # the reduction-order rounding of a near-zero gradient entry into up to ~2e-5 of it, by CPU
+    # (2.1e-5 seen for ZeRO-3 against ZeRO-2 on a 2-core x86 runner). A wrong split is ~1e-3 off.
+    assert max((final[k] - split[k]).abs().max().item() for k in final) < 5e-5
 
 
 def test_a_split_run_resumes_unsplit(runs):

@@ -3,6 +3,7 @@ sampler resumes where a run stopped."""
 
 import copy
 
+import pytest
 from torch.utils.data import DataLoader
 
 from lightrft.trainer import PPOTrainer
@@ -34,7 +35,7 @@ class ReplaySource:
     def start(self, context):
         self.first_step = context.first_step
 
-    def next(self, step):
+    def next(self, step, params):
         if step >= len(self.steps):
             return None
         return SourceBatch(copy.deepcopy(self.steps[step]), self.prompts_per_step, counters={"dropped_groups": 1})
@@ -102,3 +103,31 @@ def test_the_colocated_source_resumes_its_seed_count_from_the_checkpoint_state()
     fresh = ColocatedSource()
     fresh.load_state_dict({})          # a checkpoint from before the source kept state
     assert fresh.state_dict() == {"rollout_calls": 0}
+
+
+def test_a_source_of_the_earlier_protocol_is_called_without_the_sampling_parameters():
+    # next(step, params) is the protocol; a source written as next(step) still runs, warned once.
+    from lightrft.experience.sources import next_batch
+    from lightrft.rollout.base import SamplingParams
+
+    class EarlierSource(ReplaySource):
+        def next(self, step):
+            return super().next(step, None)
+
+    params = SamplingParams(max_new_tokens=3, n=2)
+    source = EarlierSource([["a"], ["b"]], prompts_per_step=4)
+    with pytest.warns(FutureWarning, match=r"EarlierSource.next\(step\) takes no sampling parameters"):
+        assert next_batch(source, 0, params).experiences == ["a"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert next_batch(source, 1, params).experiences == ["b"]      # once per class
+        seen = []
+
+        class Current(ReplaySource):
+            def next(self, step, params):
+                seen.append(params)
+                return super().next(step, params)
+
+        assert next_batch(Current([["c"]], 4), 0, params).experiences == ["c"] and seen == [params]

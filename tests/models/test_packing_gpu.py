@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightrft.models import ActorLanguage, Critic
-from lightrft.models import hf_utils
+from lightrft.models import attention
 from lightrft.models.hf_utils import VARLEN_SDPA, default_attn_implementation
 from lightrft.models.packing import pack_sequences, prompt_group_ids, shared_prompt_layout
 
@@ -89,7 +89,7 @@ def test_packed_rows_take_one_varlen_kernel_call_per_layer(tiny_dirs, arch, monk
     """Without flash-attn, PyTorch's varlen kernel runs every sequence of a packed row in one call
     per layer (qwen2's tiny config also has a sliding-window layer), with the per-sequence SDPA
     path's log-probs and gradients."""
-    kernel = hf_utils.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
+    kernel = attention.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
     assert kernel is not None, "this torch has no torch.nn.attention.varlen.varlen_attn"
     calls = []
 
@@ -107,13 +107,13 @@ def test_packed_rows_take_one_varlen_kernel_call_per_layer(tiny_dirs, arch, monk
         log_probs[mask].float().sum().backward()
         return log_probs.detach(), {n: p.grad.float() for n, p in actor.named_parameters() if p.grad is not None}, actor
 
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: counting)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: counting)
     one_call, grads, actor = forward_and_grads()
     layers = actor.model.config.num_hidden_layers
     layer_types = getattr(actor.model.config, "layer_types", None) or []
-    windowed = 0 if hf_utils.varlen_kernel_runs(kernel, 8) else layer_types.count("sliding_attention")
+    windowed = 0 if attention.varlen_kernel_runs(kernel, 8) else layer_types.count("sliding_attention")
     assert len(calls) == layers - windowed, (len(calls), layers, windowed)   # one per layer the kernel can run
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: None)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: None)
     per_sequence, ref_grads, _ = forward_and_grads()
     torch.testing.assert_close(one_call[mask], per_sequence[mask], atol=5e-2, rtol=0)
     for name, grad in grads.items():
@@ -134,26 +134,26 @@ def test_shared_prompt_segments_on_the_varlen_kernel(window):
     """PyTorch's varlen kernel given a response's queries and its prompt + response keys aligns
     them to the end (flash-attention's convention), as the shared-prompt layout needs: its output
     equals the per-segment float32 attention with end-aligned masks."""
-    kernel = hf_utils.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
+    kernel = attention.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
     assert kernel is not None, "this torch has no torch.nn.attention.varlen.varlen_attn"
-    if not hf_utils.varlen_kernel_runs(kernel, window):
+    if not attention.varlen_kernel_runs(kernel, window):
         pytest.skip("this torch's varlen kernel takes no window")
     layout = shared_prompt_layout([40, 23, 37, 25, 30], [9, 4, 6, 6, 11], [0, 1, 0, 1, 4], "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, heads, layout.length, 64, device="cuda", generator=gen).to(torch.bfloat16)
                for heads in (8, 2, 2))
     layer = AttentionLayer(8, 2)
-    fused = hf_utils.shared_prompt_attention(layer, q, k, v, layout, window, None, scaling=0.125)
+    fused = attention.shared_prompt_attention(layer, q, k, v, layout, window, None, scaling=0.125)
     assert layout.calls == 1
     # float32 takes the per-segment path (the kernel runs in half precision only)
-    reference = hf_utils.shared_prompt_attention(layer, q.float(), k.float(), v.float(), layout, window, None,
+    reference = attention.shared_prompt_attention(layer, q.float(), k.float(), v.float(), layout, window, None,
                                                  scaling=0.125)
     torch.testing.assert_close(fused.float(), reference, atol=2e-2, rtol=0)
     # The first response with start-aligned queries (seeing only the first keys) is another
     # function: the comparison above can fail.
     start, (q_len, spans) = layout.q_lens[0], (layout.q_lens[1], layout.kv_spans[1])
     keys, values = (torch.cat([t[:, :, a:b] for a, b in spans], dim=2).float() for t in (k, v))
-    mask = hf_utils.causal_band_mask(q_len, keys.size(2), window, q.device, end_aligned=False)
+    mask = attention.causal_band_mask(q_len, keys.size(2), window, q.device, end_aligned=False)
     start_aligned = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, start:start + q_len].float(), keys, values, attn_mask=mask, scale=0.125, enable_gqa=True)
     assert (start_aligned.transpose(1, 2) - reference[:, start:start + q_len]).abs().max() > 0.1
@@ -162,7 +162,7 @@ def test_shared_prompt_segments_on_the_varlen_kernel(window):
 def test_shared_prompt_packed_rows_on_cuda_equal_unshared(tiny_dirs, monkeypatch):
     """bf16 on CUDA: a packed row with prompt groups (each prompt once) gives the unshared row's
     log-probs and gradients, one varlen kernel call per layer the kernel runs."""
-    kernel = hf_utils.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
+    kernel = attention.fused_varlen_kernel(torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16))
     calls = []
 
     @functools.wraps(kernel)
@@ -170,7 +170,7 @@ def test_shared_prompt_packed_rows_on_cuda_equal_unshared(tiny_dirs, monkeypatch
         calls.append(1)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: counting)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: counting)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, 100, (n,), generator=gen) for n in (11, 5, 17)]
     sequences, actions = [], []

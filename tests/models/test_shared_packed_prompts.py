@@ -9,7 +9,6 @@ allow it, in one varlen kernel call per layer (a CPU stand-in with the kernel's 
 critic shares the same way; attention that cannot apply the layout falls back with its reason.
 """
 
-import copy
 import logging
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from lightrft.experience.samples import Sample, collate_samples
 from lightrft.models import ActorLanguage, Critic, RewardModel
-from lightrft.models import hf_utils
+from lightrft.models import attention
 from lightrft.models.packing import pack_sequences, prompt_group_ids, shared_prompt_layout
 from lightrft.models.utils import accepts_keyword
 from lightrft.utils.tiny import TINY_ARCHS, TINY_WINDOW, build_tiny_arch, save_tiny_arch
@@ -98,7 +97,7 @@ def test_prompt_groups_compare_the_prompt_tokens():
 @pytest.mark.parametrize("path", ["per_segment", "one_kernel_call"])
 def test_shared_packed_row_equals_the_unshared_row(arch, path, monkeypatch):
     kernel = ReferenceVarlen()
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: kernel if path == "one_kernel_call" else None)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: kernel if path == "one_kernel_call" else None)
     ids, seq_lens, actions, groups = grouped_row()
     model = build_tiny_arch(arch, seed=1)
     actor = ActorLanguage(model).train()
@@ -164,12 +163,12 @@ def test_a_model_that_drops_the_layout_is_never_trusted(monkeypatch):
     actor = ActorLanguage(build_tiny_arch("llama", seed=1)).eval()
     with torch.no_grad():
         plain = actor(ids, actions, packed_seq_lens=seq_lens)
-        original = hf_utils.varlen_attention
+        original = attention.varlen_attention
 
         def dropping(*args, shared_prompt_layout=None, **kwargs):
             return original(*args, **kwargs)
 
-        monkeypatch.setitem(hf_utils.AttentionInterface._global_mapping, hf_utils.VARLEN_ATTENTION, dropping)
+        monkeypatch.setitem(attention.AttentionInterface._global_mapping, attention.VARLEN_ATTENTION, dropping)
         shared = actor(ids, actions, packed_seq_lens=seq_lens, prompt_groups=groups)
     assert "0 of its 2 attention layers received the layout" in actor.prompt_sharing.reason
     torch.testing.assert_close(shared, plain, atol=ATOL, rtol=0)

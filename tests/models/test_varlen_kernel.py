@@ -1,5 +1,5 @@
 """Packed rows on CUDA without flash-attn: one varlen kernel call per layer per micro-batch
-(`lightrft.models.hf_utils.one_call_varlen`, PyTorch's `varlen_attn`), not one SDPA call per
+(`lightrft.models.attention.one_call_varlen`, PyTorch's `varlen_attn`), not one SDPA call per
 sequence.
 
 PyTorch's kernel runs on CUDA in half precision only. Here a CPU stand-in with the kernel's
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightrft.models import ActorLanguage, Critic
-from lightrft.models import hf_utils
+from lightrft.models import attention
 from lightrft.utils.tiny import TINY_ARCHS, build_tiny_arch, save_tiny_arch
 
 from .arch_zoo import ATOL, PROMPT_LENS, RESPONSE_LENS
@@ -59,7 +59,7 @@ class ReferenceVarlen:
 @pytest.fixture
 def kernel(monkeypatch):
     reference = ReferenceVarlen()
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: reference)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: reference)
     return reference
 
 
@@ -77,7 +77,7 @@ def test_one_kernel_call_per_layer_gives_the_per_sequence_attention(arch, kernel
     one_call = ActorLanguage(copy.deepcopy(model)).train()
     log_probs, grads = packed_forward_and_grads(one_call, batch)
     calls = kernel.calls
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: None)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: None)
     per_sequence = ActorLanguage(model).train()
     ref_log_probs, ref_grads = packed_forward_and_grads(per_sequence, batch)
     layers = model.config.get_text_config().num_hidden_layers
@@ -105,8 +105,8 @@ def test_the_critic_and_padded_batches(kernel, tmp_path):
 
 
 def test_the_kernel_is_only_asked_for_on_cuda_in_half_precision():
-    assert hf_utils.fused_varlen_kernel(torch.zeros(1, 2, 3, 4)) is None
-    assert hf_utils.fused_varlen_kernel(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)) is None
+    assert attention.fused_varlen_kernel(torch.zeros(1, 2, 3, 4)) is None
+    assert attention.fused_varlen_kernel(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)) is None
 
 
 class OlderReferenceVarlen(ReferenceVarlen):
@@ -124,11 +124,11 @@ def test_a_kernel_without_windows_or_grouped_heads_runs_the_layers_it_can(arch, 
     """Grouped key/value heads are repeated for it; layers with a sliding window keep one SDPA call per
     sequence (qwen2 here has one full and one windowed layer, mistral windows every layer)."""
     older = OlderReferenceVarlen()
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: older)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: older)
     batch = make_batch(PROMPT_LENS, RESPONSE_LENS, seed=0)
     model = build_tiny_arch(arch, seed=1)
     log_probs, grads = packed_forward_and_grads(ActorLanguage(copy.deepcopy(model)).train(), batch)
-    monkeypatch.setattr(hf_utils, "fused_varlen_kernel", lambda query: None)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: None)
     ref_log_probs, ref_grads = packed_forward_and_grads(ActorLanguage(model).train(), batch)
     layers = model.config.num_hidden_layers
     assert older.calls == {"llama": layers, "qwen2": 1, "mistral": 0}[arch]

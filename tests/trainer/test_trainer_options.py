@@ -11,13 +11,21 @@ from lightrft.rollout import HFEngine
 from lightrft.trainer.ppo_trainer import PPOTrainer
 
 
-def build(critic=None, **kwargs) -> PPOTrainer:
+TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+ENGINE = SimpleNamespace(capabilities=HFEngine.capabilities)
+SOURCES = [lambda queries, prompts, labels: torch.zeros(len(queries))]
+
+
+def build_args(actor=None, critic=None) -> tuple:
+    """The classic positionals: a one-rank strategy stand-in, the actor, the critic, no other model."""
     config = SimpleNamespace(seed=0, zero_stage=0, bf16=False)
-    strategy = SimpleNamespace(config=config, world_size=1, rank=0, device="cpu")
-    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
-    return PPOTrainer(strategy, torch.nn.Linear(1, 1), critic, None, None, None, None, None, None, None,
-                      tokenizer=tokenizer, rollout_engine=SimpleNamespace(capabilities=HFEngine.capabilities),
-                      reward_sources=[lambda queries, prompts, labels: torch.zeros(len(queries))], **kwargs)
+    strategy = SimpleNamespace(config=config, world_size=1, rank=0, device="cpu", unwrap_model=lambda model: model)
+    return (strategy, actor if actor is not None else torch.nn.Linear(1, 1), critic, *[None] * 7)
+
+
+def build(critic=None, **kwargs) -> PPOTrainer:
+    return PPOTrainer(*build_args(critic=critic), tokenizer=TOKENIZER, rollout_engine=ENGINE, reward_sources=SOURCES,
+                      **kwargs)
 
 
 def grpo(**fields) -> AlgorithmConfig:
@@ -64,12 +72,16 @@ def fingerprint(trainer: PPOTrainer) -> dict:
         "grace": trainer.services.preemption.grace_seconds, "gap": (trainer.engine_gap.threshold, trainer.engine_gap.action),
         "bucket_mb": trainer.weight_stream.bucket_mb, "estimator": services.builder.estimator,
         "kl_estimator": services.builder.kl_estimator, "sources": len(services.scorer.reward_sources),
+        "overlong": (services.scorer.overlong_buffer_len, services.scorer.overlong_penalty_factor),
+        "on_policy": trainer.on_policy(), "processor": trainer.processor,
+        "eval_generate": trainer.eval_generate_kwargs, "buffer_limit": trainer.replay_buffer.limit,
     }
 
 
 def test_from_config_and_the_classic_constructor_build_the_same_trainer():
     from lightrft.cli.train_ppo import parse_args
-    from lightrft.trainer.ppo_config import PPOModels
+    from lightrft.trainer.assembly import build_ppo_parts
+    from lightrft.trainer.ppo_config import PPOModels, rollout_generate_kwargs
 
     config = parse_args(["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "math",
                          "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4",
@@ -82,27 +94,65 @@ def test_from_config_and_the_classic_constructor_build_the_same_trainer():
                          "--vllm_sync_bucket_mb", "64", "--gradient_checkpointing", "--seed", "0"])
     source = [lambda queries, prompts, labels: torch.zeros(len(queries))]
     strategy = SimpleNamespace(config=SimpleNamespace(seed=0, zero_stage=0, bf16=False), world_size=1, rank=0,
-                               device="cpu")
+                               device="cpu", unwrap_model=lambda model: model)
     tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     engine = SimpleNamespace(capabilities=HFEngine.capabilities)
     actor = torch.nn.Linear(1, 1)
+    processor = SimpleNamespace(name="a vision-language processor")
     built = PPOTrainer.from_config(strategy, PPOModels(actor), config, tokenizer=tokenizer, rollout_engine=engine,
-                                   reward_sources=source)
+                                   reward_sources=source, processor=processor)
     classic = PPOTrainer(strategy, actor, None, None, None, None, None, None, None, None, ema_beta=0.9,
                          micro_train_batch_size=2, micro_rollout_batch_size=4, max_epochs=2, max_norm=0.5,
                          tokenizer=tokenizer, prompt_max_len=64, save_hf_ckpt=True, algo=config.algorithm,
                          rollout_engine=engine, reward_sources=source, packing_samples=True,
                          gradient_checkpointing=True, preemption_grace=30, apply_chat_template=True, max_ckpt_num=2,
                          engine_logprob_gap_threshold=0.3, engine_logprob_gap_action="warn", sync_bucket_mb=64,
-                         max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5)
+                         max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=5, processor=processor)
     earlier = PPOTrainer.from_config(config, strategy, actor, None, None, None, None, None, None, None, None,
-                                     tokenizer=tokenizer, rollout_engine=engine, reward_sources=source)
-    assert fingerprint(built) == fingerprint(classic) == fingerprint(earlier)
+                                     tokenizer=tokenizer, rollout_engine=engine, reward_sources=source,
+                                     processor=processor)
+    # The third way: the parts built first (what every constructor ends in), then handed over.
+    parts = build_ppo_parts(strategy, PPOModels(actor), config, tokenizer=tokenizer, rollout_engine=engine,
+                            reward_sources=source, processor=processor,
+                            generate_kwargs=rollout_generate_kwargs(config.rollout))
+    from_parts = PPOTrainer.from_parts(parts)
+    assert fingerprint(built) == fingerprint(classic) == fingerprint(earlier) == fingerprint(from_parts)
+    # the trainer holds the very parts it was handed: nothing rebuilt, nothing set afterwards
+    assert from_parts.experience_services is parts.services and from_parts.rollout is parts.rollout
+    assert from_parts.experience_services.generator.engine is parts.rollout
+    assert built.processor is processor and built.on_policy() is False    # --max_epochs 2: not on-policy
     # and the options are the config's, not defaults that happen to agree
     assert fingerprint(built)["generate"] == {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "top_k": 5}
     assert (built.ema_beta, built.max_epochs, built.engine_gap.threshold, built.weight_stream.bucket_mb) == (
         0.9, 2, 0.3, 64)
     assert built.algo.init_kl_coef == 0.02 and built.kl_ctl.value == 0.02
+
+
+def test_the_on_policy_shortcut_is_chosen_when_the_trainer_is_built():
+    # One epoch and no active dropout: the first update is exactly on-policy, so the experience
+    # builder skips the rollout-time actor forward; a second epoch, dropout, or the class saying
+    # otherwise turns it off. The builder is told when it is made, not when the run starts.
+    class Dropping(torch.nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.linear, self.dropout = torch.nn.Linear(1, 1), torch.nn.Dropout(p)
+
+    class FullPath(PPOTrainer):
+        reuse_old_log_probs = False
+
+    grpo_algo = grpo()
+    assert build(algo=grpo_algo).experience_services.builder.reuse_policy_log_probs is True
+    assert build(algo=grpo_algo, max_epochs=2).on_policy() is False
+    assert build(algo=grpo_algo).on_policy() is True
+    trainer = PPOTrainer(*build_args(actor=Dropping(0.1)), algo=grpo_algo, tokenizer=TOKENIZER,
+                         rollout_engine=ENGINE, reward_sources=SOURCES)
+    assert trainer.on_policy() is False
+    trainer = PPOTrainer(*build_args(actor=Dropping(0.0)), algo=grpo_algo, tokenizer=TOKENIZER,
+                         rollout_engine=ENGINE, reward_sources=SOURCES)
+    assert trainer.on_policy() is True
+    trainer = FullPath(*build_args(), algo=grpo_algo, tokenizer=TOKENIZER, rollout_engine=ENGINE,
+                       reward_sources=SOURCES)
+    assert trainer.experience_services.builder.reuse_policy_log_probs is False
 
 
 def test_from_config_takes_about_a_dozen_parameters_and_reads_sections():
@@ -112,7 +162,7 @@ def test_from_config_takes_about_a_dozen_parameters_and_reads_sections():
 
     named = [p for p in inspect.signature(PPOTrainer.from_config).parameters.values()
              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    assert len(named) <= 13, [p.name for p in named]
+    assert len(named) <= 14, [p.name for p in named]
     # the sections it reads are sections of the run config, with the same types
     from lightrft.config.run import PPORunConfig
 
@@ -151,3 +201,24 @@ def test_update_and_checkpoint_parts_read_only_what_they_declare(path, name):
     # and the trainer sets every one of them
     _, _, set_by_trainer = self_reads("lightrft/trainer/ppo_trainer.py", "PPOTrainer")
     assert declared - set_by_trainer == set()
+
+
+# ---------- the trainer receives its parts: construction stays small ----------
+
+def test_the_trainer_assigns_parts_built_elsewhere():
+    """Construction inside `PPOTrainer` (its constructors and `assign`) stays under 80 lines and
+    no method over 50: the parts are built by `lightrft.trainer.assembly.build_ppo_parts`; the
+    trainer module imports at most 15 lightrft modules."""
+    import ast
+    from pathlib import Path
+
+    from tests.test_layering import import_graph
+
+    path = Path(__file__).resolve().parents[2] / "lightrft/trainer/ppo_trainer.py"
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == "PPOTrainer")
+    lengths = {f.name: f.end_lineno - f.lineno + 1 for f in cls.body if isinstance(f, ast.FunctionDef)}
+    construction = sum(lengths[name] for name in ("__init__", "from_config", "from_parts", "assign"))
+    assert construction <= 80, lengths
+    assert max(lengths.values()) <= 50, lengths
+    assert "setup" not in lengths                 # the former constructor body is the parts builder now
+    assert len(import_graph()["lightrft.trainer.ppo_trainer"]) <= 15
