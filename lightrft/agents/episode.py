@@ -18,6 +18,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from lightrft.datasets.prompt_record import PromptRecord
+
 # The request a turn makes: (token ids so far, most new tokens, turn index) -> (ids, log-probs, cut).
 TurnRequest = Callable[[list[int], int, int], Awaitable[tuple[list[int], list[float], bool]]]
 
@@ -116,17 +118,20 @@ class Episode:
     def __init__(self, *, prompt: Any, label: Any, prompt_ids: list[int], tokenizer, request: TurnRequest,
                  max_turns: int, max_tokens: int, max_new_tokens: int, renderer: Optional[ChatRenderer] = None,
                  tools=None, index: int = 0, sample: int = 0, images=None, max_images: Optional[int] = None):
-        self.prompt, self.label = prompt, label
+        # A dataset's prompt is a `PromptRecord`: the workflow reads its text; its images stay here.
+        record = prompt if isinstance(prompt, PromptRecord) else None
+        self.prompt, self.label = (record.text if record is not None else prompt), label
         self.messages: list[dict] = (list(prompt) if isinstance(prompt, list)
-                                     else [{"role": "user", "content": str(prompt)}])
+                                     else [{"role": "user", "content": str(self.prompt)}])
         self.prompt_ids = list(prompt_ids)
         # A vision-language run (`images`: its `ImagePrompts`): the pictures of the prompt and of
         # environment messages, their model inputs in placeholder order, and the sequence with one
         # marker per picture (what an engine that expands placeholders itself takes).
         self._images, self.max_images = images, max_images
-        self.pictures: list = list(getattr(prompt, "images", ()))
-        self._media: list = [(-1, prompt.media)] if getattr(prompt, "media", None) else []   # (response offset, media)
-        self._marker_ids: list[int] = list(getattr(prompt, "marker_ids", None) or prompt_ids)
+        self.pictures: list = list(record.images) if record is not None else []
+        self._media: list = [(-1, record.media)] if record is not None and record.media else []   # (offset, media)
+        self._marker_ids: list[int] = list(record.marker_ids if record is not None and record.marker_ids
+                                           else prompt_ids)
         self.tokenizer, self._request, self._renderer, self.tools = tokenizer, request, renderer, tools
         self.max_turns, self.max_tokens, self.max_new_tokens = max_turns, max_tokens, max_new_tokens
         self.index, self.sample = index, sample

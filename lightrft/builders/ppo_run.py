@@ -236,7 +236,6 @@ def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic
     """`check_vocabulary` for the run's models: the actor on the tokens the run feeds it (and on the
     prompt data's ids when the tokenizer is longer than its vocabulary); the critic, reward models
     and teacher score the actor's samples, so they also need every id the actor can produce."""
-    from lightrft.datasets.prompt_dataset import encode_prompts
     from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
 
     model, data = config.model, config.data
@@ -246,8 +245,7 @@ def check_run_vocabulary(config: PPORunConfig, tokenizer, prompts, actor, critic
             fed = ids_in_data((s.prompt_token_ids + s.response_token_ids for s in prompts.samples),
                               f"--recorded_data {data.recorded_data}")
         else:
-            fed = ids_in_data(encode_prompts(tokenizer, prompts.texts(), data.apply_chat_template),
-                              f"--prompt_data {data.prompt_data}")
+            fed = ids_in_data(prompts.token_ids(), f"--prompt_data {data.prompt_data}")
     rows = check_vocabulary(actor, tokenizer, f"--pretrain {model.pretrain}", chat_template=data.apply_chat_template,
                             fed=fed)
     scorers = [(critic, f"--critic_pretrain {model.critic_pretrain}")] if critic is not None else []

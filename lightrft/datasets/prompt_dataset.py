@@ -1,5 +1,5 @@
-"""Prompts for reinforcement fine-tuning: items are (prompt, label); a prompt with images is a
-`PromptRecord` (`lightrft.datasets.prompt_record`)."""
+"""Prompts for reinforcement fine-tuning: items are (prompt, label), each prompt a `PromptRecord`
+(`lightrft.datasets.prompt_record`: its text, its ids encoded once, its images)."""
 
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,8 +34,10 @@ class PromptDataset(Dataset):
     keeps its last `prompt_max_len` tokens with `truncate_long_prompts=True`. `max_samples` keeps
     only the first rows.
 
-    Items are `(prompt_text, label)` in row order; `collate_fn` turns a batch into
-    `(list[str], list[label])`. `flag` is the option a path came from, for error messages.
+    Items are `(PromptRecord, label)` in row order: each prompt is encoded once, here, and the
+    record carries its text and ids (`lightrft.datasets.prompt_record`); `collate_fn` turns a batch
+    into `(list[PromptRecord], list[label])`. `flag` is the option a path came from, for error
+    messages.
 
     With `image_key` (and `images`, the model's `ImagePrompts`) a row may carry images in that
     field (`lightrft.datasets.images`: paths relative to the data file, bytes, base64); its prompt
@@ -125,12 +127,15 @@ class PromptDataset(Dataset):
                                   "raise --prompt_max_len or skip such rows with --on_bad_row skip", kind="over-long")
         return prompt, tuple(ids), sources
 
-    def _fit(self, prompt: str, index: int) -> str:
+    def _fit(self, prompt: str, index: int) -> PromptRecord:
+        """The record of a text prompt: encoded as rollouts encode it, once; an over-long one keeps
+        its last `prompt_max_len` ids (the question is usually last) and the text of those."""
         ids = encode_prompts(self.tokenizer, [prompt], self.apply_chat_template)[0]
         if len(ids) <= self.prompt_max_len:
-            return prompt
+            return PromptRecord(prompt, ids)
         if self.truncate_long_prompts:
-            return self.tokenizer.decode(ids[-self.prompt_max_len:], skip_special_tokens=False)
+            kept = ids[-self.prompt_max_len:]
+            return PromptRecord(self.tokenizer.decode(kept, skip_special_tokens=False), kept)
         raise DatasetRowError(self.source, index, self.input_key,
                               f"the prompt is {len(ids)} tokens after tokenization, over --prompt_max_len "
                               f"{self.prompt_max_len}",
@@ -140,9 +145,9 @@ class PromptDataset(Dataset):
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, idx: int) -> tuple[str, Any]:
+    def __getitem__(self, idx: int) -> tuple[PromptRecord, Any]:
         prompt, label = self.items[idx]
-        if isinstance(prompt, tuple):      # a prompt with images: decoded and encoded on fetch
+        if isinstance(prompt, tuple):      # a prompt with images: its pictures decoded on fetch
             text, ids, sources = prompt
             row = self.row_indices[idx]
             images = [open_image(value, self.base_dir, self.source, row, f"{self.image_key}[{i}]")
@@ -153,9 +158,13 @@ class PromptDataset(Dataset):
 
     def texts(self) -> list[str]:
         """Every prompt's text, without decoding images."""
-        return [p[0] if isinstance(p, tuple) else p for p, _ in self.items]
+        return [p[0] if isinstance(p, tuple) else p.text for p, _ in self.items]
+
+    def token_ids(self) -> list[tuple[int, ...]]:
+        """Every prompt's token ids (as encoded when the dataset was built), without decoding images."""
+        return [p[1] if isinstance(p, tuple) else p.token_ids for p, _ in self.items]
 
     @staticmethod
-    def collate_fn(batch: list[tuple[str, Any]]) -> tuple[list[str], list[Any]]:
+    def collate_fn(batch: list[tuple[PromptRecord, Any]]) -> tuple[list[PromptRecord], list[Any]]:
         prompts, labels = zip(*batch)
         return list(prompts), list(labels)

@@ -2,15 +2,14 @@
 `--prompt_max_len` cuts (`--truncate_long_prompts`) or rejects.
 
 Reads every row with the run's own dataset code (`PromptDataset`, skip mode, no length limit), so
-a row is rejected here exactly when the run would reject it, and then measures each prompt in
-tokens the way rollouts tokenise it (`encode_prompts`)."""
+a row is rejected here exactly when the run would reject it, and measures each prompt by the ids
+the dataset encoded it to (those rollouts take)."""
 
 from collections import Counter
 
 from lightrft.config.run import PPORunConfig
 from lightrft.config.sections import PPODataConfig
 from lightrft.datasets import PromptDataset
-from lightrft.datasets.prompt_dataset import encode_prompts
 from lightrft.doctor.report import CheckResult, percentile
 
 NO_LIMIT = 2**62
@@ -22,7 +21,7 @@ def dataset_figures(path: str, flag: str, tokenizer, data: PPODataConfig) -> dic
                             apply_chat_template=data.apply_chat_template, prompt_max_len=NO_LIMIT,
                             on_bad_row="skip", max_samples=data.max_samples)
     report = dataset.skip_report
-    lengths = [len(ids) for ids in encode_prompts(tokenizer, [p for p, _ in dataset.items], data.apply_chat_template)]
+    lengths = [len(ids) for ids in dataset.token_ids()]
     over = [row for row, n in zip(dataset.row_indices, lengths) if n > data.prompt_max_len]
     reasons = Counter(f"{e.field.split('[')[0]!r} {e.kind}" for e in report.errors)
     return {"flag": flag, "path": str(path), "rows": report.total, "rejected": report.skipped,

@@ -16,18 +16,18 @@ from typing import Optional
 from torch import Tensor
 
 from lightrft.datasets.prompt_dataset import encode_prompts
-from lightrft.datasets.prompt_record import prompt_images, prompt_media, prompt_token_ids
+from lightrft.datasets.prompt_record import Prompt, prompt_images, prompt_media, prompt_token_ids
 from lightrft.rewards.batch import RewardBatch
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import request_seeds
 
 
-def encode_rollout_prompts(tokenizer, prompts: list[str], apply_chat_template: bool,
+def encode_rollout_prompts(tokenizer, prompts: list[Prompt], apply_chat_template: bool,
                            prompt_max_len: int) -> list[list[int]]:
-    """The token ids a rollout engine is given for `prompts` (through the chat template when
-    asked), each cut to its last `prompt_max_len` tokens: the question is usually last. Datasets
-    reject or skip over-long rows earlier unless the user asked for truncation. A `PromptRecord`
-    (a prompt with images) keeps the ids it carries, whole."""
+    """The token ids a rollout engine is given for `prompts`: a `PromptRecord`'s own ids (the
+    dataset encoded it once, and cut or rejected it there), whole; a plain string is encoded here
+    (through the chat template when asked) and cut to its last `prompt_max_len` tokens, the
+    question being usually last."""
     texts = [(i, p) for i, p in enumerate(prompts) if prompt_token_ids(p) is None]
     encoded = encode_prompts(tokenizer, [p for _, p in texts], apply_chat_template) if texts else []
     rows = [list(prompt_token_ids(p) or ()) for p in prompts]
@@ -85,12 +85,12 @@ class Generator:
                          apply_chat_template=self.apply_chat_template, seed=self.seed, rank=rank,
                          world_size=world_size, workflow_runner=self.workflow_runner)
 
-    def tokenize(self, prompts: list[str]) -> list[list[int]]:
+    def tokenize(self, prompts: list[Prompt]) -> list[list[int]]:
         """The token ids the engine is given for `prompts` (`encode_rollout_prompts`)."""
         return encode_rollout_prompts(self.tokenizer, prompts, self.apply_chat_template, self.prompt_max_len)
 
     @staticmethod
-    def engine_inputs(prompts: list[str]) -> dict:
+    def engine_inputs(prompts: list[Prompt]) -> dict:
         """What an engine takes beside the prompts' ids: for prompts with images, `media` (their
         tensors) and `images` (`PromptImages`), one entry per prompt (None for a text prompt);
         {} when no prompt has images."""
@@ -115,7 +115,7 @@ class Generator:
         position k to rank k % R."""
         return request_seeds(self.seed, call, self.rank, count, stream, stride=self.world_size)
 
-    def generate(self, prompts: list[str], labels: Optional[list], params: SamplingParams, call: int,
+    def generate(self, prompts: list[Prompt], labels: Optional[list], params: SamplingParams, call: int,
                  stream: str = "train") -> Generation:
         """`params.n` samples per prompt in one engine call, or with a workflow one multi-turn
         episode each, scored by the workflow where it can (`labels` go to the workflow)."""

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
+from lightrft.datasets.prompt_record import Prompt
 from lightrft.experience.builder import ExperienceBuilder  # noqa: F401  (re-exported)
 from lightrft.experience.generation import (Generator, encode_rollout_prompts,  # noqa: F401  (re-exported)
                                             sampling_params)
@@ -139,7 +140,7 @@ class NaiveExperienceMaker:
         self.services.scorer.eval_models()
 
     # ----------------------------------------------------------------------------------- generate
-    def tokenize_prompts(self, prompts: list[str]) -> list[list[int]]:
+    def tokenize_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
         return self.services.generator.tokenize(prompts)
 
     def _call(self, stream: str, call: Optional[int]) -> int:
@@ -150,7 +151,7 @@ class NaiveExperienceMaker:
         return self.eval_calls
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], params: SamplingParams, stream: str = "train",
+    def generate(self, prompts: list[Prompt], params: SamplingParams, stream: str = "train",
                  call: Optional[int] = None) -> RolloutOutput:
         """Samples `params.n` responses per prompt in one engine call, seeded per prompt for
         rollout number `call` (`Generator.seeds`)."""
@@ -162,7 +163,7 @@ class NaiveExperienceMaker:
         """The seeds of this rank's `count` prompts for one rollout call (see `generate`)."""
         return self.services.generator.seeds(count, self._call(stream, call), stream)
 
-    def rollout(self, prompts: list[str], labels: Optional[list], params: SamplingParams, stream: str = "train",
+    def rollout(self, prompts: list[Prompt], labels: Optional[list], params: SamplingParams, stream: str = "train",
                 call: Optional[int] = None, shaping: bool = True) -> tuple[RolloutOutput, RewardBatch]:
         """Samples and scores `params.n` responses (or episodes) per prompt
         (`RolloutServices.rollout`); training rollouts add their seconds to `timings`."""
@@ -175,18 +176,18 @@ class NaiveExperienceMaker:
         return sampling_params(self.n_samples_per_prompt if n is None else n, **generate_kwargs)
 
     # ------------------------------------------------------------------------------------ rewards
-    def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
+    def decode(self, rollout: RolloutOutput, prompts: list[Prompt], n: int) -> tuple[list[str], list[str]]:
         """Query texts and prompts of each sample (`Scorer.decode`)."""
         return self.services.scorer.decode(rollout, prompts, n)
 
-    def compute_rewards(self, rollout: RolloutOutput, prompts: list[str], labels: list, n: int,
+    def compute_rewards(self, rollout: RolloutOutput, prompts: list[Prompt], labels: list, n: int,
                         max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
         """Every sample's combined score (`Scorer.score`)."""
         return self.services.scorer.score(rollout, prompts, labels, n, max_new_tokens, shaping)
 
     # -------------------------------------------------------------------------------- experience
     @torch.no_grad()
-    def make_experience_list(self, prompts: list[str], labels: Optional[list] = None, *, call: Optional[int] = None,
+    def make_experience_list(self, prompts: list[Prompt], labels: Optional[list] = None, *, call: Optional[int] = None,
                              **generate_kwargs) -> list[Experience]:
         """This rank's experience for `prompts` (G samples each), as one padded Experience per
         micro-rollout batch. `call` is the rollout count of the sampling seeds (see `generate`);

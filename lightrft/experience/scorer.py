@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightrft.datasets.prompt_record import Prompt, prompt_text
 from lightrft.experience.placement import arrive
 from lightrft.models.utils import accepts_keyword
 from lightrft.rewards.base import call_reward_source
@@ -62,7 +63,7 @@ class Scorer:
         for model in self.reward_models:
             model.eval()
 
-    def decode(self, rollout: RolloutOutput, prompts: list[str], n: int) -> tuple[list[str], list[str]]:
+    def decode(self, rollout: RolloutOutput, prompts: list[Prompt], n: int) -> tuple[list[str], list[str]]:
         """Query texts (prompt + response) and the prompt of each sample, for text reward sources.
         A response is its row's attended response slots, decoded in one batch call."""
         a = rollout.action_mask.size(1)
@@ -72,11 +73,11 @@ class Scorer:
         lengths = rollout.attention_mask[:, rollout.attention_mask.size(1) - a:].sum(dim=1).tolist()
         tokens = [row[:length] for row, length in zip(rows, lengths)]
         responses = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        sample_prompts = [p for p in prompts for _ in range(n)]
+        sample_prompts = [prompt_text(p) for p in prompts for _ in range(n)]
         return [p + r for p, r in zip(sample_prompts, responses)], sample_prompts
 
     @torch.no_grad()
-    def score(self, rollout: RolloutOutput, prompts: list[str], labels: Optional[list], n: int,
+    def score(self, rollout: RolloutOutput, prompts: list[Prompt], labels: Optional[list], n: int,
               max_new_tokens: Optional[int] = None, shaping: bool = True) -> RewardBatch:
         """Scores every sample with every reward source and combines them with `reward_fn`.
         `max_new_tokens` is the generation limit the overlong penalty measures against;
@@ -117,7 +118,7 @@ class Scorer:
                                                self.overlong_buffer_len, self.overlong_penalty_factor)
         return RewardBatch(scores=scores.float(), valid=valid)
 
-    def score_generation(self, generation, prompts: list[str], labels: Optional[list], params,
+    def score_generation(self, generation, prompts: list[Prompt], labels: Optional[list], params,
                          shaping: bool = True) -> RewardBatch:
         """The rewards of a `lightrft.experience.generation.Generation` made with `params`: every
         sample scored by `score`, or, for multi-turn episodes, the workflow's own scores, with

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from lightrft.datasets.prompt_record import Prompt
 from lightrft.experience.builder import BuiltExperience, ExperienceBuilder
 from lightrft.experience.generation import Generator
 from lightrft.experience.samples import Experience
@@ -33,7 +34,7 @@ class RolloutServices:
     builder: Optional[ExperienceBuilder]      # None where nothing trains (evaluation of saved policies)
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], labels: Optional[list], params: SamplingParams, call: int,
+    def rollout(self, prompts: list[Prompt], labels: Optional[list], params: SamplingParams, call: int,
                 stream: str = "train", shaping: bool = True,
                 timings: Optional[dict] = None) -> tuple[RolloutOutput, RewardBatch]:
         """Samples `params.n` responses (or episodes) per prompt in rollout number `call` of
@@ -48,13 +49,13 @@ class RolloutServices:
             timings["reward"] = timings.get("reward", 0.0) + time.perf_counter() - generated
         return generation.rollout, rewards
 
-    def experiences(self, prompts: list[str], labels: Optional[list], params: SamplingParams, call: int,
+    def experiences(self, prompts: list[Prompt], labels: Optional[list], params: SamplingParams, call: int,
                     timings: Optional[dict] = None) -> list[Experience]:
         """The experiences of `build`, without its counts (the classic call)."""
         return self.build(prompts, labels, params, call, timings).experiences
 
     @torch.no_grad()
-    def build(self, prompts: list[str], labels: Optional[list], params: SamplingParams, call: int,
+    def build(self, prompts: list[Prompt], labels: Optional[list], params: SamplingParams, call: int,
               timings: Optional[dict] = None) -> BuiltExperience:
         """This rank's training experience for `prompts` (`params.n` samples each) in rollout
         number `call`: generated, scored and built, with the models in eval mode, with the

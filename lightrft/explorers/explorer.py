@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightrft.config.run import planned_steps
+from lightrft.datasets.prompt_record import Prompt
 from lightrft.experience.generation import Generation, rollout_generate_kwargs, sampling_params
 from lightrft.experience.placement import arrive
 from lightrft.experience.services import RolloutServices
@@ -168,7 +169,7 @@ class Explorer:
             scored, self._scored = self._scored, None
             scored.result()
 
-    def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[str], labels: list,
+    def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[Prompt], labels: list,
                         generation: Generation, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
         n = self.params.n
         started = time.perf_counter()

@@ -98,8 +98,11 @@ def test_truncate_long_prompts_keeps_the_last_tokens(tokenizers):
                             truncate_long_prompts=True)
     # Char-level tokens, so the prompt keeps its last 20 characters.
     long_prompt = "this prompt is much longer than twenty characters"
-    assert [p for p, _ in dataset] == ["short prompt", long_prompt[-20:], "tiny"]
+    assert [p.text for p, _ in dataset] == ["short prompt", long_prompt[-20:], "tiny"]
     assert dataset.skipped == 0
+    # The kept ids are the encoded prompt's last 20, as encoded once (not its text encoded again).
+    whole = tokenizers["default"](long_prompt)["input_ids"]
+    assert dataset[1][0].token_ids == tuple(whole[-20:]) and len(whole) > 20
 
 
 def test_chat_template_missing_is_a_config_error(tokenizers):

@@ -159,17 +159,24 @@ def test_preference_over_long_side_is_a_bad_row(tok):
 def test_prompt_items_and_collate(tok):
     rows = [{"q": "2+2", "answer": "4"}, {"q": "3+3", "answer": 6}]
     plain = PromptDataset(rows, tok, input_key="q", input_template="Q: {} A:")
-    assert list(plain) == [("Q: 2+2 A:", None), ("Q: 3+3 A:", None)]
+    assert [(p.text, label) for p, label in plain] == [("Q: 2+2 A:", None), ("Q: 3+3 A:", None)]
+    # Each prompt is encoded once, when the dataset is built, as rollouts encode raw text.
+    assert [p.token_ids for p, _ in plain] == [tuple(tok("Q: 2+2 A:")["input_ids"]), tuple(tok("Q: 3+3 A:")["input_ids"])]
     labelled = PromptDataset(rows, tok, input_key="q", label_key="answer", apply_chat_template=True)
-    assert labelled[1] == ("user: 3+3\nassistant: ", 6)
+    prompt, label = labelled[1]
+    assert (prompt.text, label) == ("user: 3+3\nassistant: ", 6)
+    # templated text holds its special tokens: none added around it
+    assert prompt.token_ids == tuple(tok("user: 3+3\nassistant: ", add_special_tokens=False)["input_ids"])
     loader = DataLoader(labelled, batch_size=2, collate_fn=PromptDataset.collate_fn)
-    assert next(iter(loader)) == (["user: 2+2\nassistant: ", "user: 3+3\nassistant: "], ["4", 6])
+    prompts, labels = next(iter(loader))
+    assert [p.text for p in prompts] == ["user: 2+2\nassistant: ", "user: 3+3\nassistant: "] and labels == ["4", 6]
+    assert prompts[1] == prompt and labelled.texts() == [p.text for p in prompts]
 
 
 def test_prompt_message_list_keeps_system_prompt(tok):
     rows = [{"input": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}]
-    (item,) = PromptDataset(rows, tok, apply_chat_template=True)
-    assert item == ("system: be brief\nuser: hi\nassistant: ", None)
+    ((prompt, label),) = PromptDataset(rows, tok, apply_chat_template=True)
+    assert (prompt.text, label) == ("system: be brief\nuser: hi\nassistant: ", None)
 
 
 def test_bad_input_template_is_rejected(tok):
@@ -223,7 +230,7 @@ def test_validate_rows_returns_valid_rows_and_report():
 
 def test_max_samples_keeps_the_first_rows(tok):
     rows = [{"input": str(i)} for i in range(5)]
-    assert [p for p, _ in PromptDataset(rows, tok, max_samples=2)] == ["0", "1"]
+    assert [p.text for p, _ in PromptDataset(rows, tok, max_samples=2)] == ["0", "1"]
     with pytest.raises(ValueError, match="--max_samples must be positive, got 0"):
         SFTDataset([{"input": "a", "output": "b"}], tok, max_samples=0)
 

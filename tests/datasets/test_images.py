@@ -3,6 +3,7 @@ ids are the processor's with each image's placeholders expanded, chat content pa
 markers, bad rows name the file, row and field, and a prompt record survives pickling."""
 
 import base64
+import dataclasses
 import io
 import json
 import pickle
@@ -14,7 +15,7 @@ from lightrft.builders.datasets import build_image_prompts
 from lightrft.config import ConfigError, PPORunConfig
 from lightrft.datasets import DatasetRowError, PromptDataset
 from lightrft.datasets.images import ImagePrompts
-from lightrft.datasets.prompt_record import PromptRecord, prompt_media, prompt_token_ids
+from lightrft.datasets.prompt_record import PromptRecord, prompt_images, prompt_media, prompt_text, prompt_token_ids
 from lightrft.datasets.toy_images import colour_splits, draw_disc
 from lightrft.models.families import family_of
 from lightrft.models.tokenizer import build_tokenizer
@@ -59,7 +60,7 @@ def test_every_way_of_giving_an_image_reads_the_same_pixels_and_ids(vlm, tmp_pat
     items = [from_file[i] for i in range(len(from_file))] + [from_rows[i] for i in range(len(from_rows))]
     assert len(items) == len(in_file) + len(in_memory)
     for prompt, label in items:
-        assert isinstance(prompt, PromptRecord) and prompt == "<image>Colour?" and label == "g"
+        assert isinstance(prompt, PromptRecord) and prompt.text == "<image>Colour?" and label == "g"
         assert list(prompt_token_ids(prompt)) == expected["input_ids"][0].tolist()
         # 4 <image> placeholders (one image of 4 tokens) between the image markers
         assert prompt.token_ids.count(tokenizer.convert_tokens_to_ids("<image>")) == 4
@@ -67,7 +68,7 @@ def test_every_way_of_giving_an_image_reads_the_same_pixels_and_ids(vlm, tmp_pat
         torch.testing.assert_close(prompt_media(prompt)["pixel_attention_mask"], expected["pixel_attention_mask"][0])
 
 
-def test_chat_image_parts_equal_image_markers_and_text_rows_stay_plain(vlm, tmp_path):
+def test_chat_image_parts_equal_image_markers_and_text_rows_carry_ids_only(vlm, tmp_path):
     _, tokenizer, images = vlm
     colour_splits(tmp_path, n_train=4, n_eval=1)
     parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
@@ -76,10 +77,11 @@ def test_chat_image_parts_equal_image_markers_and_text_rows_stay_plain(vlm, tmp_
     dataset = PromptDataset(rows, tokenizer, input_key="q", apply_chat_template=True, image_key="images",
                             images=images, prompt_max_len=64)
     (a, _), (b, _), (c, _) = dataset[0], dataset[1], dataset[2]
-    assert a == b == "user: <image>Colour?\nassistant: " and a.token_ids == b.token_ids
+    assert a.text == b.text == "user: <image>Colour?\nassistant: " and a.token_ids == b.token_ids
     torch.testing.assert_close(a.media["pixel_values"], b.media["pixel_values"])
-    assert type(c) is str and prompt_media(c) is None and prompt_token_ids(c) is None
-    assert dataset.texts() == [a, b, c]
+    assert c.images == () and prompt_media(c) is None and prompt_images(c) is None
+    assert prompt_token_ids(c) == tuple(tokenizer("user: Just text\nassistant: ", add_special_tokens=False)["input_ids"])
+    assert dataset.texts() == [a.text, b.text, c.text] and dataset.token_ids() == [a.token_ids, b.token_ids, c.token_ids]
 
 
 def test_bad_image_rows_name_the_file_row_and_field(vlm, tmp_path):
@@ -127,14 +129,21 @@ def test_bad_image_rows_name_the_file_row_and_field(vlm, tmp_path):
     assert len(skipped) == 1 and skipped.skipped == 8
 
 
-def test_a_prompt_record_pickles_whole_and_string_operations_give_text(vlm):
+def test_a_prompt_record_pickles_whole_and_is_read_by_its_fields(vlm):
     record = PromptRecord("<image>Colour?", [5, 6, 7], [draw_disc("r", __import__("random").Random(0))],
                           {"pixel_values": torch.ones(1, 3, 56, 56)})
     again = pickle.loads(pickle.dumps(record))
     assert again == record and again.token_ids == (5, 6, 7) and len(again.images) == 1
     assert torch.equal(again.media["pixel_values"], record.media["pixel_values"])
-    assert type(record + "!") is str and type(record.strip()) is str
-    assert "1 image(s)" in repr(record)
+    # Frozen and no string: nothing can drop its ids or images by treating it as text.
+    with pytest.raises(TypeError):
+        record + "!"
+    with pytest.raises(AttributeError):
+        record.strip()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.text = "other"
+    assert str(record) == prompt_text(record) == "<image>Colour?" and prompt_text("plain") == "plain"
+    assert "1 image(s)" in repr(record) and record != PromptRecord("<image>Colour?", [5, 6, 8])
 
 
 def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):

@@ -91,8 +91,10 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     # Measured 25% -> 100% (2 CPU ranks, 80 steps); chance is 25%.
     assert before < 0.4 and after >= 0.75, (before, after)
     assert summary["step"] == 80 and summary["stop_reason"] == "finished"
-    assert abs(summary["eval/reward_greedy"] - after) < 1e-6      # the trainer's eval agrees with ours
+    # The trainer's eval agrees with ours: exactly in TensorBoard, to the summary line's 4 decimals there.
     scalars = tensorboard_scalars(tmp_path / "tb")
+    assert abs(scalars["eval/reward_greedy"][-1][1] - after) < 1e-6
+    assert abs(summary["eval/reward_greedy"] - after) <= 5e-5
     rewards = [value for _, value in scalars["rollout/reward"]]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.3
     # The HF engine decodes with the trainer's module, the placeholder banned in both.
