@@ -46,7 +46,7 @@ TIMED = [
     ("lightrft.experience.generation", "Generator", "generate", "generate"),
     ("lightrft.rollout.hf_engine", "HFEngine", "generate", "engine"),
     ("lightrft.experience.scorer", "Scorer", "score_generation", "reward"),
-    ("lightrft.experience.builder", "ExperienceBuilder", "experience_from_rollout", "experience"),
+    ("lightrft.experience.builder", "ExperienceBuilder", "build", "experience"),
     ("lightrft.experience.builder", "ExperienceBuilder", "forward", "experience forwards"),
     ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "append", "buffer"),
     ("lightrft.experience.replay_buffer", "NaiveReplayBuffer", "normalize", "buffer"),

@@ -172,7 +172,6 @@ class Evaluator:
         """The evaluation metrics of `model` on --eval_data; `source` is the folder of its
         tokenizer and generation config (for the stop tokens)."""
         from lightrft.datasets import PromptDataset
-        from lightrft.datasets.prompt_dataset import encode_prompts
         from lightrft.models.tokenizer import stop_token_ids
         from lightrft.models.vocabulary import check_vocabulary, ids_in_data, vocabulary_rows
         from lightrft.models.families import family_of
@@ -199,7 +198,7 @@ class Evaluator:
                                 truncate_long_prompts=args.truncate_long_prompts)
         fed = None
         if len(tokenizer) > vocabulary_rows(model):
-            fed = ids_in_data(encode_prompts(tokenizer, [p for p, _ in prompts], args.apply_chat_template),
+            fed = ids_in_data(prompts.token_ids(),
                               f"--eval_data {args.eval_data}")
         try:
             check_vocabulary(model, tokenizer, source, chat_template=args.apply_chat_template, fed=fed)

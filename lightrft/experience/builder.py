@@ -104,10 +104,6 @@ class ExperienceBuilder:
             outs.append(model(seq, a, attention_mask=mask, **extra).float().cpu())
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
 
-    def _forward_all(self, model, rollout: RolloutOutput, kind: str) -> Tensor:
-        """`forward` under its earlier name (`kind` names the model for profilers only)."""
-        return self.forward(model, rollout)
-
     def eval_models(self) -> None:
         """The models that make experience, in eval mode (no dropout in the rollout forwards)."""
         for model in (self.actor, self.critic, self.initial_model, self.teacher):

@@ -6,7 +6,7 @@ the forward's outputs come back. Rollouts and their rewards come from elsewhere:
 decodes with the actor on its device (a GPU), vLLM, a workflow's episodes, an explorer rank's
 batch, a recorded file. `arrive` moves them to the experience device, and it is called where a
 rollout enters the experience package (`Scorer.score`, `Scorer.score_generation`,
-`ExperienceBuilder.experience_from_rollout`), so the code after it never mixes devices.
+`ExperienceBuilder.build`), so the code after it never mixes devices.
 """
 
 import torch

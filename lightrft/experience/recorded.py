@@ -10,7 +10,7 @@ skipped, counted in `unrewarded`); `RecordedSource`, the trainer's experience so
 `RolloutOutput`, the recorded rewards the scores, and the recorded log-probs the behaviour
 policy's (`rollout_log_probs`, what `--tis_cap` corrects with when the served weights were older
 than the trained ones). The actor, reference and critic forwards, the KL and the advantages are
-the ones every PPO step computes (`ExperienceBuilder.experience_from_rollout`).
+the ones every PPO step computes (`ExperienceBuilder.build`).
 
 Multi-turn chats are one episode. A chat client sends the whole conversation with each new
 message, so the server records every turn as a request whose prompt holds the turns before it.

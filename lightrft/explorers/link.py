@@ -13,7 +13,7 @@ The version is the number of trainer steps behind the weights, so with `--sync_o
   trainer its share (the prompts a colocated rank of the same number would get).
 
 What a trainer builds from a received batch is the colocated run's own code
-(`ExperienceBuilder.experience_from_rollout`): the reference and critic forwards, the KL and
+(`ExperienceBuilder.build`): the reference and critic forwards, the KL and
 the advantages all use the trainer's current weights. The "old" policy of the PPO ratio is the
 trainer's (exactly on-policy updates reuse their own forward), and the behaviour policy that
 actually sampled enters through the rollout log-probs, corrected by truncated importance

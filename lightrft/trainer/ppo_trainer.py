@@ -113,8 +113,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
 
     @classmethod
     def from_parts(cls, parts: PPOParts, **kwargs) -> "PPOTrainer":
-        """The trainer of parts already built (`lightrft.trainer.assembly.build_ppo_parts`);
-        `kwargs` are a subclass's own constructor arguments."""
+        """The trainer of built parts (`build_ppo_parts`); `kwargs`: a subclass's own arguments."""
         return cls(parts.strategy, *legacy_positionals(parts.models), parts=parts, **kwargs)
 
     def assign(self, parts: PPOParts) -> None:
@@ -129,6 +128,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.actor_scheduler, self.critic_scheduler = models.actor_scheduler, models.critic_scheduler
         self.ema_beta, self.max_epochs, self.max_norm = config.model.ema_beta, optim.max_epochs, optim.max_norm
         self.micro_train_batch_size, self.prompt_max_len = optim.micro_train_batch_size, config.data.prompt_max_len
+        self.micro_rollout_batch_size = config.rollout.micro_rollout_batch_size
         self.save_hf_ckpt, self.disable_ds_ckpt = config.checkpoint.save_hf_ckpt, config.checkpoint.disable_ds_ckpt
         self.gradient_checkpointing, self.dataloader_pin_memory = (config.distributed.gradient_checkpointing,
                                                                    parts.dataloader_pin_memory)

@@ -59,7 +59,8 @@ class PPOUpdate:
     dataloader_pin_memory: bool
     # what a step trains on, and where its counts go
     replay_buffer: Any
-    experience_services: Any           # its builder's micro-batch sizes the old log-prob forwards
+    experience_services: Any           # its builder was told whether the update is on-policy
+    micro_rollout_batch_size: int      # samples per old log-prob forward, as at rollout time
     pretrain_iter: Any                 # the PTX stream, or None
     counters: dict
     callbacks: Any
@@ -131,7 +132,7 @@ class PPOUpdate:
         if not missing:
             return
         flat = [sample for k in missing for sample in samples[k]]
-        chunk = self.experience_services.builder.micro_rollout_batch_size
+        chunk = self.micro_rollout_batch_size
         self.actor.eval()
         rows = []
         for i in range(0, len(flat), chunk):

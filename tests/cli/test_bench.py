@@ -7,6 +7,7 @@ checkpoints come from real short train_ppo runs (ZeRO-2, ZeRO-3, ZeRO-3 with LoR
 against the final Hugging Face export of the same run."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -234,3 +235,39 @@ def test_bench_evaluates_deepspeed_checkpoints_of_a_run(tmp_path, zero_stage, lo
     # Bench scored step 2 exactly as the exported model scores, and step 0 as the base model.
     for row, reference in ((table[2], export), (table[0], Path(task["model"]))):
         assert {m: float(row[m]) for m in metrics} == pytest.approx(reference_scores(reference, prompts), abs=1e-6)
+
+
+def test_a_checkpoint_with_fewer_embedding_rows_than_the_tokenizer_is_checked_on_the_data_ids(tmp_path):
+    # A tokenizer longer than the model's embedding: the eval prompts' ids (as the dataset encoded
+    # them) must fit the rows; a prompt with an id past them names --eval_data.
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lightrft.cli.bench import Evaluator, build_parser
+    from lightrft.serving.checkpoint_weights import CheckpointReadError
+    from lightrft.utils.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()           # 100 ids; ' ' is 98
+    rows = len(tokenizer) - 8
+    config = Qwen2Config(vocab_size=rows, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Qwen2ForCausalLM(config)
+    reward = tmp_path / "reward.py"
+    reward.write_text("import torch\n\ndef reward_func(queries, prompts, labels):\n"
+                      "    return torch.zeros(len(queries))\n")
+    strategy = SimpleNamespace(device="cpu", rank=0, world_size=1, config=SimpleNamespace(seed=0),
+                               setup_dataloader=lambda data, size, **kw: torch.utils.data.DataLoader(
+                                   data, batch_size=size, collate_fn=kw["collate_fn"]),
+                               all_reduce=lambda value, op="mean": value)
+    for text, fits in (("1+1=", True), ("1 + 1 =", False)):
+        data = tmp_path / f"eval_{fits}.jsonl"
+        data.write_text(json.dumps({"input": text, "label": "2"}) + "\n")
+        args = build_parser().parse_args(["--ckpt_path", str(tmp_path), "--eval_data", str(data), "--label_key",
+                                          "label", "--remote_rm_url", str(reward), "--generate_max_len", "2"])
+        evaluator = Evaluator(args, strategy)
+        if fits:
+            assert "eval/reward_greedy" in evaluator.score(model, tokenizer, str(tmp_path))
+        else:
+            with pytest.raises(CheckpointReadError, match=f"--eval_data {data}"):
+                evaluator.score(model, tokenizer, str(tmp_path))
