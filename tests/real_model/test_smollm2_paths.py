@@ -320,5 +320,8 @@ def test_a_row_split_over_three_ranks_gives_the_unsplit_log_probs_and_gradients(
     run_torchrun(["tests/real_model/dist_smollm2_sp.py", result, smollm2], nproc=3)
     r = json.loads(result.read_text())
     assert r["actions"] == 24 and r["log_prob_scale"] > 1.0 and r["grad_scale"] > 0.1
-    assert r["log_probs"] < 1e-5 and r["entropy"] < 1e-5 and r["loss"] < 1e-5
+    # Equal up to float32 rounding of the split's other matmul shapes: 0.0 on one x86 runner, 9.5e-6
+    # (log-probs) and 6.1e-5 (entropies of a 49,152-token vocabulary, several nats) on another; a
+    # split that loses the attention exchange or a slice is off by 0.1 or more.
+    assert r["log_probs"] < 1e-4 and r["entropy"] < 1e-4 and r["loss"] < 1e-4
     assert r["grads"] < 1e-5 * r["grad_scale"]
