@@ -34,6 +34,15 @@ from lightrft.rollout.seeds import mix_seed, sample_seed
 logger = logging.getLogger(__name__)
 
 
+def finite_float(value: int | float) -> bool:
+    """Whether a number is finite as a float: NaN, infinity and integers too large for a float
+    (10**400, on which `math.isfinite` raises OverflowError) are not."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _number(value) -> float:
     """A workflow's logged value as a float (a one-element tensor too); non-numbers count as NaN."""
     try:
@@ -271,9 +280,10 @@ class WorkflowRunner:
             episode.extra["error"] = (f"{name}.run returned {type(reward).__name__}; it must return a number (the "
                                       "episode's reward) or None (scored by --remote_rm_url)")
             reward = 0.0
-        elif reward is not None and not math.isfinite(reward):
+        elif reward is not None and not finite_float(reward):
             stop, valid = "workflow_error", False
-            episode.extra["error"] = (f"{name}.run returned the reward {reward}; return a finite number, or None to "
+            shown = reward if isinstance(reward, float) else f"an integer of {len(str(abs(reward)))} digits"
+            episode.extra["error"] = (f"{name}.run returned the reward {shown}; return a finite number, or None to "
                                       "have --remote_rm_url score the episode")
             reward = 0.0
         # The environment's tokens after the last turn neither train nor condition anything: drop them.

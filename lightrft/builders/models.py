@@ -19,12 +19,14 @@ def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -
     return model_kwargs(model, distributed)
 
 
-def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float):
+def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float,
+                         flag: str = "--pretrain"):
     """A frozen policy that scores the actor's sampled tokens with its own log-probs: the KL
     reference (`--pretrain`) and the distillation teacher (`--teacher_pretrain`) alike. It takes
     the actor's precision, attention, packing and sampling temperature, so its log-probs compare
     with the actor's; built inside `strategy.zero3_init_context()` it is partitioned under ZeRO-3,
-    and `strategy.prepare` serves it as a frozen module (`--ref_reward_offload` keeps it on the CPU)."""
+    and `strategy.prepare` serves it as a frozen module (`--ref_reward_offload` keeps it on the CPU).
+    `flag` is the option `path` came from, named in its errors."""
     from lightrft.models import ActorLanguage
 
-    return ActorLanguage(path, temperature=temperature, **policy_model_kwargs(model, distributed))
+    return ActorLanguage(path, temperature=temperature, flag=flag, **policy_model_kwargs(model, distributed))

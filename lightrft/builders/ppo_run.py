@@ -79,8 +79,8 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
                              else build_scoring_policy(model.pretrain, model, config.distributed, temperature))
         ema_model = ActorLanguage(model.pretrain, **policy_kwargs) if model.enable_ema else None
         # The teacher is served like the reference: same builder, sharding, offload and packing.
-        teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature)
-                         if model.teacher_pretrain else None)
+        teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature,
+                                              flag="--teacher_pretrain") if model.teacher_pretrain else None)
     # The trained models split their packed rows over the sequence-parallel group (rollout-time
     # forwards of padded batches, and the frozen models', run whole).
     for trained in (actor, critic):

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+from lightrft.config.run import CONFIG_SECTIONS
 from lightrft.utils import json_out
 
 
@@ -39,7 +40,7 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
 
     try:
         with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f) or {}
+            values = yaml.load(f, Loader=_yaml_loader()) or {}
     except OSError as err:
         parser.error(f"--config {path}: cannot read it ({err.strerror})")
     except UnicodeDecodeError as err:
@@ -51,15 +52,22 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
         parser.error(f"--config {path}: expected a mapping of flag names to values, got {type(values).__name__}")
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     # Options may be flat (flag names) or nested under their section names (run_config.yaml).
+    sections = parser.get_default(CONFIG_SECTIONS)
     items = []
     for key, value in values.items():
         if isinstance(value, dict) and str(key) not in actions:
+            if sections is not None and str(key) not in sections:
+                parser.error(f"--config {path}: {key!r} is no section of the options (sections: {', '.join(sections)}); "
+                             "nest options under one of them, or write them flat by flag name")
             items.extend(value.items())
         else:
             items.append((key, value))
     defaults = {}
     for key, value in items:
         dest = str(key).lstrip("-").replace("-", "_")
+        if dest in defaults:
+            parser.error(f"--config {path}: --{dest} is given twice (flat and in a section, or in two sections); "
+                         "keep one")
         action = actions.get(dest)
         if action is None:
             close = [d for d in actions if d.split("_")[0] == dest.split("_")[0]][:3]
@@ -78,6 +86,27 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
             parser.error(f"--config {path}: key {key!r} must be one of {sorted(action.choices)}, got {value!r}")
         action.required = False       # the file provides it
     return defaults
+
+
+def _yaml_loader():
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """YAML's safe loader, refusing a mapping that repeats a key (YAML itself keeps the last
+        one silently: an option written twice would take whichever came later)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _redacted_secret(dest: str, value) -> bool:

@@ -27,6 +27,10 @@ from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointCo
                                       check_bounds, check_distillation, check_finite)
 
 
+# The parser default that lists a run config's section names, for `--config` files nested by section.
+CONFIG_SECTIONS = "_lightrft_config_sections"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Base of the per-command run configs: sections as fields, flat read access by flag name."""
@@ -58,6 +62,7 @@ class RunConfig:
         parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
                             help="read option values from a YAML mapping (flag names without --, flat or nested by "
                                  "section); flags given on the command line override it")
+        parser.set_defaults(**{CONFIG_SECTIONS: tuple(cls.sections())})     # the names a nested file may use
         return parser
 
     @classmethod
@@ -105,7 +110,7 @@ def plain_options(args) -> dict[str, Any]:
     if isinstance(args, RunConfig):
         return args.to_dict()
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(vars(args).items())
-            if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}
+            if isinstance(v, (str, int, float, bool, list, tuple, type(None))) and not k.startswith("_")}
 
 
 def _summary(section: type) -> str:

@@ -138,6 +138,10 @@ class OptimConfig:
 
     def __post_init__(self):
         check_positive(self, "micro_train_batch_size", "train_batch_size", "max_epochs")
+        betas = tuple(self.adam_betas)
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"--adam_betas must be two numbers in [0, 1) (Adam's decay rates of the gradient's "
+                              f"running mean and square), got {' '.join(map(str, betas))}; e.g. --adam_betas 0.9 0.95")
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,10 @@ class ActorLanguage(nn.Module):
         packing_samples: bool = False,
         share_prompts: bool = True,
         freeze_vision_tower: bool = False,
+        flag: str = "--pretrain",
     ) -> None:
         super().__init__()
+        self.flag = flag      # the option the model came from, named in errors (--teacher_pretrain for a teacher)
         if temperature <= 0:
             raise ValueError(f"--temperature must be > 0, got {temperature}")
         if lora_rank < 0:
@@ -96,8 +98,8 @@ class ActorLanguage(nn.Module):
             if hasattr(model, "set_attn_implementation"):
                 model.set_attn_implementation(attn_implementation or default_attn_implementation())
         else:
-            path = resolve_pretrained(pretrain_or_model, "--pretrain")
-            with explain_load_errors(path, "--pretrain"):
+            path = resolve_pretrained(pretrain_or_model, flag)
+            with explain_load_errors(path, flag):
                 model = load_model(
                     path,
                     dtype=model_dtype(bf16),
@@ -106,7 +108,7 @@ class ActorLanguage(nn.Module):
                 )
         # How this kind of model is loaded and fed (`lightrft.models.families`).
         self.family = family_of(model)
-        self.family.check(model, "--pretrain")
+        self.family.check(model, flag)
         config = getattr(model, "config", None)
         banned = self.family.banned_token_ids(config) if isinstance(config, PretrainedConfig) else ()
         self.banned_ids = torch.tensor(banned, dtype=torch.long) if banned else None
@@ -140,7 +142,7 @@ class ActorLanguage(nn.Module):
             )
             model = get_peft_model(model, lora_config)
         self.model = model
-        self.prompt_sharing = PackedPromptSharing(model, "--pretrain")
+        self.prompt_sharing = PackedPromptSharing(model, flag)
         # The sequence-parallel group packed rows are split over (`use_sequence_parallel`), or None.
         self.sequence_parallel = None
         self.packing_checked = False
@@ -151,7 +153,7 @@ class ActorLanguage(nn.Module):
         """Raises if this architecture cannot be packed exactly with its attention; runs once,
         at construction with `packing_samples=True`, else before the first packed forward."""
         if not self.packing_checked:
-            self.family.check_packing(self.model, "--pretrain")
+            self.family.check_packing(self.model, self.flag)
             self.packing_checked = True
 
     def use_sequence_parallel(self, group) -> None:

@@ -68,6 +68,12 @@ class HTTPSettings:
     def __post_init__(self):
         if self.api_key is not None and not self.api_key:
             raise ValueError(f"--api_key is empty; give a key, or leave the flag and ${API_KEY_ENV} unset")
+        if self.api_key is not None and not all("!" <= c <= "~" for c in self.api_key):
+            # Clients send it in a header, where white space around it is dropped and only
+            # ASCII travels unchanged: such a key could never match.
+            raise ValueError("the API key (--api_key or $" + API_KEY_ENV + ") holds white space or characters "
+                             "outside printable ASCII, so no client could send it; use letters, digits and "
+                             "punctuation only")
         if not (self.request_timeout > 0 and math.isfinite(self.request_timeout)):
             raise ValueError(f"--request_timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.max_connections < 1:
@@ -96,9 +102,13 @@ def add_http_flags(parser) -> None:
 
 
 def settings_from_flags(args) -> HTTPSettings:
-    """`HTTPSettings` from the parsed flags of `add_http_flags`; the key falls back to $LIGHTRFT_API_KEY
-    (an empty variable counts as unset)."""
-    key = args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    """`HTTPSettings` from the parsed flags of `add_http_flags`; the key falls back to $LIGHTRFT_API_KEY.
+    A variable set to nothing is an error, not "no key": a secret that failed to fill in would
+    otherwise start a server that serves anyone."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if args.api_key is None and key is not None and not key.strip():
+        raise ValueError(f"${API_KEY_ENV} is set but empty, which would serve every client; set it to the key, or "
+                         "unset it to serve without one")
     return HTTPSettings(api_key=key, request_timeout=args.request_timeout, max_connections=args.max_connections,
                         max_connections_per_client=args.max_connections_per_client)
 

@@ -25,18 +25,23 @@ SERVING_SECRET_FLAGS = {"api_key": "key"}
 PLAIN_WORDS = {"use_wandb": {"offline", "online"}}
 KINDS = ("key", "urls")
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"]+")
+# A URL runs to white space or a comma (the separator of URL lists). Quotes may be in a password
+# (`http://rm:s3'cret@host`), so they do not end one: in a quoted repr the closing quote joins the
+# path, which is harmless; ending there would have left the password after it.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,]+")
 _FLAG = re.compile(r"--?(?P<name>[A-Za-z0-9_-]+)(?:=(?P<value>.*))?$", re.DOTALL)
 
 
 def redact_url(url: str) -> str:
-    """The URL with its user info and every query value replaced by `***`, and no fragment."""
+    """The URL with its user info and every query value replaced by `***`, and no fragment. The
+    user info is everything before the last "@" after the scheme, so a password holding "/",
+    "?" or "#" unescaped (which would end the host for a URL parser) is redacted whole too."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        url = scheme + sep + REDACTED + "@" + rest.rsplit("@", 1)[1]
     parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = REDACTED + "@" + netloc.rsplit("@", 1)[1]
     query = "&".join(f"{key}={REDACTED}" for key, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
 
 
 def redact_text(value):
@@ -62,6 +67,20 @@ def register_secret_flags(section: type) -> None:
 def secret_flags() -> dict[str, str]:
     """Flag name -> secret kind: the registered config fields and `SERVING_SECRET_FLAGS`."""
     return dict(_SECRET_FLAGS)
+
+
+def secret_flag(spelling: str) -> str | None:
+    """The secret flag a command line's flag spelling stands for: its name, or an abbreviation
+    argparse accepts (`--use_wan` for --use_wandb, `--api_ke` for --api_key); None for none. A
+    spelling that abbreviates a secret flag counts as it (a "key" flag first where it abbreviates
+    several) even where the parser would read another flag by it: a value redacted once too often
+    is harmless, one written out is not."""
+    name = spelling.replace("-", "_")
+    if name in _SECRET_FLAGS:
+        return name
+    matches = sorted((kind != "key", flag) for flag, kind in _SECRET_FLAGS.items()
+                     if len(name) >= 2 and flag.startswith(name))
+    return matches[0][1] if matches else None
 
 
 def redact_value(flag: str, value):
@@ -93,8 +112,8 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             pending = None
             continue
         match = _FLAG.match(arg)
-        if match and match.group("name").replace("-", "_") in secret_flags():
-            name = match.group("name").replace("-", "_")
+        name = secret_flag(match.group("name")) if match else None     # an abbreviation too
+        if name is not None:
             if match.group("value") is None:
                 out.append(arg)
                 pending = name

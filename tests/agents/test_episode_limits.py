@@ -87,6 +87,16 @@ def test_sys_exit_and_non_finite_rewards_are_errors_of_that_episode(tiny):  # no
     assert "returned the reward nan" in batch.records[0].extra["error"]
     assert "returned the reward inf" in batch.records[2].extra["error"]
     assert not batch.unscored.any()          # NaN is not "no reward": the reward sources do not score it
+    # An integer too large for a float: an error of that episode, not an OverflowError of the run.
+    batch = run(tiny, runner_for(tiny, Huge()))
+    assert batch.rewards.valid.tolist() == [False, False, True, True, True, True]
+    assert "Huge.run returned the reward an integer of 401 digits" in batch.records[0].extra["error"]
+
+
+class Huge(Workflow):
+    async def run(self, episode):
+        await episode.generate()
+        return 10**400 if episode.index == 0 else 1
 
 
 def test_sys_exit_at_import_is_a_clear_error(tmp_path):

@@ -51,6 +51,26 @@ def test_mistakes_in_the_file_name_the_file_and_the_key(tmp_path, capsys, values
     assert f"--config {config}" in err and message in err
 
 
+@pytest.mark.parametrize("text, message", [
+    # YAML keeps the last of two equal keys silently: the option written first would be lost.
+    ("pretrain: m\nprompt_data: p\nremote_rm_url: math\neps_clip: 0.1\neps_clip: 0.3\n",
+     "key 'eps_clip' appears twice (lines 4 and 5)"),
+    ("model:\n  pretrain: m\n  pretrain: n\n", "key 'pretrain' appears twice"),
+    # A misspelt section was read as if it were one, whatever it was called.
+    ("pretrain: m\nprompt_data: p\nremote_rm_url: math\nalgorythm:\n  eps_clip: 0.3\n",
+     "'algorythm' is no section of the options (sections: distributed, model, rollout, algorithm"),
+    ("pretrain: m\nprompt_data: p\nremote_rm_url: math\neps_clip: 0.2\nalgorithm:\n  eps_clip: 0.3\n",
+     "--eps_clip is given twice"),
+])
+def test_repeated_keys_and_unknown_sections_are_refused(tmp_path, capsys, text, message):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit):
+        train_ppo.parse_args(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert f"--config {config}" in err and message in err and "Traceback" not in err, err
+
+
 def test_a_missing_file_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_ppo.parse_args(["--config", str(tmp_path / "nope.yaml")])

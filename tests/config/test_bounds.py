@@ -40,6 +40,17 @@ def test_an_absurd_value_is_refused_naming_the_flag_and_its_bounds(flag, value, 
     assert f"--{flag} must be {wanted}" in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("betas", [["2", "2"], ["0.9", "1"], ["-0.1", "0.95"]])
+def test_adam_betas_outside_zero_one_are_refused_naming_the_flag(betas, capsys):
+    # Before: `--adam_betas 2 2` parsed and the run died in torch.optim.Adam with a traceback.
+    for parse, base in ((train_ppo.parse_args, BASE), (train_sft.parse_args, ["--pretrain", "m", "--dataset", "d"])):
+        with pytest.raises(SystemExit):
+            parse(base + ["--adam_betas", *betas])
+        err = capsys.readouterr().err
+        assert "--adam_betas must be two numbers in [0, 1)" in err and "Traceback" not in err, err
+    assert train_ppo.parse_args(BASE + ["--adam_betas", "0", "0.999"]).adam_betas == (0.0, 0.999)
+
+
 def test_off_values_and_bounds_themselves_are_accepted():
     config = train_ppo.parse_args(BASE + ["--save_steps", "-1", "--max_steps", "1", "--top_k", "-1", "--top_p", "1",
                                           "--temperature", "0", "--gamma", "1", "--lora_dropout", "0",

@@ -229,3 +229,25 @@ def test_folder_without_weights_names_the_flag(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"--pretrain '.*empty' could not be loaded: Unrecognized model"):
         ActorLanguage(tmp_path / "empty")
+
+
+def test_a_teacher_folder_without_weights_names_the_teacher_flag(tmp_path):
+    # The same policy builder serves the reference (--pretrain) and the teacher: a teacher that
+    # cannot load names --teacher_pretrain, not --pretrain (the run's own model builder, one rank).
+    import contextlib
+    from types import SimpleNamespace
+
+    from lightrft.builders.ppo_run import build_ppo_models
+    from lightrft.cli.train_ppo import parse_args
+    from lightrft.models.hf_utils import ModelLoadError
+    from lightrft.utils.tiny import save_tiny_model
+
+    student, teacher = save_tiny_model(tmp_path / "student"), save_tiny_model(tmp_path / "teacher")
+    for weights in teacher.glob("*.safetensors"):
+        weights.unlink()
+    config = parse_args(["--pretrain", str(student), "--prompt_data", "p.jsonl", "--teacher_pretrain", str(teacher),
+                         "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--distill_mode",
+                         "loss", "--prompt_max_len", "16", "--generate_max_len", "8"])
+    strategy = SimpleNamespace(zero3_init_context=contextlib.nullcontext, sequence_parallel=None, print=print)
+    with pytest.raises(ModelLoadError, match=f"^--teacher_pretrain '{teacher}' could not be loaded"):
+        build_ppo_models(config, strategy)

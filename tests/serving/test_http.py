@@ -338,8 +338,15 @@ def test_settings_key_from_env_and_the_exposure_warning(monkeypatch):
 
     monkeypatch.setenv("LIGHTRFT_API_KEY", "from-env")
     assert settings_from_flags(Flags).api_key == "from-env"
-    monkeypatch.setenv("LIGHTRFT_API_KEY", "")
+    for empty in ("", "  "):           # a secret that did not fill in: refused, never an open server
+        monkeypatch.setenv("LIGHTRFT_API_KEY", empty)
+        with pytest.raises(ValueError, match=r"\$LIGHTRFT_API_KEY is set but empty"):
+            settings_from_flags(Flags)
+    monkeypatch.delenv("LIGHTRFT_API_KEY")
     assert settings_from_flags(Flags).api_key is None
+    for unsendable in (" spaced ", "tab\tkey", "clé"):       # header values lose them: it could never match
+        with pytest.raises(ValueError, match="white space or characters outside printable ASCII"):
+            HTTPSettings(api_key=unsendable)
     with pytest.raises(ValueError, match="--request_timeout must be a positive number of seconds"):
         HTTPSettings(request_timeout=0)
     open_settings = HTTPSettings()

@@ -53,6 +53,23 @@ def test_a_command_line_is_recorded_without_its_secrets(monkeypatch):
     assert KEY not in run_lock.describe(record)                      # the "in use" error shows this
 
 
+def test_abbreviated_secret_flags_and_quotes_in_passwords_are_redacted(monkeypatch):
+    # argparse takes `--use_wan KEY` for --use_wandb and `--api_ke KEY` for --api_key: the record
+    # keys on the flag they stand for, not on the spelling.
+    argv = ["train_ppo", "--use_wan", KEY, f"--api_ke={KEY}", "--remote_rm", f"http://rm:s3'{KEY}@host/p",
+            "--pretrain", "model"]
+    assert redact_argv(argv) == ["train_ppo", "--use_wan", REDACTED, f"--api_ke={REDACTED}", "--remote_rm",
+                                 "http://***@host/p", "--pretrain", "model"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert KEY not in run_lock.describe(run_lock.holder_record())
+    # A quote, a slash or a '#' in a password: the whole user info goes, in any text.
+    for password in (f"s3'{KEY}", f"a/{KEY}", f"{KEY}#x", f'"{KEY}'):
+        url = f"http://rm:{password}@127.0.0.1:5000/score"
+        assert redact_value("remote_rm_url", url) == "http://***@127.0.0.1:5000/score", password
+        assert KEY not in redact_value("pretrain", f"see {url}, or ['{url}']")
+    assert redact_value("remote_rm_url", "http://127.0.0.1:5000/score,math") == "http://127.0.0.1:5000/score,math"
+
+
 def test_no_file_a_run_writes_holds_a_planted_key(tmp_path):
     (tmp_path / "task").mkdir()
     task = make_task(tmp_path / "task")
