@@ -6,6 +6,10 @@ A row's images are a list (or one value) of: a file path (relative to the data f
 (the shape Hugging Face `datasets` Image columns and parquet exports hold), or a PIL image. The
 prompt marks where each image goes: a chat content part `{"type": "image"}`, or the processor's
 image marker (`<image>`) in the text; a prompt with fewer or more markers than images is a bad row.
+
+Only raster formats are opened (`IMAGE_FORMATS`): Pillow would hand an EPS or PDF image to
+Ghostscript, running the file's PostScript. An image is refused past `MAX_IMAGE_BYTES` before it is
+read, and past `MAX_IMAGE_PIXELS` before it is decoded (a small file can claim a huge canvas).
 """
 
 import base64
@@ -17,6 +21,10 @@ from typing import Any, Mapping, Sequence
 from torch import Tensor
 
 from lightrft.datasets.validation import DatasetRowError
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+MAX_IMAGE_BYTES = 64 * 2**20          # a file or a decoded base64 / bytes value
+MAX_IMAGE_PIXELS = 36_000_000         # 6000 x 6000: far above what a vision encoder takes in
 
 
 def image_values(row: Mapping, key: str, source: str, index: int) -> list:
@@ -39,6 +47,11 @@ def open_image(value: Any, base_dir: Path | None, source: str, index: int, field
         return DatasetRowError(source, index, field, reason, hint, kind="bad image")
 
     if isinstance(value, Image.Image):
+        # An image object opened elsewhere decodes on first use: its format and size are checked first.
+        if value.format is not None and value.format not in IMAGE_FORMATS:
+            raise bad(f"an image in {value.format} format, which lightrft does not open (formats: "
+                      f"{', '.join(IMAGE_FORMATS)})", "convert it to PNG or JPEG")
+        _check_pixels(value, bad)
         return value.convert("RGB")
     if isinstance(value, Mapping):
         if value.get("bytes") is not None:
@@ -57,18 +70,37 @@ def open_image(value: Any, base_dir: Path | None, source: str, index: int, field
                 raise bad(f"no image file {str(path)!r} (and not base64)",
                           "give a path relative to the data file's folder, an absolute path, or base64")
             try:
+                if path.stat().st_size > MAX_IMAGE_BYTES:
+                    raise bad(f"{str(path)!r} is {path.stat().st_size / 2**20:.0f} MiB, over the "
+                              f"{MAX_IMAGE_BYTES // 2**20} MiB an image may take", "resize or recompress it")
                 data = path.read_bytes()
             except OSError as err:
                 raise bad(f"cannot read {str(path)!r}: {err.strerror or err}") from None
         value = data
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise bad(f"expected a path, bytes, base64 or an image object, got {type(value).__name__}")
+    if len(value) > MAX_IMAGE_BYTES:
+        raise bad(f"the image is {len(value) / 2**20:.0f} MiB, over the {MAX_IMAGE_BYTES // 2**20} MiB an image "
+                  "may take", "resize or recompress it")
     try:
-        with Image.open(io.BytesIO(bytes(value))) as image:
+        image = Image.open(io.BytesIO(bytes(value)), formats=IMAGE_FORMATS)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+        raise bad(f"not a readable image in a format lightrft opens ({', '.join(IMAGE_FORMATS)}): "
+                  f"{type(err).__name__}: {err}") from None
+    with image:
+        _check_pixels(image, bad)             # from the header, before anything is decoded
+        try:
             image.load()
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        raise bad(f"not a readable image ({type(err).__name__}: {err})") from None
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            raise bad(f"not a readable image ({type(err).__name__}: {err})") from None
+
+
+def _check_pixels(image, bad) -> None:
+    width, height = image.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise bad(f"the image is {width} x {height} pixels, over the {MAX_IMAGE_PIXELS:,} an image may have "
+                  "(a vision encoder resizes it to far fewer)", "resize it before training")
 
 
 def _base64_image(text: str) -> bytes | None:

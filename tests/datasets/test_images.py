@@ -175,3 +175,40 @@ def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
 def test_image_prompts_need_a_processor_with_an_image_token():
     with pytest.raises(ValueError, match="names no image token"):
         ImagePrompts(object(), family_of(torch.nn.Linear(1, 1)))
+
+
+def test_only_raster_images_of_bounded_size_are_opened(tmp_path, monkeypatch):
+    # An EPS image is PostScript that Pillow runs through Ghostscript: refused unopened, however
+    # it comes (a path, bytes, base64). A small PNG can claim a huge canvas; a huge file named .png
+    # would be read whole before failing: both are refused from what is known before decoding.
+    from PIL import EpsImagePlugin, Image
+
+    from lightrft.datasets.images import MAX_IMAGE_BYTES, open_image
+
+    def ghostscript(*args, **kwargs):
+        raise AssertionError("Ghostscript was run")
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    eps = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\n"
+           b"newpath 0 0 moveto 8 8 lineto stroke\nshowpage\n%%EOF\n")
+    (tmp_path / "art.png").write_bytes(eps)
+    for value in ("art.png", eps, base64.b64encode(eps).decode()):
+        with pytest.raises(DatasetRowError, match="not a readable image in a format lightrft opens \\(PNG, JPEG"):
+            open_image(value, tmp_path, "data.jsonl", 3, "images[0]")
+    with Image.open(io.BytesIO(eps)) as opened:      # opened by other code: refused before it decodes
+        with pytest.raises(DatasetRowError, match="an image in EPS format, which lightrft does not open"):
+            open_image(opened, tmp_path, "data.jsonl", 3, "images[0]")
+
+    canvas = io.BytesIO()
+    Image.new("1", (12500, 12500)).save(canvas, format="PNG")
+    assert len(canvas.getvalue()) < 100_000        # a small file...
+    with pytest.raises(DatasetRowError, match="12500 x 12500 pixels, over the 36,000,000"):
+        open_image(canvas.getvalue(), tmp_path, "data.jsonl", 3, "images[0]")
+
+    huge = tmp_path / "huge.png"
+    with open(huge, "wb") as f:                    # sparse: nothing is written, nothing should be read
+        f.truncate(2 * 2**30)
+    with pytest.raises(DatasetRowError, match=f"is 2048 MiB, over the {MAX_IMAGE_BYTES // 2**20} MiB"):
+        open_image("huge.png", tmp_path, "data.jsonl", 3, "images[0]")
+    ok = io.BytesIO()
+    Image.new("RGB", (64, 48), "red").save(ok, format="PNG")
+    assert open_image(ok.getvalue(), tmp_path, "data.jsonl", 3, "images[0]").size == (64, 48)
