@@ -257,6 +257,36 @@ def test_idefics3_packed_and_padded_equal_each_sample_alone_values_and_gradients
     torch.testing.assert_close(padded, expected.detach(), atol=1e-5, rtol=0)
 
 
+def test_idefics3_takes_image_features_as_one_tensor_or_a_list_per_image(monkeypatch):
+    # transformers 5.24 returns get_image_features' pooler_output as a list of per-image tensors
+    # (earlier: one (N, tokens, H) tensor); the family gives the same embeddings either way.
+    from lightrft.models.families.idefics3 import vision_model_of
+
+    tokenizer = build_vlm_tokenizer()
+    model = build_tiny_idefics3(tokenizer).eval()
+    seqs, media = vlm_samples(tokenizer)
+    ids, batch_media = torch.cat(seqs)[None], merge_media(media)
+    family = ActorLanguage(model).family
+    with torch.no_grad():
+        whole = family.media_inputs(model, ids, batch_media)["inputs_embeds"]
+        blank = family.blank_media_inputs(model, ids)["inputs_embeds"]
+    vision = vision_model_of(model)
+    original = vision.get_image_features
+
+    def per_image(*args, **kwargs):
+        output = original(*args, **kwargs)
+        pooled = output.pooler_output
+        if isinstance(pooled, torch.Tensor):
+            output.pooler_output = [image for image in pooled.reshape(-1, *pooled.shape[-2:])]
+        return output
+    monkeypatch.setattr(vision, "get_image_features", per_image)
+    with torch.no_grad():
+        listed = family.media_inputs(model, ids, batch_media)["inputs_embeds"]
+        listed_blank = family.blank_media_inputs(model, ids)["inputs_embeds"]
+    assert torch.equal(listed, whole) and torch.equal(listed_blank, blank)
+    assert not torch.equal(whole, model.get_input_embeddings()(ids))        # the images did go in
+
+
 def test_media_that_does_not_match_the_placeholders_is_refused():
     tokenizer = build_vlm_tokenizer()
     actor = ActorLanguage(build_tiny_idefics3(tokenizer))

@@ -52,8 +52,8 @@ class Idefics3(ModelFamily):
             raise ValueError(f"the batch has {placeholders} <image> tokens (id {config.image_token_id}) for "
                              f"{pixels.size(0)} images of {image_tokens(config)} tokens each ({expected}); "
                              "each image needs its run of placeholders in the prompt")
-        features = vision_model_of(model).get_image_features(
-            pixels[None], None if mask is None else mask[None], return_dict=True).pooler_output   # (N, tokens, H)
+        features = image_features(vision_model_of(model).get_image_features(
+            pixels[None], None if mask is None else mask[None], return_dict=True))                 # (N * tokens, H)
         embeds = model.get_input_embeddings()(input_ids)                                          # (B, T, H)
         placeholders = (input_ids == config.image_token_id).unsqueeze(-1)                        # (B, T, 1)
         return {"inputs_embeds": embeds.masked_scatter(placeholders, features.to(embeds.dtype))}
@@ -69,9 +69,18 @@ class Idefics3(ModelFamily):
         size = model.config.vision_config.image_size
         dtype = next(vision.vision_model.parameters()).dtype
         pixels = torch.full((1, 1, 3, size, size), 0.5, device=input_ids.device, dtype=dtype)
-        features = vision.get_image_features(pixels, None, return_dict=True).pooler_output   # (1, tokens, H)
+        features = image_features(vision.get_image_features(pixels, None, return_dict=True))  # (tokens, H)
         embeds = model.get_input_embeddings()(input_ids)                                    # (B, T, H)
         return {"inputs_embeds": embeds + 0.0 * features.sum().to(embeds.dtype)}
+
+
+def image_features(output) -> torch.Tensor:
+    """The image features of `get_image_features`, one row per image token in image order:
+    transformers up to 5.23 returns them as one (N, tokens, H) tensor, later releases as a list of
+    per-image tensors. Shape: (N * tokens, H)."""
+    pooled = output.pooler_output
+    parts = pooled if isinstance(pooled, (list, tuple)) else [pooled]
+    return torch.cat([part.reshape(-1, part.size(-1)) for part in parts])
 
 
 def image_tokens(config: PretrainedConfig) -> int:
