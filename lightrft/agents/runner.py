@@ -34,6 +34,25 @@ from lightrft.rollout.seeds import mix_seed, sample_seed
 logger = logging.getLogger(__name__)
 
 
+class WorkflowFailed(RuntimeError):
+    """Every episode of a rollout failed in the user's workflow: the run stops with one line naming
+    the workflow and the first failure (the command line prints it without lightrft's traceback)."""
+
+
+def failure_line(error: str) -> str:
+    """One line for an episode's error text: a traceback's exception line and the place it was
+    raised ("ValueError: broken (my_workflow.py, line 12, in run)"); other text as it is."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("Traceback"):
+        return " ".join(lines)
+    frames = [line for line in lines if line.startswith('File "')]
+    where = ""
+    if frames:
+        path, _, rest = frames[-1][len('File "'):].partition('"')
+        where = f" ({path.rsplit('/', 1)[-1]}{rest})"
+    return lines[-1] + where
+
+
 def finite_float(value: int | float) -> bool:
     """Whether a number is finite as a float: NaN, infinity and integers too large for a float
     (10**400, on which `math.isfinite` raises OverflowError) are not."""
@@ -322,8 +341,11 @@ class WorkflowRunner:
     def _report_errors(self, records: list[EpisodeRecord]) -> None:
         failed = [r for r in records if r.stop_reason == "workflow_error"]
         if failed and len(failed) == len(records):
-            raise RuntimeError(f"--workflow {type(self.workflow).__name__}: every episode of this rollout failed; the "
-                               f"first one:\n{failed[0].extra.get('error', '')}")
+            first = failed[0].extra.get("error", "")
+            logger.error("the first failed episode of --workflow %s:\n%s", type(self.workflow).__name__, first)
+            raise WorkflowFailed(f"--workflow {type(self.workflow).__name__}: every episode of this rollout failed "
+                                 f"({len(failed)} of {len(records)}), so nothing can train; the first: "
+                                 f"{failure_line(first)}")
         if failed and self.errors_logged < 3:
             self.errors_logged += 1
             logger.warning("%d of %d episodes failed in the workflow (they do not train); the first one:\n%s",

@@ -228,6 +228,7 @@ def run_command(prog: str, train_fn, args) -> None:
     Two run services start here, for every command: under torchrun a lifeline stops the rank when
     the launcher dies (`lightrft.utils.lifeline`), and rank 0 holds the lock on `--ckpt_path` for the
     whole run, so a second run writing into the same folder is refused (`lightrft.utils.run_lock`)."""
+    from lightrft.agents.runner import WorkflowFailed
     from lightrft.models.hf_utils import ModelLoadError
     from lightrft.rewards.base import RewardSourceError
     from lightrft.rollout.checks import EngineSyncError
@@ -238,7 +239,8 @@ def run_command(prog: str, train_fn, args) -> None:
     try:
         with checkpoint_folder_lock(getattr(args, "ckpt_path", None), rank=int(os.environ.get("RANK", "0"))):
             train_fn(args)
-    except (ValueError, FileNotFoundError, ModelLoadError, RewardSourceError, RunLockError, EngineSyncError) as err:
+    except (ValueError, FileNotFoundError, ModelLoadError, RewardSourceError, RunLockError, EngineSyncError,
+            WorkflowFailed) as err:
         if os.environ.get("LIGHTRFT_TRACEBACK"):
             raise
         rank = os.environ.get("RANK")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightrft.agents import ChatRenderer, Workflow, WorkflowRunner, load_workflow
+from lightrft.agents.runner import WorkflowFailed
 from lightrft.algorithms.kl import FixedKLController
 from lightrft.experience.maker import ExperienceBuilder, encode_rollout_prompts
 from lightrft.experience.samples import collate_samples, split_experience
@@ -185,8 +186,13 @@ def test_a_workflow_bug_drops_that_episode_only_and_a_bug_everywhere_is_an_error
         async def run(self, episode):
             raise ValueError("broken")
 
-    with pytest.raises(RuntimeError, match="every episode of this rollout failed(.|\n)*ValueError: broken"):
+    with pytest.raises(WorkflowFailed) as failed:
         run_episodes(tiny, Always())
+    # One line: the workflow, the count and the first failure with where it was raised.
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("--workflow Always: every episode of this rollout failed "
+                                                       "(6 of 6), so nothing can train; the first: ValueError: broken (")
+    assert "test_episodes.py, line" in message and "in run)" in message
 
 
 def test_episodes_are_reproducible_and_independent_across_prompts(tiny):
@@ -333,3 +339,21 @@ def test_a_hanging_or_crashing_tool_ends_only_its_episode_with_the_reason_record
     assert first.response_ids[start:start + len(tool_ids)] == tool_ids
     assert first.loss_mask[start:start + len(tool_ids)] == [False] * len(tool_ids)
     assert [r.stop_reason for r in again.records] == [r.stop_reason for r in batch.records]
+
+
+def test_a_rollout_whose_every_episode_failed_stops_the_command_with_one_line(capsys, monkeypatch):
+    # The command line prints the workflow's failure as an error line, exit 1, no traceback of lightrft's.
+    from types import SimpleNamespace
+
+    from lightrft.cli.common import run_command
+
+    def train(args):
+        raise WorkflowFailed("--workflow Always: every episode of this rollout failed (6 of 6), so nothing can "
+                             "train; the first: ValueError: broken (always.py, line 3, in run)")
+    monkeypatch.delenv("LIGHTRFT_TRACEBACK", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as done:
+        run_command("train_ppo", train, SimpleNamespace(ckpt_path=None, preemption_grace=1.0))
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and "Traceback" not in err
+    assert err.startswith("train_ppo: error: --workflow Always: every episode of this rollout failed (6 of 6)")
