@@ -139,7 +139,9 @@ class OptimConfig:
     def __post_init__(self):
         check_positive(self, "micro_train_batch_size", "train_batch_size", "max_epochs")
         betas = tuple(self.adam_betas)
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        # NaN and infinity are check_finite's to name; here, finite values outside [0, 1).
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and (not math.isfinite(b) or 0 <= b < 1)
+                                      for b in betas):
             raise ConfigError(f"--adam_betas must be two numbers in [0, 1) (Adam's decay rates of the gradient's "
                               f"running mean and square), got {' '.join(map(str, betas))}; e.g. --adam_betas 0.9 0.95")
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from lightrft.datasets.prompt_dataset import PromptDataset, encode_prompts
+from lightrft.datasets.prompt_dataset import PromptDataset
 from lightrft.models import ActorLanguage
 from lightrft.rollout import RolloutManager, SamplingParams, VLLMEngine
 from lightrft.strategy import DeepspeedStrategy, StrategyConfig
@@ -35,7 +35,7 @@ BUCKET_MB = 64
 
 def chat_prompt_ids(tokenizer) -> list[list[int]]:
     dataset = PromptDataset([{"input": q} for q in QUESTIONS], tokenizer, input_key="input", apply_chat_template=True)
-    return encode_prompts(tokenizer, [dataset[i][0] for i in range(len(dataset))], True)
+    return [list(dataset[i][0].token_ids) for i in range(len(dataset))]      # encoded once, by the dataset
 
 
 def main(out_path: str, model_dir: str) -> None:

@@ -48,7 +48,11 @@ def tokenizer(smollm2):
 def prompt_ids(tokenizer):
     """The questions as the PPO prompt dataset renders them with --apply_chat_template."""
     dataset = PromptDataset([{"input": q} for q in QUESTIONS], tokenizer, input_key="input", apply_chat_template=True)
-    return encode_prompts(tokenizer, [dataset[i][0] for i in range(len(dataset))], True)
+    records = [dataset[i][0] for i in range(len(dataset))]
+    ids = [list(record.token_ids) for record in records]
+    # encoded once, by the dataset, exactly as the rendered text encodes
+    assert ids == encode_prompts(tokenizer, [record.text for record in records], True)
+    return ids
 
 
 @pytest.fixture(scope="module")
