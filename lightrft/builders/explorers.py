@@ -10,7 +10,7 @@ import torch
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_prompt_dataset
 from lightrft.builders.engines import build_hf_engine, build_rollout_engine, check_engine_roles
-from lightrft.builders.models import policy_model_kwargs
+from lightrft.builders.models import model_kwargs, policy_model_kwargs, reward_model_paths
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.config import PPORunConfig
 from lightrft.experience.services import build_rollout_services
@@ -23,10 +23,13 @@ from lightrft.utils.threads import configure_threads
 
 def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
     """What an explorer needs besides its channels: its own tokenizer, policy copy and engine
-    (a plain module with `HFEngine`, or vLLM seeded with the run's seed + `rank`), the run's
-    generation and scoring services over that engine (the reward sources, the workflow runner of
-    --workflow) and the prompts."""
-    from lightrft.models import ActorLanguage
+    (a plain module with `HFEngine`, with the run's LoRA adapter when --lora_rank is set; or vLLM
+    seeded with the run's seed + `rank`, serving the adapter the trainers publish), the run's
+    generation and scoring services over that engine (the reward models of --reward_pretrain, the
+    reward sources, the workflow runner of --workflow) and the prompts."""
+    from lightrft.models import ActorLanguage, RewardModel
+
+    model = config.model
 
     def load_tokenizer():
         return build_tokenizer(config.model.pretrain, config.model.trust_remote_code, padding_side="left")
@@ -35,19 +38,31 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
     eos = stop_token_ids(tokenizer, config.model.pretrain)
     module = None
     engine = build_rollout_engine(config, tokenizer, seed=config.distributed.seed + rank)
+    device = None
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", torch.cuda.current_device())
     if engine is None:      # an engine over the live module: the explorer's own policy copy
-        actor = ActorLanguage(config.model.pretrain, **policy_model_kwargs(config.model, config.distributed))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            actor = actor.to(torch.device("cuda", torch.cuda.current_device()))
-        module = actor.model.eval()
+        # The trainers publish every weight of the actor, a LoRA adapter's under peft's names.
+        actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
+                              lora_dropout=model.lora_dropout, target_modules=model.target_modules,
+                              **policy_model_kwargs(model, config.distributed))
+        module = actor.model.to(device).eval() if device is not None else actor.model.eval()
         engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size)
+    # Reward models are frozen: the explorer scores with its own copy, as the trainers would.
+    reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
+                                 normalize_reward=model.normalize_reward,
+                                 **model_kwargs(model, config.distributed)).eval()
+                     for path in reward_model_paths(config)]
+    if device is not None:
+        reward_models = [rm.to(device) for rm in reward_models]
     # The trainer's generation and scoring services over the explorer's engine, without an
     # experience builder. The scorer decodes on its own thread: it gets its own tokenizer.
     services = build_rollout_services(
         engine, tokenizer, algo=config.algorithm, prompt_max_len=config.data.prompt_max_len,
         micro_rollout_batch_size=config.rollout.micro_rollout_batch_size,
-        apply_chat_template=config.data.apply_chat_template, reward_sources=build_reward_sources(config.rewards),
+        apply_chat_template=config.data.apply_chat_template, reward_models=reward_models,
+        reward_sources=build_reward_sources(config.rewards), device=device,
         eos_token_ids=eos, workflow_runner=build_workflow_runner(config.agent, tokenizer, eos),
         seed=config.distributed.seed, scorer_tokenizer=load_tokenizer(),
         # the trainers' teacher scores, or the workflow

@@ -30,3 +30,8 @@ def build_scoring_policy(path: str, model: PPOModelConfig, distributed: Distribu
     from lightrft.models import ActorLanguage
 
     return ActorLanguage(path, temperature=temperature, flag=flag, **policy_model_kwargs(model, distributed))
+
+
+def reward_model_paths(config) -> list[str]:
+    """The comma-separated `--reward_pretrain` folders of a run (`config`, the `PPORunConfig`)."""
+    return [path.strip() for path in (config.model.reward_pretrain or "").split(",") if path.strip()]

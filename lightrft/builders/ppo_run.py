@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_image_prompts, build_prompt_dataset
 from lightrft.builders.engines import build_rollout_engine
-from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs
+from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs, reward_model_paths
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.config import PPORunConfig
@@ -195,11 +195,6 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)
-
-
-def reward_model_paths(config: PPORunConfig) -> list[str]:
-    """The comma-separated `--reward_pretrain` folders."""
-    return [path.strip() for path in (config.model.reward_pretrain or "").split(",") if path.strip()]
 
 
 def build_dataloaders(config: PPORunConfig, strategy, tokenizer, prompts, images=None):

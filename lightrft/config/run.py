@@ -243,16 +243,14 @@ class PPORunConfig(RunConfig):
         refused with the flag to change. Whether the rollout engine can run on a thread beside the
         trainer's is its capability, checked where the thread starts (`check_engine_roles`)."""
         unsupported = {"--dynamic_sampling": self.algorithm.dynamic_sampling,
-                       "--recorded_data": self.data.recorded_data, "--reward_pretrain": self.model.reward_pretrain,
-                       "--lora_rank": self.model.lora_rank > 0,
+                       "--recorded_data": self.data.recorded_data,
                        "--vllm_tensor_parallel_size > 1": self.rollout.vllm_tensor_parallel_size > 1}
         used = [flag for flag, value in unsupported.items() if value]
         if used:
             mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else
                     f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
-            raise ConfigError(f"{mode} cannot be combined with {', '.join(used)} yet: explorers score with "
-                              "--remote_rm_url sources (rules, files, HTTP servers) and run vLLM only on explorer "
-                              "ranks; change those flags")
+            raise ConfigError(f"{mode} cannot be combined with {', '.join(used)} yet: explorers run vLLM "
+                              "only on explorer ranks; change those flags")
 
     @property
     def updates_per_step(self) -> int:

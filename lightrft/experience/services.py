@@ -77,7 +77,8 @@ def build_rollout_services(engine, tokenizer, strategy=None, *, algo=None, promp
                            reward_models: Sequence = (), reward_sources: Sequence = (), reward_fn=None,
                            eos_token_ids: Optional[Sequence[int]] = None, workflow_runner=None,
                            reuse_policy_log_probs: bool = False, seed: Optional[int] = None,
-                           scorer_tokenizer=None, task_reward_optional: Optional[bool] = None) -> RolloutServices:
+                           scorer_tokenizer=None, task_reward_optional: Optional[bool] = None,
+                           device=None) -> RolloutServices:
     """The one wiring of a run's three services: the trainer's (`lightrft.trainer.assembly`), an
     explorer's, `lightrft.cli.bench`'s and the classic `NaiveExperienceMaker`'s.
 
@@ -90,7 +91,8 @@ def build_rollout_services(engine, tokenizer, strategy=None, *, algo=None, promp
     explorers). `scorer_tokenizer` is a tokenizer of the scorer's own when it decodes on another
     thread than generation (a fast tokenizer is not safe to call from two at once).
     `task_reward_optional` (default: when a teacher or a workflow scores) lets a run go without a
-    reward source. `seed` defaults to the strategy's run seed."""
+    reward source. `seed` defaults to the strategy's run seed. `device` is where the reward models
+    score (default: the strategy's device)."""
     eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     builder = None
     if actor is not None:
@@ -103,7 +105,7 @@ def build_rollout_services(engine, tokenizer, strategy=None, *, algo=None, promp
     scorer = Scorer(scorer_tokenizer or tokenizer, reward_models=list(reward_models),
                     reward_sources=list(reward_sources), reward_fn=reward_fn,
                     micro_batch_size=micro_rollout_batch_size,
-                    device=strategy.device if strategy is not None else None,
+                    device=device if device is not None or strategy is None else strategy.device,
                     overlong_buffer_len=getattr(algo, "overlong_buffer_len", 0),
                     overlong_penalty_factor=getattr(algo, "overlong_penalty_factor", 1.0),
                     eos_token_ids=eos_token_ids, task_reward_optional=task_reward_optional)

@@ -77,6 +77,7 @@ class SourceContext:
     first_step: int                   # the step the run starts at (> 0 when resumed)
     preempted: Callable[[], bool]     # whether this rank was asked to stop
     weight_buckets: Optional[WeightBuckets] = None   # the actor's weights, bucketed (publishing sources)
+    adapter: Optional[dict] = None    # a LoRA actor's adapter name and config (`WeightStream.adapter_spec`)
 
 
 @dataclass

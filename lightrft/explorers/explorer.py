@@ -24,6 +24,7 @@ from lightrft.experience.placement import arrive
 from lightrft.experience.services import RolloutServices
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
 from lightrft.explorers.weights import WeightSubscriber
+from lightrft.rollout.manager import adapter_from_spec
 from lightrft.utils.distributed_sampler import DistributedSampler
 
 
@@ -129,6 +130,12 @@ class Explorer:
             return
         if self.module is not None:
             load_named_weights(self.module, named)
+        elif getattr(self.engine, "lora_rank", 0) > 0:     # vLLM serving the run's LoRA adapter
+            if subscriber.adapter is None:
+                raise RuntimeError("the explorer's engine serves a LoRA adapter (--lora_rank) but the trainers "
+                                   "published weights without one: trainers and explorers were started with "
+                                   "different --lora_rank")
+            self.engine.load_adapter(*adapter_from_spec(subscriber.adapter, named))
         else:
             self.engine.update_weights(named)
         self.loaded_version = version

@@ -95,7 +95,7 @@ class ExplorerLink:
             if self.publisher is not None:
                 named += [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
         if self.publisher is not None:
-            self.publisher.publish(version, named, start_batch=version)
+            self.publisher.publish(version, named, start_batch=version, adapter=self.context.adapter)
 
     # ---------------------------------------------------------------------------------- steps
     def next(self, step: int, params=None) -> Optional[SourceBatch]:

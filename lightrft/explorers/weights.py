@@ -51,12 +51,17 @@ class WeightPublisher:
         self.thread = threading.Thread(target=self._run, name="lightrft-weight-publisher", daemon=True)
         self.thread.start()
 
-    def publish(self, version: int, named: list[tuple[str, torch.Tensor]], start_batch: int) -> None:
-        """Queues the weights of `version` (copied to host memory here, so training may go on)."""
+    def publish(self, version: int, named: list[tuple[str, torch.Tensor]], start_batch: int,
+                adapter: Optional[dict] = None) -> None:
+        """Queues the weights of `version` (copied to host memory here, so training may go on).
+        `adapter`: a LoRA actor's adapter name and config (`WeightStream.adapter_spec`), for
+        explorers whose engine serves the adapter apart from the base weights."""
         self._check()
         spec = [(name, tuple(t.shape), t.dtype) for name, t in named]
-        self.outbox.put(({"kind": "weights", "version": version, "start_batch": start_batch, "spec": spec},
-                         flatten_tensors([t for _, t in named])))
+        message = {"kind": "weights", "version": version, "start_batch": start_batch, "spec": spec}
+        if adapter is not None:
+            message["adapter"] = adapter
+        self.outbox.put((message, flatten_tensors([t for _, t in named])))
 
     def send(self, message: dict) -> None:
         self._check()
@@ -143,6 +148,7 @@ class WeightSubscriber:
         self.latest: Optional[list] = None      # the newest weights received, what a delta applies to
         self.start_batch: Optional[int] = None  # the first message's: where the trainers stand
         self.retries: list[int] = []
+        self.adapter: Optional[dict] = None     # a LoRA actor's adapter name and config, when published
         self.stopped = False
         self.error: Optional[BaseException] = None
         self.cond = threading.Condition()
@@ -160,6 +166,7 @@ class WeightSubscriber:
                         named = apply_published_delta(self.latest, message["delta"], named)
                     self.latest = named
                     with self.cond:
+                        self.adapter = message.get("adapter", self.adapter)
                         self.versions[message["version"]] = named
                         if self.start_batch is None:
                             self.start_batch = message["start_batch"]

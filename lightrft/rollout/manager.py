@@ -33,9 +33,11 @@ What the manager does with an engine follows its `EngineCapabilities`, never its
 whether to sync it and how, whether to put it to sleep, whether to shut it down.
 """
 
+import json
 import time
 from dataclasses import replace
 from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,6 +130,17 @@ class WeightStream:
     def adapter_config(self):
         peft_model, adapter = self._adapter()
         return peft_model.peft_config[adapter]
+
+    def adapter_spec(self) -> Optional[dict]:
+        """A LoRA actor's adapter as plain data for a copy elsewhere (an explorer's engine):
+        {"name": the adapter's name in the module's parameter names, "config": its peft config
+        as JSON (`adapter_from_spec` reads it back)}; None for an actor without LoRA."""
+        if getattr(self.strategy.unwrap_model(self.actor), "lora_rank", 0) == 0:
+            return None
+        peft_model, adapter = self._adapter()
+        config = peft_model.peft_config[adapter].to_dict()
+        return {"name": adapter,
+                "config": json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v))}
 
 
 class RolloutManager:
@@ -344,6 +357,16 @@ def checkpoint_format(hf_model, bucket: list[tuple[str, torch.Tensor]]) -> list[
     except ImportError:      # transformers 4 keeps checkpoint names in memory
         return bucket
     return list(revert_weight_conversion(hf_model, dict(bucket)).items())
+
+
+def adapter_from_spec(spec: dict, named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list, Any]:
+    """(the adapter's tensors under peft's file names, its peft `LoraConfig`) from the module's
+    named weights and a `WeightStream.adapter_spec`: what `load_adapter` of an engine takes."""
+    from peft import LoraConfig
+
+    infix = f".{spec['name']}."
+    tensors = [(name.replace(infix, "."), tensor) for name, tensor in named if _is_lora_name(name)]
+    return tensors, LoraConfig.from_peft_type(**json.loads(spec["config"]))
 
 
 def _is_lora_name(name: str) -> bool:

@@ -210,7 +210,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.experience_source.start(SourceContext(
             services=self.experience_services, strategy=self.strategy, algo=self.algo, prompts=sampler, consumed_samples=consumed_samples, rollout_batch_size=rollout.rollout_batch_size,
             total_steps=total_steps, first_step=self.global_step, preempted=lambda: self.services.preemption.raised,
-            weight_buckets=self.weight_stream.buckets))
+            weight_buckets=self.weight_stream.buckets, adapter=self.weight_stream.adapter_spec()))
         self.callbacks.on_train_begin(self)
         return total_steps
 

@@ -48,10 +48,12 @@ def config(**flags) -> PPORunConfig:
 
 
 def test_what_explorers_cannot_do_yet_is_refused_with_the_flags():
-    for flag, value in (("dynamic_sampling", True), ("reward_pretrain", "rm"), ("lora_rank", 8)):
-        with pytest.raises(ConfigError, match=f"--explorer_ranks 1 cannot be combined with --{flag}"):
-            config(explorer_ranks=1, **{flag: value})
-        config(**{flag: value})     # fine without explorers
+    with pytest.raises(ConfigError, match="--explorer_ranks 1 cannot be combined with --dynamic_sampling"):
+        config(explorer_ranks=1, dynamic_sampling=True)
+    config(dynamic_sampling=True)     # fine without explorers
+    for flag, value in (("reward_pretrain", "rm"), ("lora_rank", 8)):     # explorers hold them too
+        assert config(explorer_ranks=1, **{flag: value}).roles.explorer_ranks == 1
+        assert config(sync_offset=1, **{flag: value}).roles.sync_offset == 1
     with pytest.raises(ConfigError, match="--sync_interval must be positive"):
         RolesConfig(sync_interval=0)
     with pytest.raises(ConfigError, match="--sync_offset must be >= 0"):
