@@ -43,6 +43,9 @@ REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.R
               "min": dist.ReduceOp.MIN}
 # Sub-folder of a checkpoint that holds DeepSpeed's own files (model and optimizer shards).
 DS_SUBDIR = "deepspeed"
+# A frozen engine under ZeRO-3 (prepared without an optimizer, such as the EMA copy) has no
+# DeepSpeed checkpoint engine: its whole weights are written here instead (`save_ckpt`).
+FROZEN_WEIGHTS = "frozen_weights.pt"
 # A JIT build of DeepSpeed's CPU Adam takes about a minute; a build lock older than this was left
 # by a killed build, and torch waits on it forever.
 STALE_BUILD_LOCK_S = 300.0
@@ -61,6 +64,13 @@ def _free_port() -> int:
 
 def _is_zero3_param(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
+
+
+def _without_checkpoint_engine(model) -> bool:
+    """A DeepSpeed engine that cannot save itself: ZeRO-3 prepares a model without an optimizer
+    as a parameter-offload engine with no checkpoint engine (its `save_checkpoint` fails on rank 0
+    alone, before a barrier the other ranks then wait at)."""
+    return hasattr(model, "save_checkpoint") and getattr(model, "checkpoint_engine", None) is None
 
 
 def _fused_group_key(name: str) -> str:
@@ -729,7 +739,13 @@ class DeepspeedStrategy:
         client_state = {} if client_state is None else client_state
 
         def write_shard(tmp_dir: Path) -> None:
-            model.save_checkpoint(str(tmp_dir), tag=DS_SUBDIR, client_state={}, save_latest=False)
+            if _without_checkpoint_engine(model):      # a frozen ZeRO-3 engine (the EMA): its whole weights
+                state = self.full_state_dict(model)     # every rank gathers; rank 0 writes
+                if state is not None:
+                    (tmp_dir / DS_SUBDIR).mkdir(parents=True, exist_ok=True)
+                    torch.save(state, tmp_dir / DS_SUBDIR / FROZEN_WEIGHTS)
+            else:
+                model.save_checkpoint(str(tmp_dir), tag=DS_SUBDIR, client_state={}, save_latest=False)
             checkpoint_io.save_client_state(tmp_dir, self.rank, client_state)
 
         return checkpoint_io.save_checkpoint_dir(save_dir, tag, write_shard, is_writer=self.is_rank_0(),
@@ -765,6 +781,10 @@ class DeepspeedStrategy:
             dist.broadcast_object_list(saved, src=0)
         options = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        frozen = Path(value) / DS_SUBDIR / FROZEN_WEIGHTS
+        if frozen.is_file() or _without_checkpoint_engine(model):     # whole weights: any rank count
+            self._load_whole_weights(model, frozen)
+            return value, checkpoint_io.load_client_state(Path(value), self.rank)
         if saved[0] and saved[0] != self.world_size:
             if self.same_ranks_reason:
                 raise ValueError(f"cannot resume {value}, saved by {saved[0]} rank(s), on {self.world_size}: "
@@ -777,6 +797,31 @@ class DeepspeedStrategy:
                                f"above); the folder is complete, so it was probably saved with a different "
                                f"world size or ZeRO stage")
         return value, checkpoint_io.load_client_state(Path(value), self.rank)
+
+    def _load_whole_weights(self, model, path: Path) -> None:
+        """Loads the whole weights `save_ckpt` wrote for an engine without a checkpoint engine into
+        `model` (rank 0 reads them and every ZeRO-3 parameter is re-partitioned from it)."""
+        module = self.unwrap_model(model)
+        state, error = None, None
+        if self.is_rank_0():
+            try:
+                state = checkpoint_io.load_plain(path, f"checkpoint weights {path}")
+                missing = [key for key in module.state_dict() if key not in state]
+                if missing:
+                    raise ValueError(f"it has no weight {missing[0]!r} ({len(missing)} missing): it was saved from "
+                                     "another model")
+            except (OSError, ValueError, RuntimeError) as err:
+                error = err
+        if not self._all_ok(error is None):
+            raise RuntimeError(f"cannot resume the weights in {path}" + (f": {error}" if error else " (see rank 0's "
+                               "log)") + "; the checkpoint was saved by another engine setup or is damaged")
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0, enabled=_is_zero3_param(tensor)):
+                if self.is_rank_0():
+                    tensor.data.copy_(state[key])
+        if not _is_zero3_param(next(module.parameters())) and is_dist_initialized():
+            for tensor in module.state_dict(keep_vars=True).values():   # replicated weights: rank 0's everywhere
+                dist.broadcast(tensor.data, src=0)
 
     def _load_elsewhere(self, model, ckpt_dir: Path, saved: int, options: dict):
         """Loads a checkpoint saved by `saved` ranks into this job of another size through

@@ -141,28 +141,40 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
 
 
 def test_a_run_with_images_resumes_exactly(tmp_path):
-    """Mixed image and text prompts, packed, ZeRO-2, a reference model: 2 steps, a checkpoint and a
-    resume in a new process to step 4 end with the weights of 4 uninterrupted steps, bit for bit."""
+    """Mixed image and text prompts, packed, ZeRO-3, a reference model, an EMA copy and a
+    pretraining loss on text rows: 2 steps, a checkpoint and a resume in a new process to step 4
+    end with the weights of 4 uninterrupted steps, bit for bit (the export is the EMA's, so its
+    checkpoint is checked; a frozen ZeRO-3 engine has no DeepSpeed checkpoint engine, and saving
+    one hung both ranks)."""
     data = tmp_path / "data"
     train_file, _ = colour_splits(data, n_train=32, n_eval=4, seed=1)
     rows = read_rows(train_file)
     mixed = data / "mixed.jsonl"
     mixed.write_text("".join(json.dumps(row if i % 2 == 0 else {"input": "Colour?", "label": row["label"]}) + "\n"
                              for i, row in enumerate(rows)))
+    text = data / "text.jsonl"
+    text.write_text("".join(json.dumps({"input": "Colour?", "output": row["label"]}) + "\n" for row in rows))
     warm = format_warm_start(save_tiny_idefics3(tmp_path / "base"), tmp_path / "warm", rows, data, steps=10)
     common = {"pretrain": warm, "prompt_data": mixed, "image_key": "images", "label_key": "label",
               "remote_rm_url": "exact", "advantage_estimator": "group_norm", "n_samples_per_prompt": 4,
               "rollout_batch_size": 8, "micro_rollout_batch_size": 8, "train_batch_size": 16,
               "micro_train_batch_size": 8, "generate_max_len": 2, "prompt_max_len": 64, "init_kl_coef": 0.01,
-              "actor_learning_rate": 1e-3, "lr_scheduler": "constant", "packing_samples": True, "zero_stage": 2,
-              "seed": 0}
-    full = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "full", "ckpt_path": tmp_path / "full_ckpt"})
+              "actor_learning_rate": 1e-3, "lr_scheduler": "constant", "packing_samples": True, "zero_stage": 3,
+              "enable_ema": True, "ema_beta": 0.5, "pretrain_data": text, "pretrain_output_key": "output",
+              "ptx_coef": 0.1, "seed": 0}
+    full = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "full", "ckpt_path": tmp_path / "full_ckpt",
+                     "use_tensorboard": tmp_path / "tb"})
     half = to_flags({**common, "max_steps": 2, "save_path": tmp_path / "half", "ckpt_path": tmp_path / "ckpt"})
     run_torchrun_many([full, half], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
-                        "load_checkpoint": "required"})
+                        "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
     start = load_file(warm / "model.safetensors")
     a, b = load_file(tmp_path / "full" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert any(not torch.equal(start[name], a[name]) for name in a)
     assert all(torch.equal(a[name], b[name]) for name in a)
+    assert (tmp_path / "ckpt" / "_ema" / "global_step2" / "deepspeed" / "frozen_weights.pt").is_file()
+    # The pretraining loss on the text rows took part at every step, resumed or not.
+    full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
+    assert len(full_ptx) == 4 and min(full_ptx.values()) > 0
+    assert [resumed_ptx[step] for step in (3, 4)] == [full_ptx[step] for step in (3, 4)]
