@@ -229,13 +229,12 @@ class PPORunConfig(RunConfig):
         size = self.distributed.sequence_parallel_size
         if not self.model.packing_samples:
             raise ConfigError(f"--sequence_parallel_size {size} splits packed rows: add --packing_samples")
-        unsupported = {"--image_key": self.data.image_key, "--aux_loss_coef > 0": self.algorithm.aux_loss_coef > 0,
-                       "--explorer_ranks": self.roles.explorer_ranks > 0, "--sync_offset": self.roles.sync_offset > 0}
+        unsupported = {"--image_key": self.data.image_key, "--aux_loss_coef > 0": self.algorithm.aux_loss_coef > 0}
         used = [flag for flag, value in unsupported.items() if value]
         if used:
             raise ConfigError(f"--sequence_parallel_size {size} cannot be combined with {', '.join(used)} yet: the "
-                              "split covers a text model's packed training rows on the trainer ranks; change those "
-                              "flags or use --sequence_parallel_size 1")
+                              "split covers a text model's packed training rows on the trainer ranks (explorers "
+                              "may make them); change those flags or use --sequence_parallel_size 1")
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each

@@ -15,9 +15,12 @@ from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
 COMMON = {"max_steps": 2, "train_batch_size": 256, "packing_samples": True, "entropy_coef": 0.01,
           "init_kl_coef": 0.01, "use_kl_loss": True, "kl_estimator": "k3"}
 GAE = {"advantage_estimator": "gae", "critic_learning_rate": 1e-3}
+AHEAD = {"sync_offset": 1, "tis_cap": 2.0}
 RUNS = {"data_parallel": {}, "split_zero2": {"sequence_parallel_size": 2},
         "split_zero3": {"sequence_parallel_size": 2, "zero_stage": 3, "gradient_checkpointing": True},
-        "gae_data_parallel": GAE, "gae_split": {**GAE, "sequence_parallel_size": 2}}
+        "gae_data_parallel": GAE, "gae_split": {**GAE, "sequence_parallel_size": 2},
+        # An explorer thread per rank one step ahead: the split trains what the explorers made.
+        "ahead_data_parallel": AHEAD, "ahead_split": {**AHEAD, "sequence_parallel_size": 2}}
 TAGS = ("train/policy_loss", "train/entropy", "train/kl_loss", "train/actor_grad_norm")
 
 pytestmark = pytest.mark.dist
@@ -37,11 +40,11 @@ def runs(toy, tmp_path_factory):
     return {name: (root / name, output) for name, output in zip([*RUNS, "saved", "resumed"], outputs)}
 
 
-@pytest.mark.parametrize("name", ["split_zero2", "split_zero3", "gae_split"])
+@pytest.mark.parametrize("name", ["split_zero2", "split_zero3", "gae_split", "ahead_split"])
 def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
     from safetensors.torch import load_file
 
-    reference, _ = runs["gae_data_parallel" if "gae" in name else "data_parallel"]
+    reference, _ = runs[name.split("_")[0] + "_data_parallel" if name.startswith(("gae", "ahead")) else "data_parallel"]
     out, stdout = runs[name]
     assert summary_line(stdout)["step"] == 2
     expected = {t: dict(s) for t, s in tensorboard_scalars(reference / "tb").items()}
@@ -51,6 +54,8 @@ def test_a_split_run_trains_like_the_data_parallel_one(runs, name):
         for step in (1, 2):
             assert got[tag][step] == pytest.approx(expected[tag][step], rel=1e-4, abs=1e-6), (tag, step)
     assert expected["train/actor_grad_norm"][1] > 0.1 and expected["train/kl_loss"][2] > 1e-3
+    if name == "ahead_split":       # step 2 trained batch 1, made by the explorers from version 0
+        assert dict(tensorboard_scalars(out / "tb")["rollout/staleness_max"]) == {1: 0.0, 2: 1.0}
     final, split = load_file(reference / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     # Two Adam steps at lr 1e-3 move a weight by up to 2e-3; Adam's per-element normalisation turns
     # the reduction-order rounding of a near-zero gradient entry into up to ~2e-5 of it, by CPU
@@ -88,7 +93,6 @@ BASE = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "math"
     ([], "--sequence_parallel_size 2 splits packed rows: add --packing_samples"),
     (["--packing_samples", "--aux_loss_coef", "0.01"], "cannot be combined with --aux_loss_coef > 0"),
     (["--packing_samples", "--image_key", "image"], "cannot be combined with --image_key"),
-    (["--packing_samples", "--explorer_ranks", "1"], "cannot be combined with --explorer_ranks"),
 ])
 def test_what_a_split_run_cannot_do_is_refused_naming_the_flag(extra, message, capsys):
     with pytest.raises(SystemExit):
