@@ -8,7 +8,7 @@ import os
 import torch
 
 from lightrft.builders.agents import build_workflow_runner
-from lightrft.builders.datasets import build_prompt_dataset
+from lightrft.builders.datasets import build_image_prompts, build_prompt_dataset
 from lightrft.builders.engines import build_hf_engine, build_rollout_engine, check_engine_roles
 from lightrft.builders.models import model_kwargs, policy_model_kwargs, reward_model_paths
 from lightrft.builders.rewards import build_reward_sources
@@ -36,6 +36,9 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
 
     tokenizer = load_tokenizer()
     eos = stop_token_ids(tokenizer, config.model.pretrain)
+    # A vision-language policy's prompts carry images, read with its processor (--image_key).
+    images = (build_image_prompts(model.pretrain, tokenizer, model.trust_remote_code)
+              if config.data.image_key else None)
     module = None
     engine = build_rollout_engine(config, tokenizer, seed=config.distributed.seed + rank)
     device = None
@@ -63,11 +66,12 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
         micro_rollout_batch_size=config.rollout.micro_rollout_batch_size,
         apply_chat_template=config.data.apply_chat_template, reward_models=reward_models,
         reward_sources=build_reward_sources(config.rewards), device=device,
-        eos_token_ids=eos, workflow_runner=build_workflow_runner(config.agent, tokenizer, eos),
+        eos_token_ids=eos, workflow_runner=build_workflow_runner(config.agent, tokenizer, eos, images,
+                                                                 max_images=config.data.max_images_per_prompt),
         seed=config.distributed.seed, scorer_tokenizer=load_tokenizer(),
         # the trainers' teacher scores, or the workflow
         task_reward_optional=bool(config.model.teacher_pretrain or config.agent.workflow))
-    return ExplorerParts(engine, module, services, build_prompt_dataset(config.data, tokenizer))
+    return ExplorerParts(engine, module, services, build_prompt_dataset(config.data, tokenizer, images=images))
 
 
 def build_explorer(config: PPORunConfig, link) -> Explorer:

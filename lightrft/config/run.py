@@ -215,8 +215,7 @@ class PPORunConfig(RunConfig):
         the critic, reward models and teacher would score the image placeholders as text."""
         unsupported = {"--critic_pretrain": self.model.critic_pretrain, "--reward_pretrain": self.model.reward_pretrain,
                        "--teacher_pretrain": self.model.teacher_pretrain,
-                       "--recorded_data": self.data.recorded_data,
-                       "--explorer_ranks": self.roles.explorer_ranks > 0, "--sync_offset": self.roles.sync_offset > 0}
+                       "--recorded_data": self.data.recorded_data}
         used = [flag for flag, value in unsupported.items() if value]
         if used:
             raise ConfigError(f"--image_key {self.data.image_key} cannot be combined with {', '.join(used)} yet: a run "

@@ -163,8 +163,7 @@ def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
                 advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
     for extra, flag in ((dict(reward_pretrain=folder), "--reward_pretrain"),
                         (dict(critic_pretrain=folder, advantage_estimator="gae"), "--critic_pretrain"),
-                        (dict(teacher_pretrain=folder, distill_mode="loss"), "--teacher_pretrain"),
-                        (dict(explorer_ranks=1), "--explorer_ranks")):
+                        (dict(teacher_pretrain=folder, distill_mode="loss"), "--teacher_pretrain")):
         argv = to_flags({**base, **extra})
         with pytest.raises(ConfigError, match=f"--image_key images cannot be combined with {flag}"):
             PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(argv))

@@ -145,7 +145,7 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     pretraining loss on text rows: 2 steps, a checkpoint and a resume in a new process to step 4
     end with the weights of 4 uninterrupted steps, bit for bit (the export is the EMA's, so its
     checkpoint is checked; a frozen ZeRO-3 engine has no DeepSpeed checkpoint engine, and saving
-    one hung both ranks)."""
+    one hung both ranks). The same run with an explorer rank samples with the trainer's weights."""
     data = tmp_path / "data"
     train_file, _ = colour_splits(data, n_train=32, n_eval=4, seed=1)
     rows = read_rows(train_file)
@@ -165,7 +165,11 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     full = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "full", "ckpt_path": tmp_path / "full_ckpt",
                      "use_tensorboard": tmp_path / "tb"})
     half = to_flags({**common, "max_steps": 2, "save_path": tmp_path / "half", "ckpt_path": tmp_path / "ckpt"})
-    run_torchrun_many([full, half], tmp_path)
+    # An explorer rank with the policy's images, on-policy, beside one trainer rank.
+    explorer = to_flags({**common, "max_steps": 2, "explorer_ranks": 1, "sync_offset": 0, "tis_cap": 2.0,
+                         "save_path": tmp_path / "explorer", "ckpt_path": tmp_path / "explorer_ckpt",
+                         "use_tensorboard": tmp_path / "tb_explorer"})
+    *_, explored = run_torchrun_many([full, half, explorer], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
                         "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
@@ -174,6 +178,12 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     assert any(not torch.equal(start[name], a[name]) for name in a)
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert (tmp_path / "ckpt" / "_ema" / "global_step2" / "deepspeed" / "frozen_weights.pt").is_file()
+    # The explorer's prompts carried their images to its engine and, with the samples, to the
+    # trainer: the trainer's log-probs of the sampled tokens are the explorer's (importance weight
+    # 1 at each step; the samples sent without their images give 0.95 and 0.90).
+    assert summary_line(explored)["step"] == 2
+    weights = [value for _, value in tensorboard_scalars(tmp_path / "tb_explorer")["train/tis_weight_mean"]]
+    assert len(weights) == 2 and max(abs(w - 1.0) for w in weights) < 1e-5, weights
     # The pretraining loss on the text rows took part at every step, resumed or not.
     full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
     assert len(full_ptx) == 4 and min(full_ptx.values()) > 0
