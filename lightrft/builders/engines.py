@@ -108,7 +108,7 @@ def check_engine_roles(config) -> None:
     name, roles = config.rollout.rollout_engine, config.roles
     if roles.explorer_ranks == 0 and roles.sync_offset > 0 and engine_capabilities(name).one_per_process:
         raise ConfigError(f"--sync_offset {roles.sync_offset} without --explorer_ranks (an explorer thread per rank) "
-                          f"cannot be combined with --rollout_engine {name} yet: a process holds one {name} engine, "
+                          f"cannot be combined with --rollout_engine {name}: a process holds one {name} engine, "
                           "and the explorer thread would build a second beside the trainer's; use --explorer_ranks N")
 
 

@@ -144,6 +144,16 @@ def planned_steps(config, num_prompts: int) -> int:
     return min(steps, optim.max_steps) if optim.max_steps > 0 else steps
 
 
+def refuse(what: str, pairs: dict[str, tuple[Any, str]], hint: str) -> None:
+    """Raises a ConfigError naming every flag of `pairs` ({flag: (value, reason)}) whose value is
+    set, each with its reason, when `what` does not combine with it."""
+    used = [(flag, reason) for flag, (value, reason) in pairs.items() if value]
+    if used:
+        reasons = "; ".join(f"{flag}: {reason}" for flag, reason in used)
+        raise ConfigError(f"{what} cannot be combined with {', '.join(flag for flag, _ in used)} ({reasons}); change "
+                          f"those flags ({hint}, docs/combinations.md)")
+
+
 @dataclass(frozen=True)
 class PPORunConfig(RunConfig):
     """Everything a `train_ppo` run needs (see docs/configuration.md for each option)."""
@@ -211,43 +221,48 @@ class PPORunConfig(RunConfig):
                               "(explorer ranks) or --sync_offset 1 (an explorer thread per rank), or leave it at 1")
 
     def _check_images(self) -> None:
-        """What a run with images (--image_key) cannot do yet, each refused with the flag to change:
-        the critic, reward models and teacher would score the image placeholders as text."""
-        unsupported = {"--critic_pretrain": self.model.critic_pretrain, "--reward_pretrain": self.model.reward_pretrain,
-                       "--teacher_pretrain": self.model.teacher_pretrain,
-                       "--recorded_data": self.data.recorded_data}
-        used = [flag for flag, value in unsupported.items() if value]
-        if used:
-            raise ConfigError(f"--image_key {self.data.image_key} cannot be combined with {', '.join(used)} yet: a run "
-                              "with images trains a critic-free policy (group_norm, rloo, reinforce++) scored by "
-                              "--remote_rm_url sources (rules, Python files, HTTP servers); docs/vlm.md")
+        """What a run with images (--image_key) does not combine with, each refused with the flag
+        to change and the reason (docs/combinations.md)."""
+        refuse(f"--image_key {self.data.image_key}", {
+            "--critic_pretrain": (self.model.critic_pretrain, "the critic is loaded as a text model with a value "
+                                  "head and would read the image placeholders as text"),
+            "--reward_pretrain": (self.model.reward_pretrain, "a reward model is loaded as a text model and would "
+                                  "score the image placeholders as text; score with --remote_rm_url sources "
+                                  "(rules, Python files, HTTP servers)"),
+            "--teacher_pretrain": (self.model.teacher_pretrain, "the teacher is scored as a text model and would "
+                                   "read the image placeholders as text"),
+            "--recorded_data": (self.data.recorded_data, "recorded experiences hold token ids only, not the images "
+                                "the policy saw")}, "docs/vlm.md")
 
     def _check_sequence_parallel(self) -> None:
-        """What a row split over ranks (--sequence_parallel_size) needs and cannot do yet, each named
-        with the flag to change."""
+        """What a row split over ranks (--sequence_parallel_size) needs and does not combine with,
+        each named with the flag to change and the reason."""
         size = self.distributed.sequence_parallel_size
         if not self.model.packing_samples:
             raise ConfigError(f"--sequence_parallel_size {size} splits packed rows: add --packing_samples")
-        unsupported = {"--image_key": self.data.image_key, "--aux_loss_coef > 0": self.algorithm.aux_loss_coef > 0}
-        used = [flag for flag, value in unsupported.items() if value]
-        if used:
-            raise ConfigError(f"--sequence_parallel_size {size} cannot be combined with {', '.join(used)} yet: the "
-                              "split covers a text model's packed training rows on the trainer ranks (explorers "
-                              "may make them); change those flags or use --sequence_parallel_size 1")
+        refuse(f"--sequence_parallel_size {size}", {
+            "--image_key": (self.data.image_key, "image features enter the decoder at the placeholders of the whole "
+                            "row, which a split row does not hold on every rank"),
+            "--aux_loss_coef > 0": (self.algorithm.aux_loss_coef > 0, "the MoE load-balancing loss is a product of "
+                                    "averages over the whole row's tokens, and each rank of a split row sees a slice "
+                                    "of the router's statistics")}, "use --sequence_parallel_size 1")
 
     def _check_roles(self) -> None:
-        """What explorers (ranks, or the threads of the one-step-ahead mode) cannot do yet, each
-        refused with the flag to change. Whether the rollout engine can run on a thread beside the
-        trainer's is its capability, checked where the thread starts (`check_engine_roles`)."""
-        unsupported = {"--dynamic_sampling": self.algorithm.dynamic_sampling,
-                       "--recorded_data": self.data.recorded_data,
-                       "--vllm_tensor_parallel_size > 1": self.rollout.vllm_tensor_parallel_size > 1}
-        used = [flag for flag, value in unsupported.items() if value]
-        if used:
-            mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else
-                    f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
-            raise ConfigError(f"{mode} cannot be combined with {', '.join(used)} yet: explorers run vLLM "
-                              "only on explorer ranks; change those flags")
+        """What explorers (ranks, or the threads of the one-step-ahead mode) do not combine with,
+        each refused with the flag to change and the reason. Whether the rollout engine can run on
+        a thread beside the trainer's is its capability, checked where the thread starts
+        (`check_engine_roles`)."""
+        mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else
+                f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
+        refuse(mode, {
+            "--dynamic_sampling": (self.algorithm.dynamic_sampling, "dynamic sampling refills a step with more "
+                                   "prompts than its batch, while an explorer's batch b is a fixed set of prompts "
+                                   "(the prompt ledger counts each prompt once per batch)"),
+            "--recorded_data": (self.data.recorded_data, "recorded experiences are finished samples: there is "
+                                "nothing for explorers to generate"),
+            "--vllm_tensor_parallel_size > 1": (self.rollout.vllm_tensor_parallel_size > 1, "an explorer rank holds "
+                                                "a whole vLLM engine; run one engine per explorer rank")},
+               "docs/async.md")
 
     @property
     def updates_per_step(self) -> int:

@@ -178,7 +178,7 @@ def test_an_explorer_thread_is_refused_beside_an_engine_that_takes_the_process()
     check_engine_roles(run_config(rollout_engine="vllm", sync_offset=1, explorer_ranks=1))
     check_engine_roles(run_config(rollout_engine="vllm"))
     with pytest.raises(ConfigError, match=r"--sync_offset 1 without --explorer_ranks .* cannot be combined with "
-                                          r"--rollout_engine vllm yet.*--explorer_ranks N"):
+                                          r"--rollout_engine vllm: a process holds one.*--explorer_ranks N"):
         check_engine_roles(run_config(rollout_engine="vllm", sync_offset=1))
 
 
