@@ -58,7 +58,8 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
 
     model = config.model
     if model.teacher_pretrain:
-        check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len)
+        check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len,
+                      images=bool(config.data.image_key))
     policy_kwargs = policy_model_kwargs(model, config.distributed)
     scorer_kwargs = model_kwargs(model, config.distributed)
     temperature = config.rollout.temperature
@@ -93,7 +94,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
 
 
-def check_teacher(model, max_tokens: int | None = None) -> None:
+def check_teacher(model, max_tokens: int | None = None, images: bool = False) -> None:
     """Refuses a --teacher_pretrain folder without a tokenizer, or with another tokenizer than
     --pretrain's (`lightrft.models.teacher.check_teacher_tokenizer`); a reward model folder (a value
     head where the LM head should be: distilling from it would use a random LM head); and a teacher
@@ -109,7 +110,8 @@ def check_teacher(model, max_tokens: int | None = None) -> None:
                          "pass a Hugging Face model folder with its tokenizer files") from None
     check_teacher_tokenizer(student, teacher, f"--pretrain {model.pretrain}",
                             f"--teacher_pretrain {model.teacher_pretrain}")
-    check_teacher_folder(model.teacher_pretrain, model.value_head_prefix, max_tokens, model.trust_remote_code)
+    check_teacher_folder(model.teacher_pretrain, model.value_head_prefix, max_tokens, model.trust_remote_code,
+                         images=images)
 
 
 def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_updates: int) -> PPOModels:

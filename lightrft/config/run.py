@@ -229,8 +229,6 @@ class PPORunConfig(RunConfig):
             "--reward_pretrain": (self.model.reward_pretrain, "a reward model is loaded as a text model and would "
                                   "score the image placeholders as text; score with --remote_rm_url sources "
                                   "(rules, Python files, HTTP servers)"),
-            "--teacher_pretrain": (self.model.teacher_pretrain, "the teacher is scored as a text model and would "
-                                   "read the image placeholders as text"),
             "--recorded_data": (self.data.recorded_data, "recorded experiences hold token ids only, not the images "
                                 "the policy saw")}, "docs/vlm.md")
 

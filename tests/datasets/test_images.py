@@ -162,13 +162,24 @@ def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
     base = dict(pretrain=folder, prompt_data="p.jsonl", remote_rm_url="exact", image_key="images",
                 advantage_estimator="group_norm", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
     for extra, flag in ((dict(reward_pretrain=folder), "--reward_pretrain"),
-                        (dict(critic_pretrain=folder, advantage_estimator="gae"), "--critic_pretrain"),
-                        (dict(teacher_pretrain=folder, distill_mode="loss"), "--teacher_pretrain")):
+                        (dict(critic_pretrain=folder, advantage_estimator="gae"), "--critic_pretrain")):
         argv = to_flags({**base, **extra})
         with pytest.raises(ConfigError, match=f"--image_key images cannot be combined with {flag}"):
             PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(argv))
     # Multi-turn workflows take images (tests/agents/test_workflow_images.py).
     PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags({**base, "workflow": "w.py"})))
+
+
+def test_a_run_with_images_takes_a_vision_language_teacher_only(tmp_path):
+    from lightrft.models.teacher import check_teacher_folder
+    from lightrft.utils.tiny import save_tiny_idefics3, save_tiny_model
+
+    text, vision = save_tiny_model(tmp_path / "text", arch="qwen2"), save_tiny_idefics3(tmp_path / "vlm")
+    check_teacher_folder(str(vision), "score", None, images=True)
+    check_teacher_folder(str(text), "score", None, images=False)
+    with pytest.raises(ValueError, match=r"--teacher_pretrain .*text is a text model \(qwen2\) and the prompts carry "
+                                         r"images \(--image_key\)"):
+        check_teacher_folder(str(text), "score", None, images=True)
 
 
 def test_image_prompts_need_a_processor_with_an_image_token():

@@ -145,7 +145,8 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     pretraining loss on text rows: 2 steps, a checkpoint and a resume in a new process to step 4
     end with the weights of 4 uninterrupted steps, bit for bit (the export is the EMA's, so its
     checkpoint is checked; a frozen ZeRO-3 engine has no DeepSpeed checkpoint engine, and saving
-    one hung both ranks). The same run with an explorer rank samples with the trainer's weights."""
+    one hung both ranks). The same run with an explorer rank samples with the trainer's weights, and
+with a vision-language teacher distils from it."""
     data = tmp_path / "data"
     train_file, _ = colour_splits(data, n_train=32, n_eval=4, seed=1)
     rows = read_rows(train_file)
@@ -169,7 +170,13 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     explorer = to_flags({**common, "max_steps": 2, "explorer_ranks": 1, "sync_offset": 0, "tis_cap": 2.0,
                          "save_path": tmp_path / "explorer", "ckpt_path": tmp_path / "explorer_ckpt",
                          "use_tensorboard": tmp_path / "tb_explorer"})
-    *_, explored = run_torchrun_many([full, half, explorer], tmp_path)
+    # The policy's own start as its teacher: it must see the prompts' images as the student does.
+    taught = to_flags({**common, "max_steps": 2, "teacher_pretrain": warm, "distill_mode": "loss",
+                       "save_path": tmp_path / "taught", "ckpt_path": tmp_path / "taught_ckpt",
+                       "use_tensorboard": tmp_path / "tb_taught"})
+    # The explorer run goes last: its ranks build ZeRO-3 parameters in different numbers (the
+    # explorer none), and DeepSpeed numbers them per process, which a later ZeRO-3 run compares.
+    *_, explored = run_torchrun_many([full, half, taught, explorer], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
                         "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
@@ -184,6 +191,10 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     assert summary_line(explored)["step"] == 2
     weights = [value for _, value in tensorboard_scalars(tmp_path / "tb_explorer")["train/tis_weight_mean"]]
     assert len(weights) == 2 and max(abs(w - 1.0) for w in weights) < 1e-5, weights
+    # A vision-language teacher scores the samples with their images: equal to the student before
+    # it trains (reverse KL 0 at step 1; the teacher without the images gives 0.148), apart after.
+    kl = dict(tensorboard_scalars(tmp_path / "tb_taught")["distill/reverse_kl"])
+    assert kl[1] == 0.0 and kl[2] > 1e-3, kl
     # The pretraining loss on the text rows took part at every step, resumed or not.
     full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
     assert len(full_ptx) == 4 and min(full_ptx.values()) > 0
