@@ -240,10 +240,7 @@ class PPORunConfig(RunConfig):
             raise ConfigError(f"--sequence_parallel_size {size} splits packed rows: add --packing_samples")
         refuse(f"--sequence_parallel_size {size}", {
             "--image_key": (self.data.image_key, "image features enter the decoder at the placeholders of the whole "
-                            "row, which a split row does not hold on every rank"),
-            "--aux_loss_coef > 0": (self.algorithm.aux_loss_coef > 0, "the MoE load-balancing loss is a product of "
-                                    "averages over the whole row's tokens, and each rank of a split row sees a slice "
-                                    "of the router's statistics")}, "use --sequence_parallel_size 1")
+                            "row, which a split row does not hold on every rank")}, "use --sequence_parallel_size 1")
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) do not combine with,

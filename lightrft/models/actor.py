@@ -284,10 +284,8 @@ class ActorLanguage(nn.Module):
         check_num_actions(num_actions, sequences, packed_seq_lens)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:
-            if extra:
-                raise ValueError("a mixture-of-experts load-balancing loss (--aux_loss_coef) is not computed over a "
-                                 "row split by --sequence_parallel_size; set one of them off")
-            return self._forward_split(sequences, packed_seq_lens, num_actions, index, return_output, return_entropy)
+            return self._forward_split(sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
+                                       router=bool(extra))
         output = None
         if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
@@ -302,16 +300,25 @@ class ActorLanguage(nn.Module):
             output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
         return (log_probs, output) if return_output else log_probs
 
-    def _forward_split(self, sequences, packed_seq_lens, num_actions, index, return_output, return_entropy):
+    def _forward_split(self, sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
+                       router: bool = False):
         """The packed forward with the row split over the sequence-parallel group: this rank's
         slice runs through the model (`SequenceParallel.split_row`), and the log-probs (and
         entropies) of the row's action tokens are gathered from the ranks that predict them.
-        `output.logits` then hold this rank's action-predicting positions only."""
+        `output.logits` then hold this rank's action-predicting positions only. With `router`
+        (a mixture-of-experts model asked for its load-balancing loss) `output["aux_loss"]` is the
+        whole row's, from router statistics summed over the group (`RowShard.load_balancing_loss`)."""
         shard = self.sequence_parallel.split_row(
             self.model, lambda ids, lens: self.family.packed_inputs(self.model, ids, lens), sequences, packed_seq_lens,
             num_actions)
         positions = shard.local_positions(index.predict_positions)
-        output = self.model(**shard.local, logits_to_keep=positions)   # logits (1, K_r, V)
+        extra = {"output_router_logits": True} if router else {}
+        output = self.model(**shard.local, **extra, logits_to_keep=positions)   # logits (1, K_r, V)
+        if router:
+            config = self.model.config
+            experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+            output["aux_loss"] = shard.load_balancing_loss(output.router_logits, int(experts),
+                                                           int(config.num_experts_per_tok))
         output.logits = self._without_banned(output.logits)
         labels = sequences[0, positions + shard.start + 1]  # (K_r,)
         log_probs = index.to_rows(shard.gather(log_probs_from_logits(output.logits[0], labels, self.temperature)))

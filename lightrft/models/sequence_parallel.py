@@ -121,7 +121,7 @@ class SequenceParallel:
                 lo, hi = max(ends - a - 1, r * step), min(ends - 1, (r + 1) * step)
                 counts[r] += max(0, hi - lo)
         return RowShard(local=local, start=start, counts=counts, offset=sum(counts[:self.rank]), group=self.group,
-                        rank=self.rank)
+                        rank=self.rank, real=max(0, min(stop, length) - start))
 
 
 @dataclass
@@ -151,6 +151,7 @@ class RowShard:
     offset: int
     group: Any
     rank: int
+    real: int = 0          # this slice's positions before the filler (the row's own tokens)
 
     def local_positions(self, predict_positions: torch.Tensor) -> torch.Tensor:
         """This slice's share of the row's action-predicting positions, relative to the slice. Shape: (K_r,)"""
@@ -159,6 +160,32 @@ class RowShard:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The row's values from every rank's part of them (`gather_shards`). Shape: (K_r, ...) -> (K, ...)"""
         return gather_shards(local, self.counts, self.rank, self.group)
+
+
+    def load_balancing_loss(self, router_logits, num_experts: int, top_k: int) -> torch.Tensor:
+        """The mixture-of-experts load-balancing loss of the whole row (Switch Transformer eq. 4 as
+        transformers computes it over a packed row: E x sum_e f_e P_e, with f the fraction of the
+        row's tokens routed to each expert, per top-k slot, and P the mean router probability,
+        over every layer), from this rank's router logits (one (T_r, E) tensor per layer; the
+        filler excluded). The routed counts and the token count are summed over the group, so f
+        is the row's; P's sums are this rank's, so the returned value is the row's loss and its
+        gradient this rank's part of the row's gradient (the parts add up over the group, as
+        the split log-probs' do)."""
+        logits = torch.cat([layer[:self.real] for layer in router_logits], dim=0)              # (L*T_r, E)
+        probs = torch.softmax(logits, dim=-1)             # in the router's dtype, as transformers does
+        chosen = torch.topk(probs, top_k, dim=-1).indices                                       # (L*T_r, k)
+        routed = torch.nn.functional.one_hot(chosen, num_experts).float().sum(dim=0)            # (k, E)
+        totals = torch.cat([routed.flatten(), torch.tensor([float(probs.size(0))], device=probs.device)]).detach()
+        prob_sums = probs.float().sum(dim=0)                                                    # (E,)
+        value = prob_sums.detach().clone()
+        if self.group is not None:
+            torch.distributed.all_reduce(totals, group=self.group)
+            torch.distributed.all_reduce(value, group=self.group)
+        tokens = totals[-1].clamp(min=1.0)
+        fraction = totals[:-1].view(top_k, num_experts) / tokens                               # the row's f, (k, E)
+        part = num_experts * (fraction * (prob_sums / tokens).unsqueeze(0)).sum()               # this rank's share
+        whole = num_experts * (fraction * (value / tokens).unsqueeze(0)).sum()                  # the row's loss
+        return part + (whole - part).detach()
 
 
 class _GatherShards(torch.autograd.Function):

@@ -249,8 +249,12 @@ class PPOUpdate:
         aux_loss = self._aux_loss(output)
         if aux_loss is not None:
             metrics["aux_loss"] = aux_loss.detach()
-            # The MoE load-balancing loss is already a per-rank mean: scale it like one.
-            loss = loss + self.algo.aux_loss_coef * aux_loss / self.loss_scale()
+            # The MoE load-balancing loss is already a per-rank mean: scale it like one. A row split
+            # over a sequence-parallel group is one row on all N of its ranks, each back-propagating
+            # its part (`RowShard.load_balancing_loss`): N times the part, as the group holds N
+            # times fewer rows than its ranks' micro-batches.
+            repeats = getattr(self.strategy, "sequence_parallel_size", 1)
+            loss = loss + self.algo.aux_loss_coef * aux_loss * repeats / self.loss_scale()
         self.strategy.backward(loss * self.loss_scale(), self.actor, self.actor_optim)
         if self.pretrain_iter is not None and self.algo.ptx_coef > 0:
             metrics["ptx_loss"] = self.ptx_step()

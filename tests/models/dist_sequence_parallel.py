@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3MoeConfig
 
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.models import ActorLanguage, Critic, PolicyLoss
@@ -98,6 +98,39 @@ def check_actor(name: str, group: SequenceParallel, checkpointing: bool) -> dict
     }
 
 
+def check_moe(group: SequenceParallel) -> dict:
+    """A mixture-of-experts policy's load-balancing loss of a split row: the unsplit row's value,
+    and with the policy loss, the unsplit gradients once the ranks' parts are summed."""
+    config = lambda: Qwen3MoeConfig(**{**COMMON, "head_dim": 16}, num_experts=4, num_experts_per_tok=2,  # noqa: E731
+                                    moe_intermediate_size=32, router_aux_loss_coef=0.01)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).float()
+    twin = AutoModelForCausalLM.from_config(config()).float()
+    twin.load_state_dict(model.state_dict())
+    reference, split = ActorLanguage(model), ActorLanguage(twin)
+    split.use_sequence_parallel(group)
+    reference.train(), split.train()
+    ids, lens, actions = row(6)
+    advantages = torch.randn(3, max(actions), generator=torch.Generator().manual_seed(7))
+    mask = (torch.arange(max(actions)).unsqueeze(0) < torch.tensor(actions).unsqueeze(1)).float()
+    results = {}
+    for key, actor in (("reference", reference), ("split", split)):
+        log_probs, output = actor(ids, actions, packed_seq_lens=lens, return_output=True, return_aux_loss=True)
+        policy = PolicyLoss(0.2)(log_probs, log_probs.detach(), advantages, action_mask=mask)
+        (policy + 0.5 * output["aux_loss"]).backward()
+        results[key] = (output["aux_loss"].detach(), {n: p.grad.clone() for n, p in actor.model.named_parameters()
+                                                      if p.grad is not None})
+    router = [n for n in results["reference"][1] if ".gate." in n or n.endswith("gate.weight")]
+    for grad in results["split"][1].values():
+        dist.all_reduce(grad, group=group.group)
+    ref_grads = results["reference"][1]
+    return {"check": "moe", "aux": max_diff(results["split"][0], results["reference"][0]),
+            "aux_value": results["reference"][0].item(),
+            "grads": max(max_diff(results["split"][1][n], g) for n, g in ref_grads.items()),
+            "router_grads": max(max_diff(results["split"][1][n], ref_grads[n]) for n in router),
+            "router_grad_scale": max(ref_grads[n].abs().max().item() for n in router), "routers": len(router)}
+
+
 def check_critic(group: SequenceParallel, folder: Path) -> dict:
     torch.manual_seed(0)
     if dist.get_rank() == 0:
@@ -133,6 +166,7 @@ def main() -> None:
     records = [check_actor(name, group, False) for name in CONFIGS]
     records.append(check_actor("qwen2_gqa_window", group, True))
     records.append(check_critic(group, out.parent / "critic"))
+    records.append(check_moe(group))
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     strategy.close()
 

@@ -49,6 +49,16 @@ def test_a_split_row_gives_the_unsplit_values_and_critic_gradients(records):
         assert r["grads"] < ATOL * r["grad_scale"]
 
 
+@pytest.mark.dist
+def test_a_split_row_gives_the_unsplit_load_balancing_loss_and_gradients(records):
+    """Router statistics summed over the group: each rank's load-balancing loss is the whole
+    row's (a rank's own slice gives another), and the ranks' gradient parts add up to the row's."""
+    for rank in records:
+        r = rank["moe"]
+        assert r["routers"] == 2 and r["aux_value"] > 0.5 and r["router_grad_scale"] > 1e-4
+        assert r["aux"] < ATOL and r["grads"] < ATOL and r["router_grads"] < ATOL
+
+
 def test_models_that_cannot_be_split_are_refused_with_the_reason():
     group = SequenceParallel(None, 2, 0)
     odd = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32,
