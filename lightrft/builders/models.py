@@ -35,3 +35,28 @@ def build_scoring_policy(path: str, model: PPOModelConfig, distributed: Distribu
 def reward_model_paths(config) -> list[str]:
     """The comma-separated `--reward_pretrain` folders of a run (`config`, the `PPORunConfig`)."""
     return [path.strip() for path in (config.model.reward_pretrain or "").split(",") if path.strip()]
+
+
+def check_scorers_take_images(config) -> None:
+    """A run with images (--image_key) scores its samples with models that see them: a critic
+    or reward model folder of a text model would read the image placeholders as text, and is
+    refused naming its flag before any weight loads."""
+    if not config.data.image_key:
+        return
+    from transformers import AutoConfig
+
+    from lightrft.models.families import family_for
+
+    model = config.model
+    folders = [("--critic_pretrain", model.critic_pretrain)] if model.critic_pretrain else []
+    folders += [("--reward_pretrain", path) for path in reward_model_paths(config)]
+    for flag, folder in folders:
+        try:
+            hf_config = AutoConfig.from_pretrained(folder, trust_remote_code=model.trust_remote_code)
+        except (OSError, ValueError):
+            continue              # the model load names what is wrong with the folder
+        if not family_for(hf_config).takes_media():
+            raise ValueError(f"{flag} {folder} is a text model ({hf_config.model_type}) and the prompts carry images "
+                             f"(--image_key {config.data.image_key}): it would read the image placeholders as text. "
+                             "Pass a vision-language model of the policy's family (a value head is added to its "
+                             "backbone), or score with --remote_rm_url sources")

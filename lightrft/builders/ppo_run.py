@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from lightrft.builders.agents import build_workflow_runner
 from lightrft.builders.datasets import build_image_prompts, build_prompt_dataset
 from lightrft.builders.engines import build_rollout_engine
-from lightrft.builders.models import build_scoring_policy, model_kwargs, policy_model_kwargs, reward_model_paths
+from lightrft.builders.models import (build_scoring_policy, check_scorers_take_images, model_kwargs,
+                                      policy_model_kwargs, reward_model_paths)
 from lightrft.builders.rewards import build_reward_sources
 from lightrft.builders.training import build_scheduler, build_tracker
 from lightrft.config import PPORunConfig
@@ -57,6 +58,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     from lightrft.models import ActorLanguage, Critic, RewardModel
 
     model = config.model
+    check_scorers_take_images(config)
     if model.teacher_pretrain:
         check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len,
                       images=bool(config.data.image_key))

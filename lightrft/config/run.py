@@ -224,11 +224,6 @@ class PPORunConfig(RunConfig):
         """What a run with images (--image_key) does not combine with, each refused with the flag
         to change and the reason (docs/combinations.md)."""
         refuse(f"--image_key {self.data.image_key}", {
-            "--critic_pretrain": (self.model.critic_pretrain, "the critic is loaded as a text model with a value "
-                                  "head and would read the image placeholders as text"),
-            "--reward_pretrain": (self.model.reward_pretrain, "a reward model is loaded as a text model and would "
-                                  "score the image placeholders as text; score with --remote_rm_url sources "
-                                  "(rules, Python files, HTTP servers)"),
             "--recorded_data": (self.data.recorded_data, "recorded experiences hold token ids only, not the images "
                                 "the policy saw")}, "docs/vlm.md")
 

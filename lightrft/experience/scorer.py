@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightrft.datasets.prompt_record import Prompt, prompt_text
 from lightrft.experience.placement import arrive
+from lightrft.models.media import merge_media
 from lightrft.models.utils import accepts_keyword
 from lightrft.rewards.base import call_reward_source
 from lightrft.rewards.batch import RewardBatch
@@ -92,7 +93,10 @@ class Scorer:
             for i in range(0, batch, self.micro_batch_size):
                 rows = slice(i, i + self.micro_batch_size)
                 seq, mask = rollout.sequences[rows].to(self.device), rollout.attention_mask[rows].to(self.device)
-                scores.append(model(seq, attention_mask=mask, **shared).float().cpu())
+                # A vision-language reward model scores the samples with their images.
+                media = merge_media(rollout.media[rows]) if rollout.media is not None else None
+                extra = {"media": media} if media is not None else {}
+                scores.append(model(seq, attention_mask=mask, **shared, **extra).float().cpu())
             columns.append(torch.cat(scores))
         if self.reward_sources:
             queries, sample_prompts = self.decode(rollout, prompts, n)

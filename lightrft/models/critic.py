@@ -88,6 +88,7 @@ class Critic(nn.Module):
         attention_mask: torch.Tensor | None = None,
         packed_seq_lens: list[int] | None = None,
         prompt_groups: list[int] | None = None,
+        media: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Values of the states from which each action token is generated, in float32.
 
@@ -98,28 +99,35 @@ class Critic(nn.Module):
         actions left-aligned, right-padded with 0 (the actor's layout). With `prompt_groups` a
         packed row computes each distinct prompt once, as `ActorLanguage.forward` does; a padded
         batch whose rows repeat a prompt is packed that way too (its pad slots then hold 0).
+        `media`: a vision-language backbone's images of the batch or row (as `ActorLanguage.forward`
+        takes them); such a critic does not share prompts, and a batch without images still runs
+        the vision tower (`ModelFamily.blank_media_inputs`).
         """
+        takes_media = self.family.takes_media()
         check_num_actions(num_actions, sequences, packed_seq_lens)
         if packed_seq_lens is not None:
             self.check_packing()
         if packed_seq_lens is None:
             num_actions = int(num_actions)
-            shared = self._shared_padded(sequences, attention_mask, num_actions)
+            shared = None if takes_media else self._shared_padded(sequences, attention_mask, num_actions)
             if shared is not None:
                 return shared
-            values = self.model(**self.family.value_inputs(self.model, sequences, attention_mask, None))  # (B, T)
+            values = self.model(**self.family.value_inputs(self.model, sequences, attention_mask, None, media))  # (B, T)
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:
+            if takes_media:
+                raise ValueError("--critic_pretrain: a vision-language critic's rows cannot be split over ranks "
+                                 "(--sequence_parallel_size)")
             shard = self.sequence_parallel.split_row(
                 self.model, lambda ids, lens: self.family.value_inputs(self.model, ids, None, lens), sequences,
                 packed_seq_lens, num_actions)
             values = self.model(**shard.local)  # (1, P/N)
             return index.to_rows(shard.gather(values[0, shard.local_positions(index.predict_positions)].float()))
-        shared = self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)
+        shared = None if takes_media else self._shared_values(sequences, packed_seq_lens, num_actions, prompt_groups)
         if shared is not None:
             return index.to_rows(shared)  # (N, A)
-        values = self.model(**self.family.value_inputs(self.model, sequences, None, packed_seq_lens))  # (1, P)
+        values = self.model(**self.family.value_inputs(self.model, sequences, None, packed_seq_lens, media))  # (1, P)
         return index.to_rows(values[0, index.predict_positions].float())  # (N, A)
 
     def _shared_values(self, sequences, seq_lens, num_actions, groups) -> torch.Tensor | None:

@@ -239,11 +239,13 @@ def value_model_class(backbone: type[PreTrainedModel], value_head_prefix: str) -
     def __init__(self, config):
         pretrained_base.__init__(self, config)
         setattr(self, self.base_model_prefix, backbone(config))
-        setattr(self, value_head_prefix, nn.Linear(config.hidden_size, 1, bias=False))
+        # a vision-language config keeps its decoder's width in its text config
+        setattr(self, value_head_prefix, nn.Linear(config.get_text_config().hidden_size, 1, bias=False))
         self.post_init()
 
-    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Per-position scalar values. Shape: (B, T) -> (B, T)"""
+    def forward(self, input_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Per-position scalar values. Shape: (B, T) -> (B, T). A vision-language backbone may get
+        `inputs_embeds` (the images' features in place) instead of `input_ids`."""
         hidden = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs).last_hidden_state  # (B, T, H)
         return getattr(self, value_head_prefix)(hidden).squeeze(-1)  # (B, T)
 

@@ -104,6 +104,7 @@ class RewardModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         packed_seq_lens: list[int] | None = None,
         prompt_len: int | None = None,
+        media: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Scores in float32, read from the head at the last real token of each sequence.
 
@@ -112,14 +113,16 @@ class RewardModel(nn.Module):
         Packed: sequences (1, P), packed_seq_lens N lengths -> (N,).
         With `config.normalize_reward`: (r - config.mean) / config.std.
         `prompt_len` (padded): the first columns that are the left-padded prompts; rows that repeat
-        a prompt then share its forward.
+        a prompt then share its forward. `media`: a vision-language backbone's images of the batch
+        or row (as `ActorLanguage.forward` takes them); such a reward model does not share prompts.
         """
         if packed_seq_lens is not None:
             self.check_packing()
-        scores = self._shared_scores(sequences, attention_mask, prompt_len) if packed_seq_lens is None else None
+        scores = (self._shared_scores(sequences, attention_mask, prompt_len)
+                  if packed_seq_lens is None and not self.family.takes_media() else None)
         if scores is not None:
             return self._normalized(scores)
-        kwargs = self.family.value_inputs(self.model, sequences, attention_mask, packed_seq_lens)
+        kwargs = self.family.value_inputs(self.model, sequences, attention_mask, packed_seq_lens, media)
         values = self.model(**kwargs)  # (B, T) or (1, P)
         if packed_seq_lens is not None:
             ends = torch.tensor(check_seq_lens(packed_seq_lens, sequences.size(-1))).cumsum(0) - 1  # (N,)

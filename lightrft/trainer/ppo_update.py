@@ -291,8 +291,10 @@ class PPOUpdate:
 
     def training_step_critic(self, experience: Experience, counts: dict) -> dict:
         self._train_mode(self.critic)
+        media = experience.merged_media      # a vision-language critic sees the samples' images
         values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
-                             packed_seq_lens=experience.packed_seq_lens, **self._prompt_groups(self.critic, experience))
+                             packed_seq_lens=experience.packed_seq_lens, **self._prompt_groups(self.critic, experience),
+                             **({"media": media} if media is not None else {}))
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
                                             action_mask=experience.loss_mask, global_num_tokens=counts["tokens"],
                                             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len,

@@ -140,13 +140,27 @@ def test_grpo_learns_an_image_task_and_zero3_takes_mixed_micro_batches(tmp_path)
     assert len(gaps) == 48 and max(gaps) < 1e-3, max(gaps)
 
 
+def vision_reward_model(base, out):
+    """A reward model on the vision-language backbone of `base`, its value head seeded at random."""
+    from transformers import AutoProcessor
+
+    from lightrft.models import RewardModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        RewardModel(str(base), init_value_head=True).save_pretrained(out)
+    AutoProcessor.from_pretrained(base).save_pretrained(out)
+    return out
+
+
 def test_a_run_with_images_resumes_exactly(tmp_path):
     """Mixed image and text prompts, packed, ZeRO-3, a reference model, an EMA copy and a
     pretraining loss on text rows: 2 steps, a checkpoint and a resume in a new process to step 4
     end with the weights of 4 uninterrupted steps, bit for bit (the export is the EMA's, so its
     checkpoint is checked; a frozen ZeRO-3 engine has no DeepSpeed checkpoint engine, and saving
-    one hung both ranks). The same run with an explorer rank samples with the trainer's weights, and
-with a vision-language teacher distils from it."""
+    one hung both ranks). The same run with an explorer rank samples with the trainer's weights, with
+a vision-language teacher distils from it, and with a vision-language critic and reward model
+trains PPO."""
     data = tmp_path / "data"
     train_file, _ = colour_splits(data, n_train=32, n_eval=4, seed=1)
     rows = read_rows(train_file)
@@ -174,9 +188,14 @@ with a vision-language teacher distils from it."""
     taught = to_flags({**common, "max_steps": 2, "teacher_pretrain": warm, "distill_mode": "loss",
                        "save_path": tmp_path / "taught", "ckpt_path": tmp_path / "taught_ckpt",
                        "use_tensorboard": tmp_path / "tb_taught"})
+    # PPO with a critic and a reward model on the vision-language backbone (a value head each).
+    reward_model = vision_reward_model(warm, tmp_path / "vision_rm")
+    valued = to_flags({**common, "max_steps": 2, "advantage_estimator": "gae", "critic_pretrain": warm,
+                       "reward_pretrain": reward_model, "critic_learning_rate": 1e-3, "save_path": tmp_path / "valued",
+                       "ckpt_path": tmp_path / "valued_ckpt", "use_tensorboard": tmp_path / "tb_valued"})
     # The explorer run goes last: its ranks build ZeRO-3 parameters in different numbers (the
     # explorer none), and DeepSpeed numbers them per process, which a later ZeRO-3 run compares.
-    *_, explored = run_torchrun_many([full, half, taught, explorer], tmp_path)
+    *_, explored = run_torchrun_many([full, half, taught, valued, explorer], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
                         "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
@@ -195,6 +214,18 @@ with a vision-language teacher distils from it."""
     # it trains (reverse KL 0 at step 1; the teacher without the images gives 0.148), apart after.
     kl = dict(tensorboard_scalars(tmp_path / "tb_taught")["distill/reverse_kl"])
     assert kl[1] == 0.0 and kl[2] > 1e-3, kl
+    # The critic trained on the images: every weight of its vision tower moved from the warm start
+    # (a batch without images runs the tower on a blank with weight 0, which moves nothing); the
+    # step-1 samples are the first run's, whose reward the reward model's score changes.
+    from lightrft.strategy.ds_weights import module_state_dict
+
+    valued_scalars = tensorboard_scalars(tmp_path / "tb_valued")
+    assert all(0 < value < 10 for _, value in valued_scalars["train/critic_loss"])
+    first_reward = dict(tensorboard_scalars(tmp_path / "tb")["rollout/reward"])[1]
+    assert abs(dict(valued_scalars["rollout/reward"])[1] - first_reward) > 1e-3
+    critic = module_state_dict(tmp_path / "valued_ckpt" / "_critic" / "global_step2")
+    vision = [name for name in start if name.startswith("model.vision_model.")]
+    assert len(vision) > 10 and all(not torch.equal(critic["model." + name], start[name]) for name in vision)
     # The pretraining loss on the text rows took part at every step, resumed or not.
     full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
     assert len(full_ptx) == 4 and min(full_ptx.values()) > 0

@@ -174,3 +174,56 @@ def test_given_module_needs_its_head(tiny_dirs):
     critic = Critic(tiny_dirs["qwen2"])
     wrapped = Critic(critic.model)
     assert wrapped.model is critic.model
+
+
+def test_a_vision_language_critic_and_reward_model_see_the_images(tmp_path):
+    """A value head on a vision-language backbone (Idefics3): the backbone loads from the policy's
+    folder, the values and scores change with the image, a packed row gives the padded values, and
+    the vision tower gets a gradient (the critic trains it with the decoder)."""
+    from transformers import AutoModelForImageTextToText
+
+    from lightrft.models.families.idefics3 import image_tokens
+    from lightrft.utils.tiny import save_tiny_idefics3
+
+    folder = save_tiny_idefics3(tmp_path / "vlm")
+    critic, reward = Critic(str(folder)), RewardModel(str(folder), init_value_head=True)
+    policy = AutoModelForImageTextToText.from_pretrained(folder)
+    for model in (critic.model, reward.model):
+        assert torch.equal(model.model.vision_model.embeddings.patch_embedding.weight,
+                           policy.model.vision_model.embeddings.patch_embedding.weight)
+        assert torch.equal(model.model.text_model.embed_tokens.weight, policy.model.text_model.embed_tokens.weight)
+    config = critic.model.config
+    ids = torch.tensor([[5, 6] + [config.image_token_id] * image_tokens(config) + [7, 8, 9, 10]])
+    size, generator = config.vision_config.image_size, torch.Generator().manual_seed(0)
+    first, second = ({"pixel_values": torch.rand(1, 3, size, size, generator=generator)} for _ in range(2))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        values = [critic(ids, 3, attention_mask=mask, media=m) for m in (first, second)]
+        scores = [reward(ids, attention_mask=mask, media=m) for m in (first, second)]
+        packed = critic(ids, [3], packed_seq_lens=[ids.size(1)], media=first)
+        packed_score = reward(ids, packed_seq_lens=[ids.size(1)], media=first)
+    assert (values[0] - values[1]).abs().min() > 1e-3 and (scores[0] - scores[1]).abs().min() > 1e-3
+    assert torch.allclose(packed, values[0], atol=1e-5) and torch.allclose(packed_score, scores[0], atol=1e-5)
+    critic(ids, 3, attention_mask=mask, media=first).sum().backward()
+    vision = [p.grad for n, p in critic.model.named_parameters() if ".vision_model." in n and p.grad is not None]
+    assert vision and max(g.abs().max().item() for g in vision) > 1e-4
+
+
+def test_a_run_with_images_refuses_a_text_critic_or_reward_model(tmp_path):
+    from lightrft.builders.models import check_scorers_take_images
+    from lightrft.config import PPORunConfig
+    from lightrft.utils.tiny import save_tiny_idefics3, save_tiny_model
+    from tests.conftest import to_flags
+
+    text, vision = save_tiny_model(tmp_path / "text"), save_tiny_idefics3(tmp_path / "vlm")
+
+    def config(**flags):
+        values = dict(pretrain=vision, prompt_data="p.jsonl", remote_rm_url="exact", image_key="images",
+                      advantage_estimator="gae", n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32)
+        parser = PPORunConfig.build_parser("train_ppo")
+        return PPORunConfig.from_namespace(parser.parse_args(to_flags({**values, **flags})))
+
+    check_scorers_take_images(config(critic_pretrain=vision, reward_pretrain=vision))
+    for flag in ("critic_pretrain", "reward_pretrain"):
+        with pytest.raises(ValueError, match=rf"--{flag} .*text is a text model \(qwen2\) and the prompts carry images"):
+            check_scorers_take_images(config(**{"critic_pretrain": vision, flag: text}))

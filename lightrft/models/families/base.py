@@ -198,11 +198,12 @@ class ModelFamily:
         return self._mapped(model, kwargs, kwargs["input_ids"])
 
     def value_inputs(self, model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor | None,
-                     packed_seq_lens: list[int] | None) -> dict:
-        """Forward keyword arguments of a value model for a padded batch or a packed row."""
+                     packed_seq_lens: list[int] | None, media: dict[str, torch.Tensor] | None = None) -> dict:
+        """Forward keyword arguments of a value model for a padded batch or a packed row, with its
+        `media` (a vision-language backbone's images) when it has any."""
         if packed_seq_lens is None:
-            return self.padded_inputs(model, sequences, attention_mask)
-        return self.packed_inputs(model, sequences, packed_seq_lens)
+            return self.padded_inputs(model, sequences, attention_mask, media)
+        return self.packed_inputs(model, sequences, packed_seq_lens, media)
 
     @staticmethod
     def merge_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, torch.Tensor] | None:
