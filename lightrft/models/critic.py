@@ -112,7 +112,8 @@ class Critic(nn.Module):
             shared = None if takes_media else self._shared_padded(sequences, attention_mask, num_actions)
             if shared is not None:
                 return shared
-            values = self.model(**self.family.value_inputs(self.model, sequences, attention_mask, None, media))  # (B, T)
+            kwargs = self.family.value_inputs(self.model, sequences, attention_mask, None, media)
+            values = self.model(**kwargs)  # (B, T)
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:

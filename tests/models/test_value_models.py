@@ -225,5 +225,30 @@ def test_a_run_with_images_refuses_a_text_critic_or_reward_model(tmp_path):
 
     check_scorers_take_images(config(critic_pretrain=vision, reward_pretrain=vision))
     for flag in ("critic_pretrain", "reward_pretrain"):
-        with pytest.raises(ValueError, match=rf"--{flag} .*text is a text model \(qwen2\) and the prompts carry images"):
+        with pytest.raises(ValueError, match=rf"--{flag} .*text is a text model \(qwen2\) and the prompts carry"):
             check_scorers_take_images(config(**{"critic_pretrain": vision, flag: text}))
+
+
+def test_a_qwen_vl_critic_values_the_samples_at_their_multimodal_positions(tmp_path):
+    """Qwen2.5-VL (multimodal rotary positions) as a critic's backbone: the values change with the
+    image and a packed row gives the padded values."""
+    import random
+
+    from lightrft.datasets.images import ImagePrompts
+    from lightrft.datasets.toy_images import draw_disc
+    from lightrft.models.families import family_of
+    from lightrft.utils.tiny import build_tiny_qwen_vl, build_tiny_qwen_vl_processor
+
+    processor = build_tiny_qwen_vl_processor(version="2.5")
+    build_tiny_qwen_vl("2.5", processor.tokenizer, seed=3).save_pretrained(tmp_path / "qwen")
+    critic = Critic(str(tmp_path / "qwen"))
+    images = ImagePrompts(processor, family_of(critic.model))
+    rng = random.Random(1)
+    red, green = [draw_disc("r", rng)], [draw_disc("g", rng)]
+    ids = torch.tensor([images.expand(f"{images.marker}Colour?", red, True) + [5, 6, 7]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        values = [critic(ids, 3, attention_mask=mask, media=images.media(p)) for p in (red, green)]
+        packed = critic(ids, [3], packed_seq_lens=[ids.size(1)], media=images.media(red))
+    assert (values[0] - values[1]).abs().min() > 1e-3
+    assert torch.allclose(packed, values[0], atol=1e-5)
