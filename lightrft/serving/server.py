@@ -29,6 +29,7 @@ import base64
 import binascii
 import gc
 import hmac
+import ipaddress
 import logging
 import signal
 import socket
@@ -109,14 +110,48 @@ def _raw_response(status: int, body: bytes) -> bytes:
 
 
 # ------------------------------------------------------------------------------- the protocol
+def client_key(host: str) -> str:
+    """What the per-client bound counts a connection under: an IPv4 address, or the /64 network of
+    an IPv6 one (one host holds a whole /64), an IPv4-mapped IPv6 address as its IPv4 address."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return host
+
+
+REFUSAL_LOG_SECONDS = 10.0        # a client's refused connections are logged once in this time
+REFUSED_OPEN = 256                # refused connections answered at once (each open for LINGER_SECONDS)
+
+
 class ConnectionBook:
-    """Connections admitted per client address and in all; a connection over either bound is
-    answered 503 and closed (its headers still have the request deadline)."""
+    """Connections admitted per client (`client_key`) and in all. A connection over either bound
+    is answered 503 at once, unprompted, and closed LINGER_SECONDS later (it holds no slot for the
+    request deadline); refused connections still open are counted, and past REFUSED_OPEN (or
+    --max_connections, if more) of them a new one is dropped without a reply. Refusals are logged once per client every
+    REFUSAL_LOG_SECONDS, with the number not logged."""
 
     def __init__(self, settings: HTTPSettings):
         self.settings = settings
         self.per_client: Counter[str] = Counter()
         self.total = 0
+        self.refused_open = 0
+        self.refused = 0                   # connections refused since the server started
+        self._logged: dict[str, tuple[float, int]] = {}      # client -> (last logged, refused since)
+
+    def log_refusal(self, key: str, why: str, now: float) -> None:
+        self.refused += 1
+        last, unlogged = self._logged.get(key, (float("-inf"), 0))
+        if now - last < REFUSAL_LOG_SECONDS:
+            self._logged[key] = (last, unlogged + 1)
+            return
+        more = f" ({unlogged} more from this client since the last message)" if unlogged else ""
+        logger.warning("refused a connection: %s%s", why, more)
+        self._logged[key] = (now, 0)
 
     def admit(self, host: str) -> str | None:
         """None when a connection from `host` is admitted (counted), else why not."""
@@ -156,14 +191,32 @@ class GuardedProtocol(H11Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._host = self.client[0] if self.client else "unknown"
+        self._host = client_key(self.client[0]) if self.client else "unknown"
         self._refusal = self.book.admit(self._host)
         self._admitted = self._refusal is None        # counted in the book until the connection ends
-        if not self._admitted:
-            logger.warning("refused a connection: %s", self._refusal)
-            self.app = self._refuse
         self._timer = self._stall = None
+        if not self._admitted:
+            self._refuse_now()
+            return
         self._arm()
+
+    def _refuse_now(self) -> None:
+        """A connection over a bound: its 503 goes out at once and it closes LINGER_SECONDS later
+        (what the client sends meanwhile is read and dropped, so the reply is not reset away)."""
+        book = self.book
+        book.log_refusal(self._host, self._refusal, self.loop.time())
+        if book.refused_open >= max(REFUSED_OPEN, self.settings.max_connections):    # a flood: no reply at all
+            self.transport.abort()
+            return
+        book.refused_open += 1
+        self._refused_open = True
+        error = RequestError(self._refusal, None, HTTPStatus.SERVICE_UNAVAILABLE)
+        self.transport.write(_raw_response(int(error.status), json_out.dumps(self.error_body(error)).encode()))
+        self._timer = self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._admitted:
+            super().data_received(data)        # a refused connection's request is dropped unread
 
     def connection_lost(self, exc) -> None:
         for handle in (self._timer, self._stall):
@@ -173,11 +226,10 @@ class GuardedProtocol(H11Protocol):
         if self._admitted:
             self.book.release(self._host)
             self._admitted = False
+        if getattr(self, "_refused_open", False):
+            self.book.refused_open -= 1
+            self._refused_open = False
         super().connection_lost(exc)
-
-    async def _refuse(self, scope, receive, send) -> None:
-        await refuse(RequestError(self._refusal, None, HTTPStatus.SERVICE_UNAVAILABLE), self.error_body, scope,
-                     receive, send)
 
     # -------------------------------------------------------------------------- the deadline
     def _arm(self) -> None:

@@ -7,6 +7,7 @@ and server.py; tests/cli/test_serve_rm.py drives it.)"""
 import base64
 import http.client
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -461,6 +462,41 @@ def test_one_client_holding_many_slow_connections_does_not_lock_out_others(api):
         assert wait_for(lambda: server.connections.total == 0)
         with from_greedy(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n") as sock:
             assert sock.recv(65536).split()[1] == b"200"
+
+
+def test_refused_connections_are_answered_at_once_closed_and_logged_once(api, caplog):
+    """The probe's finding: connections over the per-client bound stayed open for the request
+    deadline uncounted (1,100 idle ones from one address ran the server out of descriptors) and
+    each was logged. Now each gets its 503 unprompted and is closed by the server, without a
+    request from the client; the refusals are logged once; an IPv6 host's connections are counted
+    under its /64 network."""
+    from lightrft.serving.server import client_key
+
+    assert client_key("2001:db8:1:2::5") == client_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert client_key("2001:db8:1:3::5") != client_key("2001:db8:1:2::5")
+    assert client_key("::ffff:10.0.0.7") == "10.0.0.7" and client_key("127.0.0.2") == "127.0.0.2"
+    with serving(api, request_timeout=30.0, max_connections=64, max_connections_per_client=2) as server:
+        p = server.server_address[1]
+        held = [socket.create_connection(("127.0.0.1", p), timeout=15, source_address=("127.0.0.2", 0))
+                for _ in range(2)]
+        assert wait_for(lambda: server.connections.per_client.get("127.0.0.2") == 2)
+        with caplog.at_level(logging.WARNING, logger="lightrft.serving.server"):
+            refused = [socket.create_connection(("127.0.0.1", p), timeout=15, source_address=("127.0.0.2", 0))
+                       for _ in range(40)]
+            for sock in refused:          # nothing sent: the reply comes, then the server's close
+                reply = b""
+                while chunk := sock.recv(65536):
+                    reply += chunk
+                assert reply.split()[1] == b"503" and b"already has 2 connections open" in reply
+                sock.close()
+        assert server.connections.refused == 40
+        assert wait_for(lambda: server.connections.refused_open == 0)
+        messages = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+        assert len(messages) == 1, messages
+        assert server.connections.total == 2         # the held ones, still served
+        for sock in held:
+            sock.close()
+        assert wait_for(lambda: server.connections.total == 0)
 
 
 def test_fifty_parallel_clients_lose_nothing_beside_slowloris_connections(api):
