@@ -204,7 +204,12 @@ def parse_completion_request(payload: Any, tokenizer: Any, limits: ServeLimits) 
 
 def parse_chat_request(payload: Any, tokenizer: Any, limits: ServeLimits) -> GenerationRequest:
     """A `/v1/chat/completions` body: `messages` rendered with the tokenizer's chat template and
-    the generation prompt."""
+    the generation prompt. A conversation of more messages than prompt tokens is refused before
+    its messages are validated or rendered (each message renders to a token at least)."""
+    messages = payload.get("messages") if isinstance(payload, dict) else None
+    if isinstance(messages, list) and len(messages) > limits.prompt_tokens:
+        raise RequestError(f"'messages' holds {len(messages)} messages, more than the {limits.prompt_tokens} prompt "
+                           "tokens this server takes (each message is a token at least); send fewer", "messages")
     body = validated(ChatBody, payload, "/v1/chat/completions", HINTS)
     if getattr(tokenizer, "chat_template", None) is None:
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions, or serve a folder "

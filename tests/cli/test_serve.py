@@ -220,6 +220,10 @@ def test_chat_request_uses_the_template_and_checks_messages():
     with pytest.raises(RequestError) as info:
         parse_chat_request({"messages": [{"role": "user"}]}, tokenizer, LIMITS)
     assert info.value.param == "messages[0].content" and "'messages[0].content' is missing" in str(info.value)
+    # A conversation of more messages than prompt tokens is refused before it is rendered (300,000
+    # empty messages took a gigabyte to validate and render).
+    with pytest.raises(RequestError, match="'messages' holds 33 messages, more than the 32 prompt tokens"):
+        parse_chat_request({"messages": [{"role": "user", "content": ""}] * 33}, tokenizer, LIMITS)
 
 
 def test_stop_string_cuts_text_and_keeps_the_tokens_that_made_it():
