@@ -303,11 +303,53 @@ class _Tool:
     signature: inspect.Signature    # checked here, so bad arguments never reach a worker
 
 
+WORKER_OUTPUT_BYTES = 64 * 1024      # of what a worker's tools print, shown on the trainer's stderr
+
+
+class _OutputForwarder:
+    """Copies a worker's stdout and stderr (one pipe) to the trainer's stderr, at most
+    WORKER_OUTPUT_BYTES of it, then says how much it left out when the pipe ends: a tool that
+    prints in a loop cannot flood the run's log. A daemon thread reads the pipe to its end, so the
+    worker never blocks on a full pipe."""
+
+    def __init__(self, pipe, limit: int = WORKER_OUTPUT_BYTES):
+        self.pipe, self.limit, self.shown, self.dropped = pipe, limit, 0, 0
+        self.thread = threading.Thread(target=self._run, name="lightrft-tool-output", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while chunk := self.pipe.read1(65536):
+                room = max(0, self.limit - self.shown)
+                if room:
+                    _write_stderr(chunk[:room])
+                    self.shown += min(room, len(chunk))
+                self.dropped += max(0, len(chunk) - room)
+        except (OSError, ValueError):
+            pass
+        finally:
+            if self.dropped:
+                _write_stderr(f"\n[lightrft: a tool worker printed {self.dropped} more bytes, not shown (the first "
+                              f"{self.limit} are)]\n".encode())
+
+
+def _write_stderr(data: bytes) -> None:
+    try:
+        if hasattr(sys.stderr, "buffer"):
+            sys.stderr.buffer.write(data)
+        else:                       # a text stream put in its place (a test's capture)
+            sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 class _Worker:
     """One worker process and the connection to it."""
 
     def __init__(self, process: subprocess.Popen, conn: Connection):
         self.process, self.conn = process, conn
+        self.output = _OutputForwarder(process.stdout) if process.stdout is not None else None
         self._lock = threading.Lock()
         self._ended: Optional[str] = None
 
@@ -338,6 +380,9 @@ class _Worker:
             pass
         self.process.wait()
         self.conn.close()
+        if self.output is not None:       # the pipe ends with the process group: its last words shown
+            self.output.thread.join(timeout=5.0)
+            self.process.stdout.close()
         code = self.process.returncode
         return f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
@@ -539,9 +584,9 @@ class ToolRunner:
                 [sys.executable, "-c", _WORKER_BOOT, __file__, json.dumps(sys.path), str(theirs.fileno()),
                  str(os.getpid()), "1" if arm_death_signal else "0"],
                 # A tool's print() goes to the trainer's stderr, not into its stdout (which ends with
-                # the run's JSON summary line).
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
-                start_new_session=True)
+                # the run's JSON summary line), capped (`_OutputForwarder`).
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True)
         conn = Connection(ours.detach())
         tools = [[self._tools[name].path, self._tools[name].function] for name in self.names]
         conn.send_bytes(json.dumps(tools).encode())

@@ -416,6 +416,20 @@ def test_a_tools_print_goes_to_stderr_not_the_trainers_stdout(tmp_path, capfd):
     assert "TOOL-PRINTED-THIS" not in captured.out and "TOOL-PRINTED-THIS" in captured.err
 
 
+def test_a_tool_that_floods_its_output_shows_a_bounded_head_and_the_count(tmp_path, capfd):
+    from lightrft.agents.tools import WORKER_OUTPUT_BYTES
+
+    tools = write(tmp_path, "loud.py", "def loud():\n    print('x' * 999, flush=True) or None\n"
+                                       "    for _ in range(3000):\n        print('y' * 999)\n    return 'done'\n")
+    with ToolRunner.from_file(tools, names=["loud"], timeout=30.0, workers=1) as runner:
+        assert run(runner, "loud").output == "done"
+    captured = capfd.readouterr()
+    assert "y" * 999 not in captured.out and "x" * 999 in captured.err
+    assert WORKER_OUTPUT_BYTES <= len(captured.err) < WORKER_OUTPUT_BYTES + 4096
+    # 3,001 lines of 1,000 bytes: the first WORKER_OUTPUT_BYTES shown, the rest counted.
+    assert f"a tool worker printed {3001 * 1000 - WORKER_OUTPUT_BYTES} more bytes, not shown" in captured.err
+
+
 def test_a_huge_environment_text_ends_the_episode_before_it_is_tokenised():
     from lightrft.agents.episode import Episode, EpisodeEnd
 
