@@ -159,6 +159,33 @@ def run_images(config: PPORunConfig, tokenizer):
     return build_image_prompts(config.model.pretrain, tokenizer, config.model.trust_remote_code)
 
 
+def export_processor(config: PPORunConfig, tokenizer, images=None):
+    """The processor the exports carry: the run's (--image_key), or for a vision-language policy
+    trained on text alone its folder's, so the export still loads with `AutoProcessor` (None for
+    a text model, or when the folder has no processor: a warning says so)."""
+    if images is not None:
+        return images.processor
+    from transformers import AutoConfig
+
+    from lightrft.models.families import family_for
+
+    model = config.model
+    try:
+        family = family_for(AutoConfig.from_pretrained(model.pretrain, trust_remote_code=model.trust_remote_code))
+    except (OSError, ValueError):
+        return None
+    if not family.takes_media():
+        return None
+    try:
+        processor = family.load_processor(model.pretrain, tokenizer, trust_remote_code=model.trust_remote_code)
+        processor.tokenizer = tokenizer          # the run's tokenizer, as `build_image_prompts` sets it
+        return processor
+    except (OSError, ValueError, ImportError) as err:
+        print(f"warning: --pretrain {model.pretrain} is a vision-language model but its processor could not be "
+              f"loaded ({type(err).__name__}: {err}); the exports will carry the tokenizer only")
+        return None
+
+
 def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, callbacks=(),
                   experience_source=None) -> PPORun:
     """Everything a PPO run needs, on every rank: the models prepared by the strategy, the data
@@ -195,7 +222,7 @@ def build_ppo_run(config: PPORunConfig, *, strategy=None, trainer_cls=None, call
         strategy, m, config, tokenizer=tokenizer, reward_sources=reward_sources, rollout_engine=rollout_engine,
         tracker=tracker, callbacks=callbacks, experience_source=experience_source or data_source,
         eos_token_ids=eos_token_ids, workflow_runner=workflow_runner,
-        processor=images.processor if images is not None else None)
+        processor=export_processor(config, tokenizer, images))
     return PPORun(args=config, strategy=strategy, tokenizer=tokenizer, trainer=trainer, prompts=prompts,
                   dataloader=dataloader, eval_dataloader=eval_dataloader, pretrain_dataloader=pretrain_dataloader,
                   updates_per_step=config.updates_per_step, tracker=tracker)

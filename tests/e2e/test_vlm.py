@@ -193,9 +193,15 @@ trains PPO."""
     valued = to_flags({**common, "max_steps": 2, "advantage_estimator": "gae", "critic_pretrain": warm,
                        "reward_pretrain": reward_model, "critic_learning_rate": 1e-3, "save_path": tmp_path / "valued",
                        "ckpt_path": tmp_path / "valued_ckpt", "use_tensorboard": tmp_path / "tb_valued"})
+    # The vision-language policy trained on text prompts alone (no --image_key): its export still
+    # carries the processor files, so it loads with AutoProcessor.
+    words = data / "words.jsonl"
+    words.write_text("".join(json.dumps({"input": "Colour?", "label": row["label"]}) + "\n" for row in rows[:16]))
+    textual = to_flags({**common, "image_key": None, "prompt_data": words, "max_steps": 1, "enable_ema": False,
+                        "save_path": tmp_path / "textual", "ckpt_path": tmp_path / "textual_ckpt"})
     # The explorer run goes last: its ranks build ZeRO-3 parameters in different numbers (the
     # explorer none), and DeepSpeed numbers them per process, which a later ZeRO-3 run compares.
-    *_, explored = run_torchrun_many([full, half, taught, valued, explorer], tmp_path)
+    *_, explored = run_torchrun_many([full, half, taught, valued, textual, explorer], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
                         "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
@@ -226,6 +232,7 @@ trains PPO."""
     critic = module_state_dict(tmp_path / "valued_ckpt" / "_critic" / "global_step2")
     vision = [name for name in start if name.startswith("model.vision_model.")]
     assert len(vision) > 10 and all(not torch.equal(critic["model." + name], start[name]) for name in vision)
+    assert (tmp_path / "textual" / "processor_config.json").is_file()
     # The pretraining loss on the text rows took part at every step, resumed or not.
     full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
     assert len(full_ptx) == 4 and min(full_ptx.values()) > 0
