@@ -13,6 +13,8 @@ conversation, but with the sampled ids of every assistant turn kept as they were
 """
 
 import asyncio
+import contextvars
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -317,12 +319,41 @@ class Episode:
         return list(results)
 
     async def environment(self, fn: Callable, *args, **kwargs):
-        """Runs a blocking environment call in a thread, timed under rollout/env_seconds."""
+        """Runs a blocking environment call in a thread, timed under rollout/env_seconds. The
+        thread is a daemon of its own, not the loop's executor: a call that never returns ends
+        with its episode's --episode_timeout (its result, when it comes, is dropped) and holds up
+        neither the rollout's end nor the process's exit."""
         started = time.perf_counter()
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await _in_daemon_thread(fn, *args, **kwargs)
         finally:
             self.stats.env_seconds += time.perf_counter() - started
+
+
+async def _in_daemon_thread(fn: Callable, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a daemon thread, awaited; cancelling the await leaves the thread to
+    finish alone (`asyncio.to_thread` uses the loop's executor, whose threads the loop's shutdown
+    and the interpreter's exit wait for)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        if not future.done():
+            (future.set_result if outcome[0] else future.set_exception)(outcome[1])
+
+    def work() -> None:
+        try:
+            outcome = (True, context.run(fn, *args, **kwargs))
+        except BaseException as err:       # handed to the awaiting episode
+            outcome = (False, err)
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:               # the loop is closed: nobody waits for it any more
+            pass
+
+    threading.Thread(target=work, name="lightrft-environment", daemon=True).start()
+    return await future
 
 
 @dataclass

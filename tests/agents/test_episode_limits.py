@@ -48,6 +48,27 @@ def test_an_episode_past_its_deadline_ends_with_the_end_reward_and_the_rest_trai
     assert batch.rewards.valid.all()
 
 
+class BlockingEnvironment(Workflow):
+    """Prompt 1's episodes make an environment call that never returns (a blocking library call)."""
+    reward_on_end = -0.5
+
+    async def run(self, episode):
+        await episode.generate()
+        if episode.index == 1:
+            await episode.environment(time.sleep, 1e6)
+        return 1.0
+
+
+def test_an_environment_call_that_never_returns_ends_with_the_episode_deadline(tiny):  # noqa: F811
+    """The probe's finding: `await episode.environment(time.sleep, 1e6)` outlived --episode_timeout
+    (the loop's executor waited for its thread at the rollout's end). Now the episode ends at its
+    deadline, the rollout returns, and the thread is left to itself (a daemon)."""
+    batch = run(tiny, runner_for(tiny, BlockingEnvironment(), episode_timeout=1.0))
+    assert [r.stop_reason for r in batch.records] == ["done", "done", "episode_timeout", "episode_timeout",
+                                                      "done", "done"]
+    assert batch.rewards.scores.tolist() == [1.0, 1.0, -0.5, -0.5, 1.0, 1.0]
+
+
 class Blocks(Workflow):
     async def run(self, episode):
         await episode.generate()
