@@ -785,7 +785,10 @@ class DeepspeedStrategy:
         if frozen.is_file() or _without_checkpoint_engine(model):     # whole weights: any rank count
             self._load_whole_weights(model, frozen)
             return value, checkpoint_io.load_client_state(Path(value), self.rank)
-        if saved[0] and saved[0] != self.world_size:
+        # Without ZeRO (stage 0) the checkpoint holds the whole optimizer state beside the weights
+        # (mp_rank_00_model_states.pt), which any number of ranks loads as it is.
+        sharded = any((Path(value) / DS_SUBDIR).glob("*_optim_states.pt"))
+        if saved[0] and saved[0] != self.world_size and sharded:
             if self.same_ranks_reason:
                 raise ValueError(f"cannot resume {value}, saved by {saved[0]} rank(s), on {self.world_size}: "
                                  f"{self.same_ranks_reason}; resume on {saved[0]} rank(s)")

@@ -34,7 +34,9 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-0 checkpoints hold the whole optimizer state and load on any number of ranks as they are
+# (the universal conversion found no optimizer shards in them and failed).
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, stage):
     save_tiny_model(tmp_path / "model")
     rows = [{"input": f"{a}+{b}=", "output": str(a + b)} for a in range(10) for b in range(10)]
@@ -46,10 +48,11 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, sta
     shutil.copytree(tmp_path / "full_ckpt" / "global_step2", ckpt / "global_step2")
     saved = sorted(p.name for p in (ckpt / "global_step2").rglob("*") if p.is_file())
     one = sft(tmp_path, 1, ckpt, 3, stage, "one", load_checkpoint=True)
-    assert "was saved by 2 rank(s) and this job has 1: converting it" in one.stdout
+    assert ("was saved by 2 rank(s) and this job has 1: converting it" in one.stdout) == (stage > 0)
     assert "resumed from" in one.stdout and "step 2, 24 samples consumed" in one.stdout
     three = sft(tmp_path, 3, ckpt, 4, stage, "three", load_checkpoint=True)
-    assert "was saved by 1 rank(s) and this job has 3" in three.stdout and "step 3, 36 samples consumed" in three.stdout
+    assert ("was saved by 1 rank(s) and this job has 3" in three.stdout) == (stage > 0)
+    assert "step 3, 36 samples consumed" in three.stdout
 
     # The checkpoint resumed from is untouched, and no converted copy is left behind.
     assert sorted(p.name for p in (ckpt / "global_step2").rglob("*") if p.is_file()) == saved
