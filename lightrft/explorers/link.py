@@ -95,7 +95,8 @@ class ExplorerLink:
             if self.publisher is not None:
                 named += [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
         if self.publisher is not None:
-            self.publisher.publish(version, named, start_batch=version, adapter=self.context.adapter)
+            # a context made elsewhere (research code, a test) may not name an adapter
+            self.publisher.publish(version, named, start_batch=version, adapter=getattr(self.context, "adapter", None))
 
     # ---------------------------------------------------------------------------------- steps
     def next(self, step: int, params=None) -> Optional[SourceBatch]:
