@@ -38,9 +38,9 @@ def reward_model_paths(config) -> list[str]:
 
 
 def check_scorers_take_images(config) -> None:
-    """A run with images (--image_key) scores its samples with models that see them: a critic
-    or reward model folder of a text model would read the image placeholders as text, and is
-    refused naming its flag before any weight loads."""
+    """A run with images (--image_key) scores its samples with models that see them: a teacher,
+    critic or reward model folder of a text model would read the image placeholders as text, and
+    is refused naming its flag before any weight loads."""
     if not config.data.image_key:
         return
     from transformers import AutoConfig
@@ -48,7 +48,8 @@ def check_scorers_take_images(config) -> None:
     from lightrft.models.families import family_for
 
     model = config.model
-    folders = [("--critic_pretrain", model.critic_pretrain)] if model.critic_pretrain else []
+    folders = [(flag, folder) for flag, folder in (("--teacher_pretrain", model.teacher_pretrain),
+                                                   ("--critic_pretrain", model.critic_pretrain)) if folder]
     folders += [("--reward_pretrain", path) for path in reward_model_paths(config)]
     for flag, folder in folders:
         try:
@@ -58,5 +59,5 @@ def check_scorers_take_images(config) -> None:
         if not family_for(hf_config).takes_media():
             raise ValueError(f"{flag} {folder} is a text model ({hf_config.model_type}) and the prompts carry images "
                              f"(--image_key {config.data.image_key}): it would read the image placeholders as text. "
-                             "Pass a vision-language model of the policy's family (a value head is added to its "
-                             "backbone), or score with --remote_rm_url sources")
+                             "Pass a vision-language model of the policy's family (a critic or reward model gets a "
+                             "value head on its backbone), or score with --remote_rm_url sources")

@@ -60,8 +60,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     model = config.model
     check_scorers_take_images(config)
     if model.teacher_pretrain:
-        check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len,
-                      images=bool(config.data.image_key))
+        check_teacher(model, config.data.prompt_max_len + config.rollout.generate_max_len)
     policy_kwargs = policy_model_kwargs(model, config.distributed)
     scorer_kwargs = model_kwargs(model, config.distributed)
     temperature = config.rollout.temperature
@@ -96,7 +95,7 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
     return PPOModels(actor, critic, reward_models, initial_model, ema_model, teacher_model)
 
 
-def check_teacher(model, max_tokens: int | None = None, images: bool = False) -> None:
+def check_teacher(model, max_tokens: int | None = None) -> None:
     """Refuses a --teacher_pretrain folder without a tokenizer, or with another tokenizer than
     --pretrain's (`lightrft.models.teacher.check_teacher_tokenizer`); a reward model folder (a value
     head where the LM head should be: distilling from it would use a random LM head); and a teacher
@@ -112,8 +111,7 @@ def check_teacher(model, max_tokens: int | None = None, images: bool = False) ->
                          "pass a Hugging Face model folder with its tokenizer files") from None
     check_teacher_tokenizer(student, teacher, f"--pretrain {model.pretrain}",
                             f"--teacher_pretrain {model.teacher_pretrain}")
-    check_teacher_folder(model.teacher_pretrain, model.value_head_prefix, max_tokens, model.trust_remote_code,
-                         images=images)
+    check_teacher_folder(model.teacher_pretrain, model.value_head_prefix, max_tokens, model.trust_remote_code)
 
 
 def prepare_ppo_models(config: PPORunConfig, strategy, models: PPOModels, total_updates: int) -> PPOModels:
@@ -177,12 +175,9 @@ def export_processor(config: PPORunConfig, tokenizer, images=None):
     if not family.takes_media():
         return None
     try:
-        processor = family.load_processor(model.pretrain, tokenizer, trust_remote_code=model.trust_remote_code)
-        processor.tokenizer = tokenizer          # the run's tokenizer, as `build_image_prompts` sets it
-        return processor
-    except (OSError, ValueError, ImportError) as err:
-        print(f"warning: --pretrain {model.pretrain} is a vision-language model but its processor could not be "
-              f"loaded ({type(err).__name__}: {err}); the exports will carry the tokenizer only")
+        return build_image_prompts(model.pretrain, tokenizer, model.trust_remote_code).processor
+    except ValueError as err:
+        print(f"warning: {err}; the exports will carry the tokenizer only")
         return None
 
 

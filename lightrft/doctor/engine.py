@@ -18,7 +18,7 @@ import torch
 
 from lightrft.config.run import PPORunConfig
 from lightrft.experience.placement import arrive
-from lightrft.models.media import merge_media
+from lightrft.models.media import media_keywords
 from lightrft.doctor.report import CheckResult
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.checks import ENGINE_GAP_TOLERANCE, engine_gap_tolerance
@@ -42,10 +42,9 @@ def actor_log_probs(run, rollout: RolloutOutput) -> torch.Tensor:
     out = []
     for i in range(0, rollout.sequences.size(0), micro):
         rows = slice(i, i + micro)
-        media = merge_media(rollout.media[rows]) if rollout.media is not None else None
         out.append(actor(rollout.sequences[rows].to(device), rollout.num_actions,
                          attention_mask=rollout.attention_mask[rows].to(device),
-                         **({"media": media} if media is not None else {})).float().cpu())
+                         **media_keywords(rollout.media[rows] if rollout.media is not None else None)).float().cpu())
     return torch.cat(out) * rollout.action_mask.float()
 
 

@@ -21,7 +21,7 @@ from lightrft.algorithms.masked import masked_mean, masked_sum
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
-from lightrft.models.media import merge_media
+from lightrft.models.media import media_keywords
 from lightrft.experience.scorer import RewardBatch, truncated_rows
 from lightrft.rollout.base import RolloutOutput
 
@@ -99,8 +99,7 @@ class ExperienceBuilder:
         for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
             sl = slice(i, i + self.micro_rollout_batch_size)
             seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
-            media = merge_media(rollout.media[sl]) if rollout.media is not None else None
-            extra = {"media": media} if media is not None else {}
+            extra = media_keywords(rollout.media[sl] if rollout.media is not None else None)
             outs.append(model(seq, a, attention_mask=mask, **extra).float().cpu())
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightrft.datasets.prompt_record import Prompt, prompt_text
 from lightrft.experience.placement import arrive
-from lightrft.models.media import merge_media
+from lightrft.models.media import media_keywords
 from lightrft.models.utils import accepts_keyword
 from lightrft.rewards.base import call_reward_source
 from lightrft.rewards.batch import RewardBatch
@@ -94,8 +94,7 @@ class Scorer:
                 rows = slice(i, i + self.micro_batch_size)
                 seq, mask = rollout.sequences[rows].to(self.device), rollout.attention_mask[rows].to(self.device)
                 # A vision-language reward model scores the samples with their images.
-                media = merge_media(rollout.media[rows]) if rollout.media is not None else None
-                extra = {"media": media} if media is not None else {}
+                extra = media_keywords(rollout.media[rows] if rollout.media is not None else None)
                 scores.append(model(seq, attention_mask=mask, **shared, **extra).float().cpu())
             columns.append(torch.cat(scores))
         if self.reward_sources:

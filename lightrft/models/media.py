@@ -18,3 +18,10 @@ def merge_media(samples: Sequence[dict[str, torch.Tensor] | None]) -> dict[str, 
         fields = sorted({tuple(sorted(sample)) for sample in present})
         raise ValueError(f"the samples of one batch carry different media fields: {fields}")
     return {key: torch.cat([sample[key] for sample in present]) for key in keys}
+
+
+def media_keywords(samples: Sequence[dict[str, torch.Tensor] | None] | None) -> dict:
+    """`media=` with the samples' merged media (`merge_media`) for a forward that takes them, {}
+    when there are none: what the experience forwards, scoring and training pass a model."""
+    merged = merge_media(samples) if samples is not None else None
+    return {"media": merged} if merged is not None else {}

@@ -80,12 +80,12 @@ def weight_names(folder: str | Path) -> set[str] | None:
 
 
 def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | None,
-                         trust_remote_code: bool = False, images: bool = False) -> None:
+                         trust_remote_code: bool = False) -> None:
     """Refuses, naming --teacher_pretrain and the fix: a reward model folder (lightrft's reward
-    config, or a `value_head_prefix` head among its weights and no LM head), a context
-    (`max_position_embeddings`) shorter than `max_tokens`, the prompt + response it must score,
-    and for a run with `images` a teacher that takes no images (it would read the placeholders
-    as text)."""
+    config, or a `value_head_prefix` head among its weights and no LM head), and a context
+    (`max_position_embeddings`) shorter than `max_tokens`, the prompt + response it must score.
+    A text teacher of a run with images is refused with the critic and reward models
+    (`lightrft.builders.models.check_scorers_take_images`)."""
     from transformers import AutoConfig
 
     from lightrft.models.families import family_for
@@ -101,10 +101,6 @@ def check_teacher_folder(folder: str, value_head_prefix: str, max_tokens: int | 
                          "LM head): a teacher's log-probs would come from a randomly initialised LM head. Pass the "
                          "causal LM the reward model was trained from, or another causal LM with the student's "
                          "tokenizer")
-    if images and not family_for(hf_config).takes_media():
-        raise ValueError(f"--teacher_pretrain {folder} is a text model ({hf_config.model_type}) and the prompts carry "
-                         "images (--image_key): it would read the image placeholders as text. Pass a vision-language "
-                         "teacher with the student's tokenizer and image processing")
     context = family_for(hf_config).context_length(hf_config)
     if max_tokens is not None and context is not None and context < max_tokens:
         raise ValueError(f"--teacher_pretrain {folder} takes {context} positions (max_position_embeddings), but it "

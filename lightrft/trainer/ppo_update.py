@@ -25,6 +25,7 @@ from lightrft.algorithms.distill import distill_loss_per_token
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.config.sections import AlgorithmConfig
 from lightrft.experience.samples import Experience, Sample, collate_samples
+from lightrft.models.media import media_keywords
 from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
 from lightrft.trainer.guards import nonfinite_grad_norms
@@ -190,11 +191,10 @@ class PPOUpdate:
             model.train()
 
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
-        media = experience.merged_media
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
                      return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0,
-                     **self._prompt_groups(model, experience), **({"media": media} if media is not None else {}))
+                     **self._prompt_groups(model, experience), **media_keywords(experience.media))
 
     def _prompt_groups(self, model, experience: Experience) -> dict:
         """`prompt_groups=` for a packed micro-batch, so its forward computes each prompt once; {}
@@ -291,10 +291,10 @@ class PPOUpdate:
 
     def training_step_critic(self, experience: Experience, counts: dict) -> dict:
         self._train_mode(self.critic)
-        media = experience.merged_media      # a vision-language critic sees the samples' images
+        # a vision-language critic sees the samples' images
         values = self.critic(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                              packed_seq_lens=experience.packed_seq_lens, **self._prompt_groups(self.critic, experience),
-                             **({"media": media} if media is not None else {}))
+                             **media_keywords(experience.media))
         loss, metrics = self.critic_loss_fn(values, experience.values, experience.returns,
                                             action_mask=experience.loss_mask, global_num_tokens=counts["tokens"],
                                             global_num_seqs=counts["seqs"], norm_len=self.algo.norm_len,

@@ -169,15 +169,21 @@ def test_image_flags_are_refused_where_they_cannot_work(vlm, tmp_path):
 
 
 def test_a_run_with_images_takes_a_vision_language_teacher_only(tmp_path):
-    from lightrft.models.teacher import check_teacher_folder
+    from lightrft.builders.models import check_scorers_take_images
     from lightrft.utils.tiny import save_tiny_idefics3, save_tiny_model
 
     text, vision = save_tiny_model(tmp_path / "text", arch="qwen2"), save_tiny_idefics3(tmp_path / "vlm")
-    check_teacher_folder(str(vision), "score", None, images=True)
-    check_teacher_folder(str(text), "score", None, images=False)
+
+    def config(**flags):
+        values = dict(pretrain=vision, prompt_data="p.jsonl", remote_rm_url="exact", advantage_estimator="group_norm",
+                      n_samples_per_prompt=4, rollout_batch_size=8, train_batch_size=32, distill_mode="loss", **flags)
+        return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
+
+    check_scorers_take_images(config(image_key="images", teacher_pretrain=vision))
+    check_scorers_take_images(config(teacher_pretrain=text))
     with pytest.raises(ValueError, match=r"--teacher_pretrain .*text is a text model \(qwen2\) and the prompts carry "
-                                         r"images \(--image_key\)"):
-        check_teacher_folder(str(text), "score", None, images=True)
+                                         r"images \(--image_key"):
+        check_scorers_take_images(config(image_key="images", teacher_pretrain=text))
 
 
 def test_image_prompts_need_a_processor_with_an_image_token():
