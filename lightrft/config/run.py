@@ -228,14 +228,10 @@ class PPORunConfig(RunConfig):
                                 "the policy saw")}, "docs/vlm.md")
 
     def _check_sequence_parallel(self) -> None:
-        """What a row split over ranks (--sequence_parallel_size) needs and does not combine with,
-        each named with the flag to change and the reason."""
+        """What a row split over ranks (--sequence_parallel_size) needs, named with the flag to change."""
         size = self.distributed.sequence_parallel_size
         if not self.model.packing_samples:
             raise ConfigError(f"--sequence_parallel_size {size} splits packed rows: add --packing_samples")
-        refuse(f"--sequence_parallel_size {size}", {
-            "--image_key": (self.data.image_key, "image features enter the decoder at the placeholders of the whole "
-                            "row, which a split row does not hold on every rank")}, "use --sequence_parallel_size 1")
 
     def _check_roles(self) -> None:
         """What explorers (ranks, or the threads of the one-step-ahead mode) do not combine with,

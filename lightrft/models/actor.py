@@ -285,7 +285,7 @@ class ActorLanguage(nn.Module):
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:
             return self._forward_split(sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
-                                       router=bool(extra))
+                                       router=bool(extra), media=media)
         output = None
         if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
@@ -301,16 +301,17 @@ class ActorLanguage(nn.Module):
         return (log_probs, output) if return_output else log_probs
 
     def _forward_split(self, sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
-                       router: bool = False):
+                       router: bool = False, media=None):
         """The packed forward with the row split over the sequence-parallel group: this rank's
         slice runs through the model (`SequenceParallel.split_row`), and the log-probs (and
         entropies) of the row's action tokens are gathered from the ranks that predict them.
         `output.logits` then hold this rank's action-predicting positions only. With `router`
         (a mixture-of-experts model asked for its load-balancing loss) `output["aux_loss"]` is the
-        whole row's, from router statistics summed over the group (`RowShard.load_balancing_loss`)."""
+        whole row's, from router statistics summed over the group (`RowShard.load_balancing_loss`).
+        A vision-language model's `media` enter the whole row on every rank before it is cut."""
         shard = self.sequence_parallel.split_row(
-            self.model, lambda ids, lens: self.family.packed_inputs(self.model, ids, lens), sequences, packed_seq_lens,
-            num_actions)
+            self.model, lambda ids, lens: self.family.packed_inputs(self.model, ids, lens, media), sequences,
+            packed_seq_lens, num_actions)
         positions = shard.local_positions(index.predict_positions)
         extra = {"output_router_logits": True} if router else {}
         output = self.model(**shard.local, **extra, logits_to_keep=positions)   # logits (1, K_r, V)

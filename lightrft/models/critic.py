@@ -117,11 +117,8 @@ class Critic(nn.Module):
             return values[:, -num_actions - 1 : -1].float()  # (B, A)
         index = packed_action_index(packed_seq_lens, num_actions, sequences.device)
         if self.sequence_parallel is not None:
-            if takes_media:
-                raise ValueError("--critic_pretrain: a vision-language critic's rows cannot be split over ranks "
-                                 "(--sequence_parallel_size)")
             shard = self.sequence_parallel.split_row(
-                self.model, lambda ids, lens: self.family.value_inputs(self.model, ids, None, lens), sequences,
+                self.model, lambda ids, lens: self.family.value_inputs(self.model, ids, None, lens, media), sequences,
                 packed_seq_lens, num_actions)
             values = self.model(**shard.local)  # (1, P/N)
             return index.to_rows(shard.gather(values[0, shard.local_positions(index.predict_positions)].float()))

@@ -18,8 +18,17 @@ data-parallel reduction adds them up) is the gradient of the unsplit row.
 Only the training forwards of a packed row are split (`SequenceParallel.split_row`): the rollout
 engines generate whole sequences, and a padded batch (the rollout-time forwards) runs unsplit.
 
+A vision-language model's row is split after its images enter it: every rank of the group runs
+the vision tower over all the row's images (the same modules on every rank, as ZeRO-3 needs) and
+builds the whole row's embeddings, then keeps its slice of them (or, for a family that hands the
+decoder its image features, the features of the placeholders in its slice: `ModelFamily.
+split_media_inputs`). Backward through the slice gives the vision tower this rank's share of its
+gradient, which the group's reduction adds up as it does the decoder's. The tower's work is
+repeated on each rank; its activations are the images', not the row's.
+
 Requirements (`SequenceParallel.problem`): the model's attention is `VARLEN_ATTENTION`, its query
-heads and key/value heads divide by N, and it is a text model.
+heads divide by N and its key/value heads divide by N or N by them (then each rank attends with a
+copy of one key/value head, as DeepSpeed's exchange replicates it).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightrft.models.attention import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY, all_ones_mask, varlen_attention
+from lightrft.models.families import family_of
 from lightrft.models.packing import SPLIT_KEYWORD
 
 
@@ -64,16 +74,15 @@ class SequenceParallel:
             return (f"its attention is {implementation!r}; sequence parallelism runs over lightrft's "
                     f"{VARLEN_ATTENTION!r} (flash attention's varlen kernel on CUDA, exact packing on the CPU): "
                     f"pass --attn_implementation {VARLEN_ATTENTION} or leave it unset without flash-attn")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if text is not config:
-            return "it is a vision-language model (its image features would need splitting too)"
+        text = text_config(model)
         heads = getattr(text, "num_attention_heads", None)
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         if heads is None:
             return "its config names no num_attention_heads"
-        if heads % self.size or kv_heads % self.size:
-            return (f"its {heads} query heads and {kv_heads} key/value heads must both divide by "
-                    f"--sequence_parallel_size {self.size} (each rank attends with 1/N of them)")
+        if heads % self.size or (kv_heads % self.size and self.size % kv_heads):
+            return (f"its {heads} query heads must divide by --sequence_parallel_size {self.size}, and its "
+                    f"{kv_heads} key/value heads divide by it or it by them (each rank attends with 1/N of the "
+                    "query heads)")
         return None
 
     def attention(self, model: nn.Module):
@@ -82,7 +91,7 @@ class SequenceParallel:
         if key not in self._attention:
             from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-            text = model.config
+            text = text_config(model)
             heads = text.num_attention_heads
             self._attention[key] = UlyssesSPAttentionHF(
                 attn=varlen_attention, batch_size=1, attn_head_count=heads,
@@ -94,11 +103,14 @@ class SequenceParallel:
     def split_row(self, model: nn.Module, build, input_ids: torch.Tensor, seq_lens: list[int],
                   num_actions: list[int]) -> "RowShard":
         """This rank's slice of a packed-row forward and where its action predictions fall.
-        `build(ids, lens)` makes the forward keywords of a whole row (`ModelFamily.packed_inputs`).
+        `build(ids, lens)` makes the forward keywords of a whole row (`ModelFamily.packed_inputs`,
+        with the row's media for a vision-language model).
 
         The row is padded to a multiple of the group size with a filler sequence of its own (no
-        action, attended by nothing else); input ids, position ids and the padding mask are sliced;
-        the sequence lengths stay the whole row's, since the attention sees the whole row."""
+        action, attended by nothing else); input ids (or the embeddings that carry the images),
+        position ids (each of their rows) and the padding mask are sliced, and what else carries
+        the images is cut by the model's family (`ModelFamily.split_media_inputs`); the sequence
+        lengths stay the whole row's, since the attention sees the whole row."""
         seq_lens = [int(n) for n in seq_lens]
         length = sum(seq_lens)
         filler = -length % self.size
@@ -107,12 +119,16 @@ class SequenceParallel:
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(1, filler)], dim=1)
         step = (length + filler) // self.size
         start, stop = self.rank * step, (self.rank + 1) * step
-        local = dict(build(input_ids, seq_lens))
-        local["input_ids"] = input_ids[:, start:stop]
-        local["position_ids"] = local["position_ids"][:, start:stop]
+        local = family_of(model).split_media_inputs(model, dict(build(input_ids, seq_lens)), input_ids, start, stop)
+        if "inputs_embeds" in local:
+            local["inputs_embeds"] = local["inputs_embeds"][:, start:stop]
+        else:
+            local["input_ids"] = input_ids[:, start:stop]
+        positions = local["position_ids"] = local["position_ids"][..., start:stop]
         if "attention_mask" in local:
-            local["attention_mask"] = all_ones_mask(local["input_ids"])
-        local[SPLIT_KEYWORD] = RowSplit(self.attention(model), local["position_ids"])
+            local["attention_mask"] = all_ones_mask(input_ids[:, start:stop])
+        # The exchange gathers the row's own count (a multimodal family's first row of positions).
+        local[SPLIT_KEYWORD] = RowSplit(self.attention(model), positions[0] if positions.dim() == 3 else positions)
         # The action-predicting positions of each rank's slice, from the host-side lengths.
         counts, ends = [0] * self.size, 0
         for n, a in zip(seq_lens, list(num_actions) + [0] * (len(seq_lens) - len(num_actions))):
@@ -211,6 +227,12 @@ def gather_shards(local: torch.Tensor, counts: list[int], rank: int, group: Any)
     """`local` (this rank's `counts[rank]` rows) joined with the other ranks' parts, in rank order;
     differentiable (`_GatherShards`: each rank keeps the gradient of its own part)."""
     return _GatherShards.apply(local, list(counts), rank, group)
+
+
+def text_config(model: nn.Module):
+    """The config of `model`'s decoder: a vision-language model's text config, else its own."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def checked_group(group: SequenceParallel | None, model: nn.Module, flag: str) -> SequenceParallel | None:

@@ -159,8 +159,8 @@ def test_a_run_with_images_resumes_exactly(tmp_path):
     end with the weights of 4 uninterrupted steps, bit for bit (the export is the EMA's, so its
     checkpoint is checked; a frozen ZeRO-3 engine has no DeepSpeed checkpoint engine, and saving
     one hung both ranks). The same run with an explorer rank samples with the trainer's weights, with
-a vision-language teacher distils from it, and with a vision-language critic and reward model
-trains PPO."""
+a vision-language teacher distils from it, with a vision-language critic and reward model
+trains PPO, and the same PPO with its rows split over the ranks trains as data-parallel ranks do."""
     data = tmp_path / "data"
     train_file, _ = colour_splits(data, n_train=32, n_eval=4, seed=1)
     rows = read_rows(train_file)
@@ -193,6 +193,17 @@ trains PPO."""
     valued = to_flags({**common, "max_steps": 2, "advantage_estimator": "gae", "critic_pretrain": warm,
                        "reward_pretrain": reward_model, "critic_learning_rate": 1e-3, "save_path": tmp_path / "valued",
                        "ckpt_path": tmp_path / "valued_ckpt", "use_tensorboard": tmp_path / "tb_valued"})
+    # The same PPO with the rows split over the two ranks (the vision towers run on both, each
+    # keeping its slice), against the two ranks data-parallel: one optimizer step per rollout, so
+    # both sum the same samples into each step (no EMA or text rows: a split run's ranks read
+    # the same pretraining rows, which data-parallel ranks do not).
+    plain = {**common, "max_steps": 2, "advantage_estimator": "gae", "critic_pretrain": warm,
+             "reward_pretrain": reward_model, "critic_learning_rate": 1e-3, "train_batch_size": 32,
+             "enable_ema": False, "pretrain_data": None, "ptx_coef": 0}
+    parallel = to_flags({**plain, "save_path": tmp_path / "parallel", "ckpt_path": tmp_path / "parallel_ckpt",
+                         "use_tensorboard": tmp_path / "tb_parallel"})
+    split = to_flags({**plain, "sequence_parallel_size": 2, "save_path": tmp_path / "split",
+                      "ckpt_path": tmp_path / "split_ckpt", "use_tensorboard": tmp_path / "tb_split"})
     # The vision-language policy trained on text prompts alone (no --image_key): its export still
     # carries the processor files, so it loads with AutoProcessor.
     words = data / "words.jsonl"
@@ -201,7 +212,7 @@ trains PPO."""
                         "save_path": tmp_path / "textual", "ckpt_path": tmp_path / "textual_ckpt"})
     # The explorer run goes last: its ranks build ZeRO-3 parameters in different numbers (the
     # explorer none), and DeepSpeed numbers them per process, which a later ZeRO-3 run compares.
-    *_, explored = run_torchrun_many([full, half, taught, valued, textual, explorer], tmp_path)
+    *_, explored = run_torchrun_many([full, half, taught, valued, textual, parallel, split, explorer], tmp_path)
     resumed = to_flags({**common, "max_steps": 4, "save_path": tmp_path / "resumed", "ckpt_path": tmp_path / "ckpt",
                         "load_checkpoint": "required", "use_tensorboard": tmp_path / "tb_resumed"})
     run_torchrun(["lightrft.cli.train_ppo", *resumed], module=True)
@@ -233,6 +244,18 @@ trains PPO."""
     vision = [name for name in start if name.startswith("model.vision_model.")]
     assert len(vision) > 10 and all(not torch.equal(critic["model." + name], start[name]) for name in vision)
     assert (tmp_path / "textual" / "processor_config.json").is_file()
+    # Split rows train what the data-parallel ranks train: the same samples and rewards, losses and
+    # gradient norms to float rounding, and final weights (vision tower included) within 5e-5.
+    expected, got = ({tag: dict(values) for tag, values in tensorboard_scalars(tmp_path / run).items()}
+                     for run in ("tb_parallel", "tb_split"))
+    assert got["rollout/reward"] == expected["rollout/reward"]
+    for tag in ("train/policy_loss", "train/critic_loss", "train/actor_grad_norm"):
+        for step in (1, 2):
+            assert got[tag][step] == pytest.approx(expected[tag][step], rel=1e-4, abs=1e-6), (tag, step)
+    assert expected["train/actor_grad_norm"][1] > 1e-2
+    final, split_final = (load_file(tmp_path / run / "model.safetensors") for run in ("parallel", "split"))
+    assert any(not torch.equal(start[name], final[name]) for name in vision)
+    assert max((final[name] - split_final[name]).abs().max().item() for name in final) < 5e-5
     # The pretraining loss on the text rows took part at every step, resumed or not.
     full_ptx, resumed_ptx = (dict(tensorboard_scalars(tmp_path / run)["train/ptx_loss"]) for run in ("tb", "tb_resumed"))
     assert len(full_ptx) == 4 and min(full_ptx.values()) > 0

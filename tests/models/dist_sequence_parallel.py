@@ -35,6 +35,8 @@ CONFIGS = {
 # Three sequences (prompt, response) whose 51 tokens do not divide by 2 (a filler pads the row),
 # longer than the window, with a response crossing the middle of the row.
 PROMPTS, RESPONSES = (7, 5, 11), (10, 12, 6)
+# Vision-language policies (one key/value head: each rank attends with a copy of it).
+VLMS = ("idefics3", "qwen_2", "qwen_2.5", "qwen_3")
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -155,6 +157,98 @@ def check_critic(group: SequenceParallel, folder: Path) -> dict:
             "value_scale": values["reference"][0].abs().max().item()}
 
 
+def vlm_row(name: str, tokenizer, model):
+    """A packed row of three sequences holding 1, 0 and 2 images, with an image's run of
+    placeholders crossing the split (the middle of the row), and its merged media."""
+    for lead in range(60):
+        ids, lens, actions, media = vlm_row_with(name, tokenizer, model, "s" * lead)
+        middle, image = -(-ids.size(1) // 2), model.config.image_token_id
+        if ids[0, middle - 1] == ids[0, middle] == image:
+            return ids, lens, actions, media
+    raise AssertionError("no row of this shape puts an image across the split")
+
+
+def vlm_row_with(name: str, tokenizer, model, lead: str):
+    from lightrft.models.families import family_of
+
+    generator = torch.Generator().manual_seed(11)
+    config = model.config
+    if name == "idefics3":
+        around, image = tokenizer.convert_tokens_to_ids(["<fake_token_around_image>", "<image>"])
+
+        def run(_):
+            return [around] + [image] * 4 + [around]
+        media = [{"pixel_values": torch.randn(n, 3, 56, 56, generator=generator)} if n else None for n in (1, 0, 2)]
+    else:
+        patch = config.vision_config.patch_size
+        width = config.vision_config.in_channels * config.vision_config.temporal_patch_size * patch ** 2
+        grids = [[(1, 4, 4)], [], [(1, 4, 6), (1, 2, 2)]]
+        media = [{"pixel_values": torch.randn(sum(t * h * w for t, h, w in g), width, generator=generator),
+                  "image_grid_thw": torch.tensor(g)} if g else None for g in grids]
+        queue = [grid for g in grids for grid in g]
+
+        def run(_):
+            t, h, w = queue.pop(0)
+            return [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [
+                config.vision_end_token_id]
+    texts = [("see", 1, "red"), ("c", 0, "bluer"), ("two", 2, "okay")]
+    seqs, actions = [], []
+    for prompt, images, answer in texts:
+        ids = tokenizer.encode(prompt)
+        for k in range(images):
+            ids += run(k)
+        ids += tokenizer.encode({0: "and the rest of it", 1: "", 2: lead}[images])
+        seqs.append(ids + tokenizer.encode(answer))
+        actions.append(len(tokenizer.encode(answer)))
+    return (torch.tensor([sum(seqs, [])]), [len(q) for q in seqs], actions,
+            family_of(model).merge_media(media))
+
+
+def check_vlm(name: str, group: SequenceParallel) -> dict:
+    """A vision-language policy's split row (the vision tower on every rank, each keeping its
+    slice): the unsplit log-probs, entropies and losses, and once the ranks' parts are summed,
+    the unsplit gradients of the decoder and the vision tower."""
+    from lightrft.utils.tiny import (build_qwen_vl_tokenizer, build_tiny_idefics3, build_tiny_qwen_vl,
+                                     build_vlm_tokenizer)
+
+    if name == "idefics3":
+        tokenizer = build_vlm_tokenizer()
+        build = lambda: build_tiny_idefics3(tokenizer, seed=4)  # noqa: E731
+    else:
+        tokenizer = build_qwen_vl_tokenizer()
+        build = lambda: build_tiny_qwen_vl(name.split("_")[1], tokenizer, seed=4)  # noqa: E731
+    reference, split = ActorLanguage(build(), packing_samples=True), ActorLanguage(build(), packing_samples=True)
+    split.use_sequence_parallel(group)
+    reference.train(), split.train()
+    ids, lens, actions, media = vlm_row(name, tokenizer, reference.model)
+    base = -3.0 + torch.randn(3, max(actions), generator=torch.Generator().manual_seed(2))
+    advantages = torch.randn(3, max(actions), generator=torch.Generator().manual_seed(3))
+    mask = (torch.arange(max(actions)).unsqueeze(0) < torch.tensor(actions).unsqueeze(1)).float()
+    results = {}
+    for key, actor in (("reference", reference), ("split", split)):
+        log_probs, output = actor(ids, actions, packed_seq_lens=lens, return_output=True, return_entropy=True,
+                                  media=media)
+        total, _ = losses(log_probs, output["entropy"], base, advantages, mask)
+        total.backward()
+        results[key] = (log_probs * mask, output["entropy"] * mask, total,
+                        {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None})
+    summed = {n: grad.clone() for n, grad in results["split"][3].items()}
+    for grad in summed.values():
+        dist.all_reduce(grad, group=group.group)
+    ref_grads = results["reference"][3]
+    vision = [n for n in ref_grads if n.startswith(reference.family.vision_modules(reference.model))]
+    return {"check": f"vlm_{name}", "log_probs": max_diff(results["split"][0], results["reference"][0]),
+            "entropy": max_diff(results["split"][1], results["reference"][1]),
+            "loss": max_diff(results["split"][2], results["reference"][2]),
+            "grads": max(max_diff(summed[n], g) for n, g in ref_grads.items()),
+            "grad_names": sorted(summed) == sorted(ref_grads),
+            "vision_grads": max(max_diff(summed[n], ref_grads[n]) for n in vision),
+            "vision_grad_scale": max(ref_grads[n].abs().max().item() for n in vision), "vision": len(vision),
+            "log_prob_scale": results["reference"][0].abs().max().item(),
+            # Each rank's share alone is not the vision tower's gradient: both halves hold images.
+            "vision_share_vs_reference": max(max_diff(results["split"][3][n], ref_grads[n]) for n in vision)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -167,6 +261,7 @@ def main() -> None:
     records.append(check_actor("qwen2_gqa_window", group, True))
     records.append(check_critic(group, out.parent / "critic"))
     records.append(check_moe(group))
+    records += [check_vlm(name, group) for name in VLMS]
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     strategy.close()
 

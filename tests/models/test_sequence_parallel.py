@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism: a packed row split over two ranks computes what the unsplit row
 does (log-probs, entropies, KL, losses and weight gradients to float rounding), for grouped-query
 attention, sliding windows (on some layers, on all), soft-capped attention, multi-head attention,
-gradient checkpointing and the critic's values; and what cannot be split is refused with the reason."""
+gradient checkpointing, the critic's values, a mixture of experts' load-balancing loss and
+vision-language policies (Idefics3, Qwen2/2.5/3-VL); and what cannot be split is refused with the reason."""
 
 from pathlib import Path
 
@@ -59,14 +60,37 @@ def test_a_split_row_gives_the_unsplit_load_balancing_loss_and_gradients(records
         assert r["aux"] < ATOL and r["grads"] < ATOL and r["router_grads"] < ATOL
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("family", ["idefics3", "qwen_2", "qwen_2.5", "qwen_3"])
+def test_a_split_vision_language_row_gives_the_unsplit_log_probs_and_gradients(records, family):
+    """The vision tower runs on every rank and each keeps its slice of the row (Qwen3-VL: the image
+    features of its placeholders), with an image's placeholders across the split and one key/value
+    head copied to both ranks: the unsplit log-probs, entropies and loss, and the summed gradients
+    of the decoder and of every vision weight (each rank's own share is far from them)."""
+    for rank in records:
+        r = rank[f"vlm_{family}"]
+        assert r["log_prob_scale"] > 1.0 and r["vision"] >= 30 and r["vision_grad_scale"] > 1e-2
+        for key in ("log_probs", "entropy", "loss"):
+            assert r[key] < ATOL, (key, r[key])
+        assert r["grad_names"] and r["grads"] < ATOL and r["vision_grads"] < ATOL
+        assert r["vision_share_vs_reference"] > 1e-3
+
+
 def test_models_that_cannot_be_split_are_refused_with_the_reason():
     group = SequenceParallel(None, 2, 0)
     odd = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32,
                                                        num_hidden_layers=1, num_attention_heads=3,
                                                        num_key_value_heads=1))
     with pytest.raises(ValueError, match=r"--sequence_parallel_size 2: --pretrain cannot be split over ranks: its 3 "
-                                         r"query heads and 1 key/value heads must both divide by"):
+                                         r"query heads must divide by --sequence_parallel_size 2"):
         ActorLanguage(odd).use_sequence_parallel(group)
+    three_kv = LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match=r"its 3 key/value heads divide by it or it by them"):
+        ActorLanguage(AutoModelForCausalLM.from_config(three_kv)).use_sequence_parallel(group)
+    one_kv = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=1)
+    assert group.problem(ActorLanguage(AutoModelForCausalLM.from_config(one_kv)).model) is None  # a copy per rank
     even = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2)
     eager = ActorLanguage(AutoModelForCausalLM.from_config(even), attn_implementation="eager")

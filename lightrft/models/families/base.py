@@ -114,6 +114,16 @@ class ModelFamily:
         result may hold `inputs_embeds`, which then replaces `input_ids`. The default family: {}."""
         return {}
 
+    def split_media_inputs(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, start: int,
+                           stop: int) -> dict:
+        """`kwargs` (a whole packed row's forward arguments, `input_ids` its ids) with what carries
+        its media cut to the tokens `start:stop`, for a row split over a sequence-parallel group
+        (`SequenceParallel.split_row`, which cuts the ids, embeddings and positions itself). A
+        family whose model takes the images' features beside the ids cuts them to the
+        placeholders in the slice, keeping every rank's backward through the whole vision tower.
+        The default family: `kwargs` as they are."""
+        return kwargs
+
     def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
         """Token ids a rollout must never sample: a vision-language model's image placeholders
         (sampled, one would be taken for an image that is not there)."""

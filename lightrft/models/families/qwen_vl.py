@@ -28,6 +28,7 @@ expands the placeholders the same way. vLLM's Qwen-VL modules import torchvision
 a run takes `--rollout_engine hf`.
 """
 
+import copy
 import importlib.util
 import os
 
@@ -206,6 +207,26 @@ class Qwen3VL(QwenVL):
         features.pooler_output = (pooled[:0] + total,)
         features.deepstack_features = [(f[:0] + total,) for f in deep]
         return {"mm_encoder_outputs": {"image": features}}
+
+    def split_media_inputs(self, model: nn.Module, kwargs: dict, input_ids: torch.Tensor, start: int,
+                           stop: int) -> dict:
+        """The image features (last-layer and deepstack) of the placeholders among tokens
+        `start:stop`, plus 0 x the sum of all of them: each rank's backward still reaches the whole
+        vision tower (under ZeRO-3 every rank must run the same backward)."""
+        encoded = kwargs.get("mm_encoder_outputs", {}).get("image")
+        if encoded is None:
+            return kwargs
+        placeholders = (input_ids[0] == model.config.image_token_id).long()
+        before = placeholders.cumsum(0)
+        lo = int(before[start - 1]) if start > 0 else 0
+        hi = int(before[stop - 1]) if stop > 0 else 0
+        pooled = torch.cat(encoded.pooler_output)
+        deep = [torch.cat(f) for f in encoded.deepstack_features]
+        total = 0.0 * (pooled.sum() + sum(f.sum() for f in deep))
+        part = copy.copy(encoded)
+        part.pooler_output = (pooled[lo:hi] + total,)
+        part.deepstack_features = [(f[lo:hi] + total,) for f in deep]
+        return {**kwargs, "mm_encoder_outputs": {**kwargs["mm_encoder_outputs"], "image": part}}
 
 
 register_family(QwenVL())
