@@ -241,9 +241,6 @@ class PPORunConfig(RunConfig):
         mode = (f"--explorer_ranks {self.roles.explorer_ranks}" if self.roles.explorer_ranks else
                 f"--sync_offset {self.roles.sync_offset} without --explorer_ranks (an explorer thread per rank)")
         refuse(mode, {
-            "--dynamic_sampling": (self.algorithm.dynamic_sampling, "dynamic sampling refills a step with more "
-                                   "prompts than its batch, while an explorer's batch b is a fixed set of prompts "
-                                   "(the prompt ledger counts each prompt once per batch)"),
             "--recorded_data": (self.data.recorded_data, "recorded experiences are finished samples: there is "
                                 "nothing for explorers to generate"),
             "--vllm_tensor_parallel_size > 1": (self.rollout.vllm_tensor_parallel_size > 1, "an explorer rank holds "

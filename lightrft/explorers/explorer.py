@@ -9,6 +9,7 @@ built (`lightrft.builders.explorers`): this package sits below the builders.
 """
 
 
+import itertools
 import threading
 import time
 import traceback
@@ -78,6 +79,9 @@ class Explorer:
         self.loaded_version = -1
         self.per_episode = len(self.prompts) // args.rollout.rollout_batch_size
         self.total_steps = planned_steps(args, len(self.prompts))
+        # Dynamic sampling's steps take a varying number of batches: the stream goes on until stopped.
+        self.endless = args.algorithm.dynamic_sampling
+        self.sent_batches: set[int] = set()
         self.sampler = DistributedSampler(self.prompts, num_replicas=1, rank=0, shuffle=True,
                                           seed=args.distributed.seed, drop_last=True)
         self._orders: dict[int, list[int]] = {}
@@ -101,31 +105,47 @@ class Explorer:
         return self.sent
 
     def _explore(self, subscriber: WeightSubscriber, start: int) -> None:
-        for batch in range(start, self.total_steps):
+        planned = itertools.count(start) if self.endless else range(start, self.total_steps)
+        for batch in planned:
             self._serve_retries(subscriber)
             if batch % self.explorers != self.index:
                 continue
             needed = self.roles.required_version(batch)
-            if self.roles.staleness_policy == "wait":
-                subscriber.wait(lambda: subscriber.newest() >= needed or self._scoring_failed())
-            self._raise_scoring_error()
+            while self.roles.staleness_policy == "wait" and batch not in self.sent_batches:
+                # Woken by the trainers' requests too: a dynamic-sampling step asks for its refills.
+                subscriber.wait(lambda: subscriber.newest() >= needed or bool(subscriber.retries)
+                                or self._scoring_failed())
+                self._raise_scoring_error()
+                if not subscriber.retries or subscriber.stopped:
+                    break
+                self._serve_retries(subscriber)
             if subscriber.stopped:
                 return
-            self._generate_and_send(batch, subscriber)
+            if batch not in self.sent_batches:      # a refill asked for earlier was this batch
+                self._generate_and_send(batch, subscriber)
         while not subscriber.stopped:      # the trainers may still ask for a batch again
             subscriber.wait(lambda: bool(subscriber.retries) or self._scoring_failed())
             self._raise_scoring_error()
             self._serve_retries(subscriber)
 
     def _serve_retries(self, subscriber: WeightSubscriber) -> None:
+        """Generates what the trainers asked for: a batch again (it arrived too stale), or a
+        batch they need before this explorer's schedule reached it (a refill), unless sent."""
         while subscriber.retries and not subscriber.stopped:
-            self._generate_and_send(subscriber.retries.pop(0), subscriber)
+            batch, version, again = subscriber.retries.pop(0)
+            if again or batch not in self.sent_batches:
+                self._generate_and_send(batch, subscriber, version)
 
-    def _refresh(self, batch: int, subscriber: WeightSubscriber) -> None:
+    def _refresh(self, batch: int, subscriber: WeightSubscriber, needed: Optional[int] = None) -> None:
         """Loads the weights batch `batch` is generated with: exactly the version it calls for
-        when waiting (the newest received under --staleness_policy drop)."""
-        version, named = subscriber.take(self.roles.required_version(batch),
-                                         newest=self.roles.staleness_policy == "drop")
+        (`needed` when the trainers named it, else its place in the schedule) when waiting, for
+        which it waits; the newest received under --staleness_policy drop."""
+        needed = self.roles.required_version(batch) if needed is None else needed
+        if self.roles.staleness_policy == "wait":
+            subscriber.wait(lambda: subscriber.newest() >= needed)
+            if subscriber.stopped:
+                return
+        version, named = subscriber.take(needed, newest=self.roles.staleness_policy == "drop")
         if version == self.loaded_version:
             return
         if self.module is not None:
@@ -146,8 +166,11 @@ class Explorer:
             self._orders = {episode: self.sampler.epoch_order()}
         return self._orders[episode]
 
-    def _generate_and_send(self, batch: int, subscriber: WeightSubscriber) -> None:
-        self._refresh(batch, subscriber)
+    def _generate_and_send(self, batch: int, subscriber: WeightSubscriber, needed: Optional[int] = None) -> None:
+        self._refresh(batch, subscriber, needed)
+        if subscriber.stopped:
+            return
+        self.sent_batches.add(batch)
         args = self.args
         size = args.rollout.rollout_batch_size
         episode, position = divmod(batch, self.per_episode)

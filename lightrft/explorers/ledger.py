@@ -10,8 +10,9 @@ from lightrft.explorers.batches import RolloutBatch
 
 class PromptLedger:
     """Every rollout batch's fate: received from an explorer, dropped as too stale, trained at a
-    step. `trained[s]` holds the dataset rows trained at step s + 1; what a checkpoint holds is
-    exactly what its weights have learned from."""
+    step. `trained` holds, per rollout batch, the dataset rows trained at its step (one batch per
+    step, or with dynamic sampling the batches its refills took, filtered groups included); what a
+    checkpoint holds is exactly what its weights have learned from."""
 
     def __init__(self):
         self.received = 0
@@ -41,11 +42,11 @@ class PromptLedger:
         (every trainer records its batch's rows, so the ranks agree; a row listed by several is
         listed once), in rank order; the batches received and dropped are rank 0's (every trainer
         takes its share of each batch)."""
-        steps: dict[int, dict] = {}
+        steps: dict[tuple[int, int], dict] = {}      # (step, batch): a dynamic-sampling step takes several
         for state in states:
             for entry in state["trained"]:
-                merged = steps.setdefault(entry["step"], {**entry, "prompts": []})
+                merged = steps.setdefault((entry["step"], entry["batch"]), {**entry, "prompts": []})
                 known = set(merged["prompts"])
                 merged["prompts"] = merged["prompts"] + [p for p in entry["prompts"] if p not in known]
         return {"received": states[0]["received"], "dropped": states[0]["dropped"],
-                "trained": [steps[step] for step in sorted(steps)]}
+                "trained": [steps[key] for key in sorted(steps)]}

@@ -1,6 +1,7 @@
 """Decoupled rollouts: explorer ranks generate and score while trainer ranks train (docs/async.md).
 
-Step s (1-based) trains rollout batch s - 1. Batch b is the same prompts a colocated run would
+Step s (1-based) trains rollout batch s - 1 (with --dynamic_sampling, the next batches after the
+previous step's, as many as its refills take). Batch b is the same prompts a colocated run would
 draw at that step (one shuffled order per episode, seeded by --seed), generated with the same
 per-prompt seeds, by explorer b % N, with policy version >= `RolesConfig.required_version(b)`.
 The version is the number of trainer steps behind the weights, so with `--sync_offset 0
@@ -26,6 +27,7 @@ from typing import Optional
 import torch
 
 from lightrft.config.sections import RolesConfig
+from lightrft.experience.dynamic_sampling import sample_informative_batch
 from lightrft.experience.sources import SourceBatch, SourceContext
 from lightrft.rewards.batch import RewardBatch
 from lightrft.explorers.ledger import PromptLedger
@@ -54,7 +56,8 @@ class ExplorerLink:
         self.publisher = (WeightPublisher(control, roles.sync_method, sync_dir, delta=weight_sync in ("auto", "delta"))
                           if control is not None else None)
         self.ledger = PromptLedger()
-        self.current: Optional[RolloutBatch] = None
+        self.current: list[RolloutBatch] = []     # the batches the step being trained took
+        self.stream: Optional[int] = None         # the next rollout batch to take (resumed from checkpoints)
         self.total_steps = 0
         self.calls = 0
         self._window: list[int] = []       # staleness of the batches since the last log
@@ -71,6 +74,8 @@ class ExplorerLink:
             context.strategy.print(f"warning: rollouts may be up to {self.roles.max_staleness} step(s) stale "
                                    "(--sync_offset/--sync_interval) but --tis_cap is unset: the update does not "
                                    "correct for the older policy that sampled them; --tis_cap 2 is a common choice")
+        if self.stream is None:
+            self.stream = context.first_step
         self.publish(context.first_step)
 
     def stop(self, preempted: bool = False) -> None:
@@ -96,17 +101,63 @@ class ExplorerLink:
                 named += [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
         if self.publisher is not None:
             # a context made elsewhere (research code, a test) may not name an adapter
-            self.publisher.publish(version, named, start_batch=version, adapter=getattr(self.context, "adapter", None))
+            self.publisher.publish(version, named, start_batch=self.stream,
+                                   adapter=getattr(self.context, "adapter", None))
 
     # ---------------------------------------------------------------------------------- steps
     def next(self, step: int, params=None) -> Optional[SourceBatch]:
-        """The experience of rollout batch `step`, built on this trainer; None when the
-        explorers ended first or the run was preempted while waiting. A batch staler than the
-        bound is dropped and asked for again (--staleness_policy drop). The explorers sample with
-        the run's sampling parameters (`params`, the trainer's for this step, are not sent)."""
+        """The experience of the next rollout batch, built on this trainer; None when the
+        explorers ended first or the run was preempted while waiting. Without dynamic sampling
+        step s trains batch s - 1. With it (--dynamic_sampling), the step keeps the groups whose
+        rewards differ and takes the following batches until it has a batch's worth, at most
+        --max_sampling_rounds in all, as a colocated run draws its refills
+        (`sample_informative_batch`): the batches a step takes are consecutive, so a step may
+        start past its own number. The explorers sample with the run's sampling parameters
+        (`params`, the trainer's for this step, are not sent)."""
+        started = time.perf_counter()
+        first = self._take(step)
+        if first is None:
+            return None
+        built = [self._build(first)]
+        self.current = [first]
+        counters, experiences = {}, None
+        if self.context.algo.dynamic_sampling:
+            def refills():
+                while True:
+                    batch = self._take(step)
+                    if batch is None:
+                        return
+                    self.current.append(batch)
+                    built.append(self._build(batch))
+                    yield built[-1].experiences
+
+            n = self.context.algo.n_samples_per_prompt
+            experiences, dropped, rounds = sample_informative_batch(
+                built[0].experiences, refills(), int(first.scores.numel()), n,
+                self.context.algo.max_sampling_rounds, self.context.strategy)
+            counters = {"dropped_groups": dropped, "sampling_rounds": rounds}
+        self.calls = self.stream      # the rollout count a colocated run would be at
+        timings = {"generate": sum(b.seconds.get("generate", 0.0) for b in self.current),
+                   "reward": sum(b.seconds.get("reward", 0.0) for b in self.current),
+                   "experience": time.perf_counter() - started}
+        return SourceBatch.of(built, len(built) * self.context.rollout_batch_size, experiences, counters=counters,
+                              timings=timings)
+
+    def _take(self, step: int) -> Optional[RolloutBatch]:
+        """Rollout batch `self.stream` once it is fresh enough for step `step` (0-based: the
+        trainer holds version `step`), then moves the stream on; None when the explorers ended
+        or the run was preempted. A batch staler than the bound is dropped and asked for again
+        (--staleness_policy drop). A batch past the explorers' schedule for this version (a
+        dynamic-sampling refill) is asked for with the newest version this trainer has
+        published, so waiting explorers do not wait for weights this step has yet to make."""
+        index = self.stream
+        interval = self.roles.sync_interval
+        needed = step // interval * interval        # the newest sync point: published, or resumed from
+        if self.roles.staleness_policy == "wait" and self.roles.required_version(index) > step:
+            self._ask(index, needed, again=False)
         while True:
             started = time.perf_counter()
-            batch = self.receiver.take(step, interrupted=self.context.preempted)
+            batch = self.receiver.take(index, interrupted=self.context.preempted)
             self._wait_seconds += time.perf_counter() - started
             if batch is None:
                 return None
@@ -115,27 +166,34 @@ class ExplorerLink:
             if staleness <= self.roles.max_staleness:
                 break
             if self.roles.staleness_policy == "wait":
-                raise RuntimeError(f"rollout batch {step} is {staleness} versions old, over the bound "
-                                   f"{self.roles.max_staleness} that waiting explorers keep; this is a bug")
+                raise RuntimeError(f"rollout batch {index} is {staleness} versions old at step {step + 1}, over the "
+                                   f"bound {self.roles.max_staleness} that waiting explorers keep; this is a bug")
             self.ledger.dropped += 1
-            if self.publisher is not None:
-                self.publisher.send({"kind": "retry", "batch": step, "explorer": step % self.explorers})
-        self.current = batch
-        self.calls = step + 1      # the rollout count a colocated run would be at
+            self._ask(index, needed, again=True)
         self._window.append(staleness)
-        started = time.perf_counter()
+        self.stream = index + 1
+        return batch
+
+    def _ask(self, index: int, version: int, again: bool) -> None:
+        """Asks the explorer of batch `index` for it, generated with a version >= `version`:
+        `again`, a new copy (the one received was too stale); else only if it has not sent it."""
+        if self.publisher is not None:
+            self.publisher.send({"kind": "retry", "batch": index, "explorer": index % self.explorers,
+                                 "version": version, "again": again})
+
+    def _build(self, batch: RolloutBatch):
+        """The trainer's experience of a received batch (`ExperienceBuilder.build`)."""
         rewards = RewardBatch(batch.scores, batch.valid, batch.token_rewards, batch.info)
         built = self.context.services.builder.build(batch.rollout, rewards, self.context.algo.n_samples_per_prompt)
         for experience in built.experiences:   # per sample, for the logs and the rollout preview
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
-        timings = {"generate": batch.seconds.get("generate", 0.0), "reward": batch.seconds.get("reward", 0.0),
-                   "experience": time.perf_counter() - started}
-        return SourceBatch.of([built], self.context.rollout_batch_size, timings=timings)
+        return built
 
     def after_step(self, step: int) -> dict[str, float]:
         """Records the trained prompts, publishes weights every --sync_interval steps and returns
         the staleness logs since the last call."""
-        self.ledger.record_trained(step, self.current)
+        for batch in self.current:
+            self.ledger.record_trained(step, batch)
         if step % self.roles.sync_interval == 0 and step < self.total_steps:
             self.publish(step)
         return self.logs()
@@ -148,13 +206,14 @@ class ExplorerLink:
                 "rollout/dropped_stale_batches": float(self.ledger.dropped), "perf/experience_wait_s": wait}
 
     def state_dict(self) -> dict:
-        return {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict()}
+        return {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict(), "rollout_stream": self.stream}
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes the rollout count and the prompt ledger; a checkpoint saved by another number of
         trainer ranks (`saved_rank_states`) gives every rank the ledger of all of them, so no prompt
         of the episode trains twice whichever rank it now falls to."""
         self.calls = state.get("rollout_calls", 0)
+        self.stream = state.get("rollout_stream")        # None (older checkpoints): the step it resumes at
         ranks = [s["prompt_ledger"] for s in state.get("saved_rank_states", []) if "prompt_ledger" in s]
         if ranks:
             self.ledger.load_state_dict(PromptLedger.merged(ranks))

@@ -147,7 +147,8 @@ class WeightSubscriber:
         self.versions: dict[int, list] = {}     # version -> named weights, oldest first
         self.latest: Optional[list] = None      # the newest weights received, what a delta applies to
         self.start_batch: Optional[int] = None  # the first message's: where the trainers stand
-        self.retries: list[int] = []
+        # (batch, oldest version it may be generated with or None, whether a copy already sent is asked again)
+        self.retries: list[tuple[int, Optional[int], bool]] = []
         self.adapter: Optional[dict] = None     # a LoRA actor's adapter name and config, when published
         self.stopped = False
         self.error: Optional[BaseException] = None
@@ -174,7 +175,8 @@ class WeightSubscriber:
                 elif message["kind"] == "retry":
                     if message["explorer"] == self.explorer_index:
                         with self.cond:
-                            self.retries.append(message["batch"])
+                            self.retries.append((message["batch"], message.get("version"),
+                                                 message.get("again", True)))
                             self.cond.notify_all()
                 elif message["kind"] == "stop":
                     break

@@ -47,11 +47,12 @@ def config(**flags) -> PPORunConfig:
     return PPORunConfig.from_namespace(PPORunConfig.build_parser("train_ppo").parse_args(to_flags(values)))
 
 
-def test_what_explorers_cannot_do_yet_is_refused_with_the_flags():
-    with pytest.raises(ConfigError, match="--explorer_ranks 1 cannot be combined with --dynamic_sampling"):
-        config(explorer_ranks=1, dynamic_sampling=True)
-    config(dynamic_sampling=True)     # fine without explorers
-    for flag, value in (("reward_pretrain", "rm"), ("lora_rank", 8)):     # explorers hold them too
+def test_what_explorers_cannot_do_is_refused_with_the_flags_and_the_reason():
+    with pytest.raises(ConfigError, match="--explorer_ranks 1 cannot be combined with --vllm_tensor_parallel_size > 1 "
+                                          r"\(--vllm_tensor_parallel_size > 1: an explorer rank holds a whole vLLM "
+                                          "engine"):
+        config(explorer_ranks=1, rollout_engine="vllm", vllm_tensor_parallel_size=2)
+    for flag, value in (("reward_pretrain", "rm"), ("lora_rank", 8), ("dynamic_sampling", True)):  # explorers too
         assert config(explorer_ranks=1, **{flag: value}).roles.explorer_ranks == 1
         assert config(sync_offset=1, **{flag: value}).roles.sync_offset == 1
     with pytest.raises(ConfigError, match="--sync_interval must be positive"):
@@ -253,7 +254,8 @@ def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method)
     publisher.send({"kind": "retry", "batch": 7, "explorer": 0})
     publisher.send({"kind": "retry", "batch": 9, "explorer": 1})      # another explorer's
     subscriber.wait(lambda: subscriber.newest() == 3 and subscriber.retries)
-    assert subscriber.start_batch == 0 and subscriber.retries == [7]
+    # A retry without a version (an older trainer's) asks for the batch again at its scheduled version.
+    assert subscriber.start_batch == 0 and subscriber.retries == [(7, None, True)]
     version, named = subscriber.take(2)                     # exactly the version asked for
     assert version == 2 and all(torch.equal(t, u) for (_, t), (_, u) in zip(named, weights[2]))
     assert sorted(subscriber.versions) == [2, 3]            # older ones are forgotten
