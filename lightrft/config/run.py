@@ -200,6 +200,11 @@ class PPORunConfig(RunConfig):
             raise ConfigError("no reward source: pass --reward_pretrain and/or --remote_rm_url (or --teacher_pretrain "
                               "to distil from a teacher without a task reward, or a --workflow that returns rewards)")
         check_distillation(self.model.teacher_pretrain, algo)
+        if algo.dynamic_sampling and not (self.model.reward_pretrain or self.rewards.remote_rm_url
+                                          or self.data.recorded_data or self.agent.workflow):
+            raise ConfigError("--dynamic_sampling keeps the groups whose task rewards differ, and this run has no task "
+                              "reward (a teacher alone scores every sample 0, so every group would be dropped): add "
+                              "--reward_pretrain or --remote_rm_url, or drop --dynamic_sampling")
         if algo.dynamic_sampling and algo.n_samples_per_prompt < 2:
             raise ConfigError("--dynamic_sampling needs --n_samples_per_prompt >= 2 (it drops groups with equal "
                               "rewards)")

@@ -78,6 +78,10 @@ POINTER_NAME = "latest"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 TRASH_PREFIX = ".trash-"
+# A checkpoint's universal form (`DeepspeedStrategy` converts one to resume on another rank count),
+# kept beside it as `.universal-<tag>` while the checkpoint is the same, removed with it.
+UNIVERSAL_PREFIX = ".universal-"
+UNIVERSAL_SOURCE = "lightrft_universal_source.json"
 CLIENT_STATE_DIR = "client_state"
 FAULT_ENV = "LIGHTRFT_CKPT_FAULT"
 FAULT_STAGES = ("mid-shard", "before-marker", "before-rename", "before-pointer", "during-cleanup")
@@ -576,12 +580,53 @@ def prune_checkpoints(save_dir: Path, max_num: int) -> list[str]:
         removed.append(path.name)
     kept = {p.name for _, p in list_complete(save_dir)}
     for path in save_dir.iterdir():
-        leftover = path.name.startswith(TRASH_PREFIX) or (path.name.startswith(OLD_PREFIX) and path.name not in kept)
+        leftover = (path.name.startswith(TRASH_PREFIX) or (path.name.startswith(OLD_PREFIX) and path.name not in kept)
+                    or (path.name.startswith(UNIVERSAL_PREFIX) and path.name[len(UNIVERSAL_PREFIX):] not in kept))
         if path.is_dir() and leftover:
             shutil.rmtree(path)
     remove_stale_temporaries(save_dir)
     fsync_dir(save_dir)
     return removed
+
+
+def universal_source(ckpt_dir: Path) -> dict | None:
+    """What identifies the checkpoint `ckpt_dir` for its cached universal form: its tag, sequence
+    number and the checksum of its marker (a new save of the same tag changes it); None when it
+    has no valid marker."""
+    marker = read_marker(ckpt_dir)
+    if marker is None:
+        return None
+    return {"tag": Path(ckpt_dir).name, "seq": marker["seq"],
+            "marker": file_checksum(Path(ckpt_dir) / MARKER_NAME)}
+
+
+def universal_cache(ckpt_dir: Path) -> Path:
+    """The folder of the universal form of `ckpt_dir`, beside it."""
+    return Path(ckpt_dir).parent / f"{UNIVERSAL_PREFIX}{Path(ckpt_dir).name}"
+
+
+def universal_cache_valid(ckpt_dir: Path) -> bool:
+    """Whether `universal_cache(ckpt_dir)` holds a finished conversion of this very checkpoint."""
+    try:
+        record = json.loads((universal_cache(ckpt_dir) / UNIVERSAL_SOURCE).read_text())
+    except (OSError, ValueError):
+        return False
+    source = universal_source(ckpt_dir)
+    return source is not None and record == source
+
+
+def publish_universal(ckpt_dir: Path, converted: Path) -> Path:
+    """Makes the finished conversion in `converted` (a temporary folder beside the checkpoint) the
+    checkpoint's universal cache: its source record is written last and the folder renamed into
+    place, so a crash leaves either no cache or a whole one."""
+    source = universal_source(ckpt_dir)
+    atomic_write_text(Path(converted) / UNIVERSAL_SOURCE, json.dumps(source))
+    target = universal_cache(ckpt_dir)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(converted, target)
+    fsync_dir(target.parent)
+    return target
 
 
 def _process_gone(pid: int) -> bool:

@@ -208,18 +208,13 @@ class DeepspeedStrategy:
         # Also when the group exists already (explorer roles start it): deepspeed.initialize then
         # starts DeepSpeed's communication backend itself, which would build the op.
         skip_shared_memory_comm_op()
-        for attempt in range(5):
-            if is_dist_initialized():
-                break
-            try:
-                deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                           timeout=timedelta(minutes=self.config.dist_timeout_minutes))
-            except dist.DistNetworkError as err:
-                # A port this process picked for its own one-rank group can be taken by another
-                # process between the pick and the bind (parallel test workers): pick another.
-                if present or "EADDRINUSE" not in str(err) or attempt == 4:
-                    raise
-                os.environ["MASTER_PORT"] = str(_free_port())
+        timeout = timedelta(minutes=self.config.dist_timeout_minutes)
+        if not is_dist_initialized():
+            if not present:
+                # A world of one meets nobody: its group lives in an in-process store, with no port
+                # to bind (a port picked free can be taken by another process before the bind).
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
 
     def close(self) -> None:
         """Leaves the process group cleanly; call it (or use `with strategy:`) at the end of
@@ -829,25 +824,45 @@ class DeepspeedStrategy:
     def _load_elsewhere(self, model, ckpt_dir: Path, saved: int, options: dict):
         """Loads a checkpoint saved by `saved` ranks into this job of another size through
         DeepSpeed's universal checkpoint: rank 0 converts the ZeRO shards (`ds_to_universal`, in
-        a process of its own) into a temporary folder beside the checkpoint, every rank loads its
-        new partition from it, and the folder is removed. The checkpoint itself is not touched."""
-        out = ckpt_dir.parent / f"{checkpoint_io.TMP_PREFIX}universal-{ckpt_dir.name}-{os.getpid()}"
-        token = [str(out) if self.is_rank_0() else None]
+        a process of its own) into a folder beside the checkpoint, `.universal-<tag>`, which stays
+        there while the checkpoint does (a later resume of it on any other rank count loads it
+        without converting again; pruning removes it with the checkpoint), and every rank loads
+        its new partition from it. The checkpoint itself is not touched. The other ranks wait on a
+        group of their own whose timeout grows with the checkpoint's size (`conversion_wait`),
+        so a large model does not trip --dist_timeout; a conversion that cannot fit on the disk
+        stops before it starts."""
+        out = checkpoint_io.universal_cache(ckpt_dir)
+        group = wait = None
         if is_dist_initialized():
-            dist.broadcast_object_list(token, src=0)
-        out = Path(token[0])
+            wait = conversion_wait(ckpt_dir / DS_SUBDIR, self.config.dist_timeout_minutes)
+            group = dist.new_group(backend="gloo", timeout=wait)
         error = None
         if self.is_rank_0():
-            self.print(f"{ckpt_dir} was saved by {saved} rank(s) and this job has {self.world_size}: converting it "
-                       "to DeepSpeed's universal checkpoint to load the shards on the new ranks")
-            error = convert_to_universal(ckpt_dir / DS_SUBDIR, out / DS_SUBDIR)
-        if not self._all_ok(error is None):
-            if self.is_rank_0():
-                shutil.rmtree(out, ignore_errors=True)
+            if checkpoint_io.universal_cache_valid(ckpt_dir):
+                self.print(f"{ckpt_dir} was saved by {saved} rank(s) and this job has {self.world_size}: loading "
+                           f"its universal checkpoint converted before ({out})")
+            else:
+                self.print(f"{ckpt_dir} was saved by {saved} rank(s) and this job has {self.world_size}: converting it "
+                           f"to DeepSpeed's universal checkpoint ({out}, kept for later resumes) to load the shards "
+                           "on the new ranks")
+                error = self._convert_to_universal(ckpt_dir, out)
+        verdict = [error]
+        if group is not None:
+            try:
+                dist.broadcast_object_list(verdict, src=0, group=group)
+            except RuntimeError as err:          # the wait timed out, or rank 0 is gone
+                raise RuntimeError(
+                    f"rank {self.rank} waited {wait} for rank 0 to convert {ckpt_dir} (saved by {saved} rank(s)) to "
+                    f"DeepSpeed's universal checkpoint and stopped ({type(err).__name__}: {str(err)[:200]}); see rank "
+                    f"0's log, resume on {saved} rank(s), or convert it first with `python -m "
+                    f"deepspeed.checkpoint.ds_to_universal --input_folder {ckpt_dir / DS_SUBDIR} --output_folder "
+                    f"<folder>` on one machine") from None
+            finally:
+                dist.destroy_process_group(group)
+        error = verdict[0]
+        if error is not None:
             raise RuntimeError(f"cannot resume {ckpt_dir} (saved by {saved} rank(s)) on {self.world_size}: converting "
-                               f"it to DeepSpeed's universal checkpoint failed" + (f": {error}" if error else
-                                                                                    " on rank 0 (see its log)")
-                               + f"; resume on {saved} rank(s)")
+                               f"it to DeepSpeed's universal checkpoint failed: {error}; resume on {saved} rank(s)")
         config = model._config
         try:
             config.load_universal_checkpoint = True
@@ -861,10 +876,28 @@ class DeepspeedStrategy:
                     state["step"] = state["step"].clone()
         finally:
             config.load_universal_checkpoint = False
-            self._all_ok(True)                 # every rank has read the folder before it goes
-            if self.is_rank_0():
-                shutil.rmtree(out, ignore_errors=True)
         return load_path
+
+    def _convert_to_universal(self, ckpt_dir: Path, out: Path) -> str | None:
+        """Rank 0's conversion of `ckpt_dir` into its universal cache `out` (through a temporary
+        folder, published whole); None when it worked, else what went wrong."""
+        source = ckpt_dir / DS_SUBDIR
+        problem = disk_space_problem(source, out.parent)
+        if problem:
+            return problem
+        tmp = out.parent / f"{checkpoint_io.TMP_PREFIX}universal-{ckpt_dir.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = convert_to_universal(source, tmp / DS_SUBDIR)
+        if error is None:
+            try:
+                checkpoint_io.publish_universal(ckpt_dir, tmp)
+            except OSError as err:
+                error = f"publishing {tmp} as {out}: {err}"
+        if error is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if "iostream error" in error or "No space left" in error:
+                error += f" (the disk holding {out.parent} is probably full: free space there)"
+        return error
 
     # ------------------------------------------------------------------------------------------
     # Memory
@@ -882,6 +915,35 @@ class DeepspeedStrategy:
             stats = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gib}
         self.print(f"[memory] {tag} " + ", ".join(f"{k}={v:.3f}" for k, v in stats.items()))
         return stats
+
+
+def _shard_bytes(source: Path) -> int:
+    return sum(path.stat().st_size for path in Path(source).glob("*.pt") if path.is_file())
+
+
+def conversion_wait(source: Path, dist_timeout_minutes: float) -> timedelta:
+    """How long the other ranks wait for rank 0 to convert the DeepSpeed folder `source` to the
+    universal format: 10 minutes plus a second per 20 MB of its shards (the converter reads them
+    and writes as much again, one worker each; about 70 minutes for a 7B model's 84 GB of
+    weights and Adam states), and never less than --dist_timeout."""
+    seconds = 600 + _shard_bytes(source) / 20e6
+    return timedelta(seconds=max(seconds, dist_timeout_minutes * 60))
+
+
+def disk_space_problem(source: Path, folder: Path) -> str | None:
+    """Why the universal form of the DeepSpeed folder `source` cannot be written in `folder`
+    (its disk has less room than the shards take, which the conversion writes again), or None."""
+    need = _shard_bytes(source)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return None
+    if free >= need:
+        return None
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return (f"the disk holding {folder} has {size(free)} free and the universal form of {source} needs about "
+            f"{size(need)}: free space there")
 
 
 def convert_to_universal(source: Path, target: Path) -> str | None:

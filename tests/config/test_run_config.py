@@ -65,6 +65,10 @@ def test_values_derived_from_other_sections_and_flat_access():
      "needs --n_samples_per_prompt >= 2"),
     (dict(algorithm=AlgorithmConfig(advantage_estimator="gae")), "needs a critic: pass --critic_pretrain"),
     (dict(rewards=RewardConfig()), "no reward source"),
+    # A teacher alone gives no task reward: dynamic sampling would drop every group.
+    (dict(rewards=RewardConfig(), model=PPOModelConfig(pretrain="m", teacher_pretrain="t"),
+          algorithm=AlgorithmConfig(advantage_estimator="reinforce", n_samples_per_prompt=4, dynamic_sampling=True)),
+     "--dynamic_sampling keeps the groups whose task rewards differ, and this run has no task reward"),
     (dict(model=PPOModelConfig()), "--pretrain is required"),
 ])
 def test_python_built_configs_get_the_command_lines_errors(change, message):

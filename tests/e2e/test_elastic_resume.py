@@ -1,7 +1,8 @@
 """Resuming on another number of ranks (2 -> 1 -> 3), through DeepSpeed's universal checkpoint:
 the loaded weights and optimizer state are the saved ones (the resumed steps match an
 uninterrupted run on 2 ranks, which they would not with fresh Adam moments or other data), the
-data order continues without repeats or gaps, and the checkpoint folder is left as it was."""
+data order continues without repeats or gaps, the checkpoint folder is left as it was, and its
+universal form is kept beside it for the next such resume."""
 
 import json
 import shutil
@@ -54,9 +55,19 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, sta
     assert ("was saved by 1 rank(s) and this job has 3" in three.stdout) == (stage > 0)
     assert "step 3, 36 samples consumed" in three.stdout
 
-    # The checkpoint resumed from is untouched, and no converted copy is left behind.
+    # The checkpoint resumed from is untouched, and no temporary copy is left behind; its universal
+    # form is kept beside it (ZeRO-1 and up) for the next resume on another rank count, which loads
+    # it without converting again and continues alike.
     assert sorted(p.name for p in (ckpt / "global_step2").rglob("*") if p.is_file()) == saved
     assert not [p for p in ckpt.iterdir() if p.name.startswith(checkpoint_io.TMP_PREFIX)]
+    assert checkpoint_io.universal_cache_valid(ckpt / "global_step2") == (stage > 0)
+    if stage == 2:      # the same checkpoint, with its universal form, resumed again on one rank
+        for name in ("global_step2", checkpoint_io.UNIVERSAL_PREFIX + "global_step2"):
+            shutil.copytree(ckpt / name, tmp_path / "again_ckpt" / name)
+        again = sft(tmp_path, 1, tmp_path / "again_ckpt", 3, stage, "again", load_checkpoint=True)
+        assert "loading its universal checkpoint converted before" in again.stdout and "converting" not in again.stdout
+        first, second = (dict(tensorboard_scalars(tmp_path / f"tb_{name}")["train/loss"]) for name in ("one", "again"))
+        assert second[3] == first[3]
     assert checkpoint_io.saved_ranks(ckpt / "global_step3") == 1 and checkpoint_io.saved_ranks(ckpt / "global_step4") == 3
 
     # Same data, same state: the losses of steps 3 and 4 and the final weights are the

@@ -403,3 +403,54 @@ def test_marker_problems_name_the_field(tmp_path):
     assert "JSON list" in cio.marker_problem([marker])
     legacy = {k: v for k, v in marker.items() if k != "checksums"} | {"format": 1}
     assert cio.marker_problem(legacy) is None                 # a pre-checksum marker stays readable
+
+
+def converted(ckpt_dir: Path) -> Path:
+    """A stand-in for a finished universal conversion of `ckpt_dir`, published as its cache."""
+    tmp = ckpt_dir.parent / f"{cio.TMP_PREFIX}universal-{ckpt_dir.name}"
+    (tmp / "deepspeed").mkdir(parents=True)
+    (tmp / "deepspeed" / "zero").write_bytes(b"x" * 10)
+    return cio.publish_universal(ckpt_dir, tmp)
+
+
+def test_a_universal_form_is_reused_only_for_its_own_checkpoint_and_pruned_with_it(tmp_path):
+    """The universal form of a checkpoint (resumed on another rank count) stays beside it: valid
+    while the checkpoint is the one converted, invalid once the tag is saved again, not a
+    checkpoint itself, and removed when pruning removes its checkpoint."""
+    first = save(tmp_path, "s1", max_num=3)
+    assert not cio.universal_cache_valid(first)
+    cache = converted(first)
+    assert cache == tmp_path / ".universal-s1" and cio.universal_cache_valid(first)
+    assert complete_tags(tmp_path) == ["s1"]                          # not listed as a checkpoint
+    save(tmp_path, "s2", max_num=3)
+    assert cio.universal_cache_valid(first)                           # other saves leave it be
+    save(tmp_path, "s1", max_num=3)                                   # the tag saved again: another checkpoint
+    assert cache.is_dir() and not cio.universal_cache_valid(tmp_path / "s1")
+    converted(tmp_path / "s2")
+    save(tmp_path, "s3", max_num=1)                                   # s1 and s2 pruned: their forms go too
+    assert complete_tags(tmp_path) == ["s3"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(cio.UNIVERSAL_PREFIX)]
+
+
+def test_a_conversion_that_cannot_fit_on_the_disk_says_so_before_it_starts(tmp_path, monkeypatch):
+    """The disk's free space is the operating system's answer: shrunk here, as filling a real disk
+    is not something a test may do."""
+    import shutil
+    from collections import namedtuple
+
+    from lightrft.strategy.deepspeed_strategy import conversion_wait, disk_space_problem
+
+    shards = tmp_path / "deepspeed"
+    shards.mkdir()
+    (shards / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x" * 3 * 2**20)
+    (shards / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"x" * 2**20)
+    assert disk_space_problem(shards, tmp_path) is None
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * 2**20, 9 * 2**20, 2**20))
+    problem = disk_space_problem(shards, tmp_path)
+    assert problem == (f"the disk holding {tmp_path} has 1.0 MiB free and the universal form of {shards} needs "
+                       "about 4.0 MiB: free space there")
+    # The wait for rank 0's conversion grows with the shards: 10 minutes + 1 s per 20 MB, never
+    # under --dist_timeout.
+    assert conversion_wait(shards, 1).total_seconds() == pytest.approx(600 + 4 * 2**20 / 20e6)
+    assert conversion_wait(shards, 30).total_seconds() == 1800
