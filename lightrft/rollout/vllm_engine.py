@@ -52,6 +52,7 @@ Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was
 (after `min_tokens`, temperature, top-k/top-p), as `HFEngine` reports (`lightrft.rollout.sampling`).
 """
 
+import atexit
 import contextlib
 import glob
 import logging
@@ -283,6 +284,8 @@ class VLLMEngine:
             # Images per prompt (vLLM budgets its encoder memory for that many) and no videos.
             options["limit_mm_per_prompt"] = {"image": max(1, int(max_images_per_prompt)), "video": 0}
         options.update(llm_kwargs)
+        use_run_rpc_folder()
+        unique_cpu_shared_memory_names()
         self.llm = vllm.LLM(**options)
         # A vision-language model: placeholder ids it must never sample (as HFEngine bans them),
         # and an encoder cache to reset after every sync (see update_weights).
@@ -457,6 +460,89 @@ class VLLMEngine:
 # left behind makes the next run with the same ranks fail ("create shm in SHMManager failed.
 # errno: 17").
 CPU_SHM_SEGMENT = re.compile(r"^(/dev/shm/\S*-cpushm_\d+)$")
+
+
+# vLLM's ZeroMQ `ipc://` sockets are files in VLLM_RPC_BASE_PATH (the temp folder by default),
+# left there when a process ends without vLLM's teardown. Each process gets a folder of its own,
+# removed when it exits, and a later start removes those of processes that are gone (a kill).
+RPC_FOLDER_PREFIX = "lightrft-vllm-"
+# A socket's path (folder, "/", a 36-character id) must fit a Unix socket address: 107 characters.
+IPC_PATH_MAX = 107
+_rpc_folder: list[str] = []
+
+
+def use_run_rpc_folder() -> str | None:
+    """Points vLLM's socket files at a folder of this process's own (`RPC_FOLDER_PREFIX<pid>` in
+    the temp folder, or in /tmp when the temp folder's path is too long for a socket address),
+    removed at exit, after removing the folders of processes that are gone; returns it. A
+    VLLM_RPC_BASE_PATH the user set is left alone, as is vLLM's default when no short folder is
+    writable (None)."""
+    if _rpc_folder:
+        return _rpc_folder[0]
+    if os.environ.get("VLLM_RPC_BASE_PATH"):
+        return None
+    name = f"{RPC_FOLDER_PREFIX}{os.getpid()}"
+    for base in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+        folder = os.path.join(base, name)
+        if len(folder) + 37 > IPC_PATH_MAX or not os.access(base, os.W_OK):
+            continue
+        remove_stale_rpc_folders(base)
+        shutil.rmtree(folder, ignore_errors=True)         # a gone process's, whose pid this one got
+        try:
+            os.mkdir(folder, 0o700)
+        except OSError:
+            continue
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        _rpc_folder.append(folder)
+        atexit.register(remove_rpc_folder)                 # an interpreter that exits normally
+        on_exit_without_teardown(remove_rpc_folder)        # lightrft's commands (`lightrft.utils.program`)
+        return folder
+    return None
+
+
+def remove_rpc_folder() -> None:
+    for folder in _rpc_folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_rpc_folders(base: str) -> list[str]:
+    """Removes the socket folders in `base` of lightrft processes that no longer run; returns them."""
+    removed = []
+    for path in glob.glob(os.path.join(base, f"{RPC_FOLDER_PREFIX}*")):
+        try:
+            pid = int(os.path.basename(path)[len(RPC_FOLDER_PREFIX):])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except (ValueError, PermissionError, OSError):
+            continue               # not ours to judge: another user's, or a name of another form
+    return removed
+
+
+def unique_cpu_shared_memory_names() -> None:
+    """Makes the shared-memory segments of vLLM's CPU tensor-parallel communicator carry this
+    launch's id (torchrun's MASTER_PORT, the same on every rank of a launch and different for two
+    launches on one machine): vLLM names them after the group's ranks only, so two runs of the
+    same ranks at once collide on them ("create shm in SHMManager failed. errno: 17"). A vLLM
+    without that communicator is left as it is."""
+    try:
+        from vllm.distributed.device_communicators import cpu_communicator
+    except ImportError:
+        return
+    shm = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    original = getattr(shm, "make_group_name", None)
+    if original is None or getattr(original, "lightrft_launch_id", False):
+        return
+    launch = os.environ.get("MASTER_PORT") or str(os.getppid())
+
+    def make_group_name(communicator) -> str:
+        # vLLM's own part starts with "//" under an external launcher ("env://"), which shm_open
+        # skips only at the front of a name: no slash after the launch id.
+        return f"lightrft{launch}-" + original(communicator).replace("/", "")
+
+    make_group_name.lightrft_launch_id = True
+    shm.make_group_name = staticmethod(make_group_name)
 
 
 def takes_images(model_path: str) -> bool:

@@ -22,11 +22,16 @@ pytestmark = [pytest.mark.dist,
 TP = dict(VLLM, vllm_tensor_parallel_size=2)
 
 
-def launch(toy, out: Path, **overrides):
+def launch(toy, out: Path, env: dict | None = None, **overrides):
     log = out / "sync.jsonl"
     flags = grpo_flags(toy, out, **{**TP, **overrides})
-    proc = run_torchrun(["tests/e2e/run_with_sync_log.py", log, *flags], env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE})
+    proc = run_torchrun(["tests/e2e/run_with_sync_log.py", log, *flags],
+                        env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE, **(env or {})})
     return summary_line(proc.stdout), read_json_lines(log), tensorboard_scalars(out / "tb")
+
+
+def sockets_under(folder: Path) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_socket()]
 
 
 def check_on_policy(scalars) -> None:
@@ -37,9 +42,28 @@ def check_on_policy(scalars) -> None:
 
 
 def test_grpo_with_a_tensor_parallel_engine_learns(toy_vllm, tmp_path):  # noqa: F811
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from lightrft.rollout.vllm_engine import RPC_FOLDER_PREFIX
+
     before = greedy_accuracy(toy_vllm["model"], toy_vllm["eval_rows"])
-    summary, syncs, scalars = launch(toy_vllm, tmp_path, num_episodes=1, tis_cap=2.0, eval_data=toy_vllm["eval"],
-                                     eval_steps=10)
+    # The run's temp folder (short: a socket's path must fit 107 characters) holds the socket
+    # folder a killed run left (its process is gone).
+    temp = Path(tempfile.mkdtemp(prefix="lrft", dir="/tmp"))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = temp / f"{RPC_FOLDER_PREFIX}{int(gone.stdout)}"
+    stale.mkdir()
+    try:
+        summary, syncs, scalars = launch(toy_vllm, tmp_path, env={"TMPDIR": temp}, num_episodes=1, tis_cap=2.0,
+                                         eval_data=toy_vllm["eval"], eval_steps=10)
+        # vLLM's socket files lived in a folder of each process's own, removed at exit, and the
+        # leftover of the killed run went at the start.
+        assert not sockets_under(temp) and not list(temp.glob(f"{RPC_FOLDER_PREFIX}*")), list(temp.rglob("*"))
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     after = greedy_accuracy(tmp_path / "model", toy_vllm["eval_rows"])
     print(f"held-out greedy accuracy with a TP=2 vLLM replica {before:.3f} -> {after:.3f}")
     assert after >= before + 0.07, (before, after)
