@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from http import HTTPStatus
 from typing import Any
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -61,6 +62,11 @@ BODY_READ = "lightrft.body_read"  # and whether its body was read (all of it, or
 MAX_HEADER_BYTES = 64 * 1024     # request line and headers (h11 answers 431 beyond)
 LINGER_BYTES = 1024 * 1024       # an unread body drained after an early reply, so the reply is not lost
 LINGER_SECONDS = 1.0
+# A body's pieces (chunks, or parts of them as they arrive): past SMALL_PIECES of them, they must
+# average MIN_PIECE_BYTES. Each costs the event loop a parse, so a body trickled in 1-byte chunks
+# by a few clients would slow every other client's requests to a crawl.
+SMALL_PIECES = 1024
+MIN_PIECE_BYTES = 64
 _JSON_TYPES = ("application/json",)
 
 
@@ -143,8 +149,10 @@ class ConnectionBook:
         self.refused = 0                   # connections refused since the server started
         self._logged: dict[str, tuple[float, int]] = {}      # client -> (last logged, refused since)
 
-    def log_refusal(self, key: str, why: str, now: float) -> None:
-        self.refused += 1
+    def log_refusal(self, key: str, why: str, now: float, counted: bool = True) -> None:
+        """Logs a refusal (at most one message per client every REFUSAL_LOG_SECONDS); `counted`:
+        a connection refused by the bounds (`refused`)."""
+        self.refused += counted
         last, unlogged = self._logged.get(key, (float("-inf"), 0))
         if now - last < REFUSAL_LOG_SECONDS:
             self._logged[key] = (last, unlogged + 1)
@@ -192,6 +200,8 @@ class GuardedProtocol(H11Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._host = client_key(self.client[0]) if self.client else "unknown"
+        self._pieces = self._piece_bytes = 0
+        self.conn.next_event = self._counted(self.conn.next_event)
         self._refusal = self.book.admit(self._host)
         self._admitted = self._refusal is None        # counted in the book until the connection ends
         self._timer = self._stall = None
@@ -230,6 +240,33 @@ class GuardedProtocol(H11Protocol):
             self.book.refused_open -= 1
             self._refused_open = False
         super().connection_lost(exc)
+
+    def _counted(self, next_event):
+        """h11's `next_event`, counting the current request's body pieces: a body whose pieces
+        average under MIN_PIECE_BYTES past SMALL_PIECES of them is answered 400 and its connection
+        closed, and h11 is read no further (uvicorn's loop sees NEED_DATA and stops)."""
+        def counted():
+            if self.transport.is_closing():
+                return h11.NEED_DATA
+            event = next_event()
+            if isinstance(event, h11.Request):
+                self._pieces = self._piece_bytes = 0
+            elif isinstance(event, h11.Data):
+                self._pieces += 1
+                self._piece_bytes += len(event.data)
+                if self._pieces > SMALL_PIECES and self._piece_bytes < MIN_PIECE_BYTES * self._pieces:
+                    self._refuse_tiny_pieces()
+                    return h11.NEED_DATA
+            return event
+        return counted
+
+    def _refuse_tiny_pieces(self) -> None:
+        message = (f"the body arrived in {self._pieces} pieces of {self._piece_bytes / self._pieces:.1f} bytes on "
+                   f"average; send it with a Content-Length, or in chunks of at least {MIN_PIECE_BYTES} bytes")
+        body = json_out.dumps(self.error_body(RequestError(message, "Transfer-Encoding"))).encode()
+        self.transport.write(_raw_response(400, body))
+        self.transport.close()
+        self.book.log_refusal(self._host, "its body came in tiny pieces", self.loop.time(), counted=False)
 
     # -------------------------------------------------------------------------- the deadline
     def _arm(self) -> None:

@@ -300,6 +300,17 @@ def test_a_chunked_body_is_read_and_capped(api):
         assert status == 200 and reply["choices"][0]["text"] == completion(p)[1]["choices"][0]["text"]
         status, reply = chunked(p, body + b" ")
         assert status == 413 and f"over this server's limit of {len(body)} bytes" in reply["error"]["message"]
+    # A body trickled in 1-byte chunks costs the event loop a parse per byte: a short one is read,
+    # a long one is refused once its first 1,024 pieces average under 64 bytes, and the server
+    # goes on serving.
+    padded = json.dumps({"prompt": "1+1=", "max_tokens": 2, "seed": 3, "user": "u" * 3000}).encode()
+    with running(api) as p:
+        assert chunked(p, body, size=1)[0] == 200
+        status, reply = chunked(p, padded, size=1)
+        assert status == 400 and reply["error"]["param"] == "Transfer-Encoding", reply
+        assert reply["error"]["message"] == ("the body arrived in 1025 pieces of 1.0 bytes on average; send it with a "
+                                             "Content-Length, or in chunks of at least 64 bytes")
+        assert chunked(p, padded, size=64)[0] == 200 and completion(p)[0] == 200
 
 
 def test_api_key_guards_every_route_and_a_web_page_cannot_post_rewards(api):
