@@ -9,7 +9,9 @@ the exit; `--explorer_ranks 1` adds an explorer rank (three processes). Launches
 another, so the machine's load is the launches' own.
 
 Prints one line per failed launch (its exit status, whether the output holds the abort's signature,
-the last lines of its output) and a summary: launches, failures, aborts, seconds per launch.
+the last lines of its output; the whole output goes to `failures/` under the run folder, kept
+with --keep) and a summary: launches, failures, aborts, seconds per launch. Run it from a checkout
+nobody edits meanwhile: each launch imports lightrft afresh.
 
     python benchmarks/clean_exit.py [--launches 300] [--zero_stage 3] [--explorer_ranks 0] [--keep DIR]
 """
@@ -94,9 +96,12 @@ def main() -> None:
             failures += 1
             aborted = any(signature in output for signature in ABORT_SIGNATURES)
             aborts += aborted
+            log = root / "failures" / f"launch_{index + 1}.log"
+            log.parent.mkdir(exist_ok=True)
+            log.write_text(output)
             tail = " | ".join(line for line in output.strip().splitlines()[-6:])
             print(f"launch {index + 1}: exit {proc.returncode}, summary line {'printed' if finished else 'missing'}, "
-                  f"{'abort at exit' if aborted else 'other failure'}: {tail[-600:]}", flush=True)
+                  f"{'abort at exit' if aborted else 'other failure'} (output: {log}): {tail[-600:]}", flush=True)
         elif (index + 1) % 25 == 0:
             print(f"{index + 1} launches, {failures} failed", flush=True)
     summary = {"launches": args.launches, "failures": failures, "aborts_at_exit": aborts, "timeouts": timeouts,

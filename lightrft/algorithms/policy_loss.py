@@ -17,7 +17,6 @@ gradient), the truncated IS correction and the common metrics.
 """
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,8 @@ from torch import Tensor
 from lightrft.algorithms.checks import check_ndim, check_same_shape
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import as_bool_mask, fill_masked, masked_max, masked_mean, masked_min
+from lightrft.algorithms.rollout_correction import (DEFAULT_BAND, DEFAULT_CAP, CorrectionSpec, mismatch_metrics,
+                                                    rollout_correction_weight)
 
 # exp() of a per-token log-ratio is taken after clamping it to [-20, 20]: e^20 ~ 4.9e8 lies far
 # outside any clip range, so the clipped branches are unaffected, and exp cannot overflow.
@@ -39,7 +40,9 @@ class PolicyLossConfig:
     eps_clip_high: float = 0.2  # ratio upper bound 1 + eps_clip_high (DAPO clip-higher: HIGH > LOW)
     dual_clip: float | None = None  # c > 1: loss <= c * |A| for A < 0 (`--dual_clip`)
     rollout_log_probs: Tensor | None = None  # (B, A) log-probs the rollout engine sampled with
-    tis_cap: float | None = None  # truncated IS cap (`--tis_cap`); None: no correction
+    tis_cap: float | None = None  # truncated IS cap (`--tis_cap`); alone: token_tis; None and no mode: no correction
+    rollout_correction: str | None = None  # a mode of `lightrft.algorithms.rollout_correction` (`--rollout_correction`)
+    rollout_mask_band: tuple[float, float] = DEFAULT_BAND  # [L, H] of the masking modes (`--rollout_mask_band`)
 
     def __post_init__(self):
         if self.eps_clip_low < 0.0:
@@ -56,6 +59,9 @@ class PolicyLossConfig:
             raise ValueError(f"--dual_clip must be > 1 (Ye et al. 2020 use 3) or unset; got {self.dual_clip}")
         if self.tis_cap is not None and self.tis_cap <= 0.0:
             raise ValueError(f"--tis_cap must be > 0 (typically 2) or unset; got {self.tis_cap}")
+        self.correction = None if self.rollout_correction is None and self.tis_cap is None else CorrectionSpec(
+            self.rollout_correction or "token_tis", DEFAULT_CAP if self.tis_cap is None else self.tis_cap,
+            tuple(self.rollout_mask_band))
 
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor | None, PolicyLossConfig], tuple[Tensor, dict[str, Tensor]]]
@@ -69,10 +75,12 @@ def register_policy_loss(name: str, *, supports_dual_clip: bool = True) -> Calla
 
     The decorated core receives log_probs, old_log_probs and advantages already zeroed outside
     the mask and a bool mask (B, A), and returns (per-token loss, its own metrics). The stored
-    function adds the shape checks, the final masking, truncated importance sampling
-    (w = min(exp(old_log_probs - rollout_log_probs), tis_cap), detached, multiplying the loss;
-    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")
-    and the metric `approx_kl`. `supports_dual_clip=False` makes `cfg.dual_clip` an error."""
+    function adds the shape checks, the final masking, the rollout correction (a detached weight
+    per token multiplying the loss: `--tis_cap` alone is token-level truncated importance
+    sampling, w = min(exp(old_log_probs - rollout_log_probs), tis_cap), Yao et al. 2025;
+    `--rollout_correction` picks another mode of `lightrft.algorithms.rollout_correction`), the
+    engine/trainer mismatch metrics when rollout log-probs are given, and the metric `approx_kl`.
+    `supports_dual_clip=False` makes `cfg.dual_clip` an error."""
 
     def register(core: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
@@ -91,10 +99,13 @@ def register_policy_loss(name: str, *, supports_dual_clip: bool = True) -> Calla
             log_probs, old_log_probs = fill_masked(log_probs, mask), fill_masked(old_log_probs, mask)
             advantages = fill_masked(advantages, mask)
             loss, metrics = core(log_probs, old_log_probs, advantages, mask, cfg)
-            if cfg.tis_cap is not None:
-                weight, tis_metrics = truncated_is_weight(old_log_probs, cfg.rollout_log_probs, mask, cfg.tis_cap)
+            if cfg.correction is not None:
+                weight, corrected = rollout_correction_weight(old_log_probs, cfg.rollout_log_probs, mask,
+                                                              cfg.correction)
                 loss = loss * weight
-                metrics.update(tis_metrics)
+                metrics.update(corrected)
+            if cfg.rollout_log_probs is not None:
+                metrics.update(mismatch_metrics(old_log_probs, cfg.rollout_log_probs, mask))
             metrics["approx_kl"] = masked_mean(compute_approx_kl(old_log_probs, log_probs, mask, "k3"), mask)
             return fill_masked(loss, mask), {key: value.detach() for key, value in metrics.items()}
 
@@ -117,16 +128,9 @@ def truncated_is_weight(
     """w_t = min(pi_old(y_t) / pi_rollout(y_t), tis_cap), detached: corrects for the rollout engine
     (e.g. vLLM) sampling from slightly different probabilities than the trainer computes.
     Shape: old_log_probs, rollout_log_probs, mask (B, A) -> (B, A), 1 outside the mask."""
-    if rollout_log_probs is None:
-        raise ValueError(
-            "--tis_cap is set but no rollout log-probs were given; the rollout engine must return them "
-            "(RolloutOutput.rollout_log_probs), or unset --tis_cap"
-        )
-    log_weight = (old_log_probs - fill_masked(rollout_log_probs, mask)).detach()
-    log_cap = math.log(tis_cap)
-    weight = torch.exp(log_weight.clamp(max=log_cap))
-    weight = torch.where(mask, weight, torch.ones((), dtype=weight.dtype, device=weight.device))
-    metrics = {"tis_weight_mean": masked_mean(weight, mask), "tis_clip_frac": masked_mean(log_weight > log_cap, mask)}
+    weight, metrics = rollout_correction_weight(old_log_probs, rollout_log_probs, as_bool_mask(mask, old_log_probs),
+                                                CorrectionSpec("token_tis", tis_cap))
+    metrics.pop("rollout_corrected_seq_frac")
     return weight, metrics
 
 

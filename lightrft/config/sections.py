@@ -16,6 +16,7 @@ from lightrft.algorithms.aggregation import LOSS_AGG_MODES
 from lightrft.algorithms.distill import DISTILL_MODES
 from lightrft.algorithms.kl import KL_CLAMPS, KL_ESTIMATORS
 from lightrft.algorithms.policy_loss import POLICY_LOSSES
+from lightrft.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 from lightrft.config.options import bound_problem, option
 from lightrft.rewards.judge import answer_parser, read_template
 from lightrft.utils.secrets import register_secret_flags
@@ -371,7 +372,16 @@ class AlgorithmConfig:
     dual_clip: Optional[float] = option(None, "dual-clip bound c > 1 for negative advantages")
     value_clip: float = option(0.2, "critic value clip (PPO)", above=0)
     tis_cap: Optional[float] = option(None, "truncated importance sampling cap for rollout-engine vs trainer "
-                                            "log-probs", above=0)
+                                            "log-probs (alone: token-level truncation; the cap of the *_tis "
+                                            "--rollout_correction modes, 2 when unset)", above=0)
+    rollout_correction: Optional[str] = option(None, "how tokens sampled by another policy than the trainer's are "
+                                                     "weighted: token_tis, token_mask (IcePop), seq_tis, seq_mask, "
+                                                     "geo_tis, geo_mask (geometric mean); default: token_tis with "
+                                                     "--tis_cap, else none (docs/algorithms.md)",
+                                               choices=lambda: sorted(ROLLOUT_CORRECTIONS))
+    rollout_mask_band: tuple[float, float] = option((0.5, 2.0), "the band [LOW, HIGH] of engine/trainer probability "
+                                                                "ratios the *_mask --rollout_correction modes keep",
+                                                    nargs=2, metavar=("LOW", "HIGH"))
     init_kl_coef: float = option(0.01, "KL coefficient: per-token penalty in the advantages (every estimator), or "
                                        "the weight of --use_kl_loss; 0 disables the reference model", at_least=0)
     kl_target: Optional[float] = option(None, "adaptive KL target (default: fixed KL)", above=0)
@@ -411,6 +421,10 @@ class AlgorithmConfig:
     max_nonfinite_steps: int = option(3, "consecutive skipped steps before the run saves and stops", flag=False)
 
     def __post_init__(self):
+        low, high = self.rollout_mask_band
+        if not 0 < low <= 1 <= high:
+            raise ConfigError(f"--rollout_mask_band LOW HIGH needs 0 < LOW <= 1 <= HIGH (a band around the ratio 1 "
+                              f"of agreeing policies), got {low:g} {high:g}")
         required = REQUIRED_LOSS_AGG.get(self.policy_loss)
         if self.loss_agg_mode is None:
             object.__setattr__(self, "loss_agg_mode", required or "token-mean")

@@ -70,7 +70,7 @@ class ExplorerLink:
         self.context = context
         self.total_steps = context.total_steps
         self.receiver.start()
-        if context.algo.tis_cap is None and self.roles.max_staleness > 0:
+        if context.algo.tis_cap is None and context.algo.rollout_correction is None and self.roles.max_staleness > 0:
             context.strategy.print(f"warning: rollouts may be up to {self.roles.max_staleness} step(s) stale "
                                    "(--sync_offset/--sync_interval) but --tis_cap is unset: the update does not "
                                    "correct for the older policy that sampled them; --tis_cap 2 is a common choice")

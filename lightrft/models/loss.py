@@ -12,6 +12,7 @@ from lightrft.algorithms.checks import check_same_shape
 from lightrft.algorithms.losses import pairwise_loss, sft_token_loss
 from lightrft.algorithms.masked import as_bool_mask
 from lightrft.algorithms.policy_loss import PolicyLossConfig, get_policy_loss
+from lightrft.algorithms.rollout_correction import DEFAULT_BAND
 from lightrft.algorithms.value_loss import clipped_value_loss
 
 
@@ -20,7 +21,10 @@ class PolicyLoss(nn.Module):
 
     eps_clip: symmetric clip range; eps_clip_low_high=(low, high) overrides it (DAPO clip-higher,
     `--eps_clip_low_high 0.2 0.28`). dual_clip: c > 1 bounds the loss of negative advantages by
-    c * |A|. tis_cap: truncated importance-sampling cap against rollout-engine log-probs."""
+    c * |A|. tis_cap: truncated importance-sampling cap against rollout-engine log-probs;
+    rollout_correction: another correction mode (`lightrft.algorithms.rollout_correction`: token or
+    sequence, truncated or masked, ratios or their geometric mean), rollout_mask_band the [L, H] of
+    the masking modes."""
 
     def __init__(
         self,
@@ -31,6 +35,8 @@ class PolicyLoss(nn.Module):
         dual_clip: float | None = None,
         loss_agg_mode: str = "token-mean",
         tis_cap: float | None = None,
+        rollout_correction: str | None = None,
+        rollout_mask_band: tuple[float, float] = DEFAULT_BAND,
     ):
         super().__init__()
         self.loss_fn = get_policy_loss(policy_loss)
@@ -46,6 +52,7 @@ class PolicyLoss(nn.Module):
         self.dual_clip = dual_clip
         self.loss_agg_mode = loss_agg_mode
         self.tis_cap = tis_cap
+        self.rollout_correction, self.rollout_mask_band = rollout_correction, tuple(rollout_mask_band)
         self._config(None)  # invalid clip / dual clip / cap values fail here, at construction
 
     def _config(self, rollout_log_probs: Tensor | None) -> PolicyLossConfig:
@@ -55,6 +62,8 @@ class PolicyLoss(nn.Module):
             dual_clip=self.dual_clip,
             rollout_log_probs=rollout_log_probs,
             tis_cap=self.tis_cap,
+            rollout_correction=self.rollout_correction,
+            rollout_mask_band=self.rollout_mask_band,
         )
 
     def forward(
@@ -93,7 +102,8 @@ class PolicyLoss(nn.Module):
         """The policy loss of an `AlgorithmConfig` (--policy_loss, clipping, --tis_cap, aggregation)."""
         return cls(algo.eps_clip, policy_loss=algo.policy_loss,
                    eps_clip_low_high=algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip), dual_clip=algo.dual_clip,
-                   loss_agg_mode=algo.loss_agg_mode, tis_cap=algo.tis_cap)
+                   loss_agg_mode=algo.loss_agg_mode, tis_cap=algo.tis_cap,
+                   rollout_correction=algo.rollout_correction, rollout_mask_band=algo.rollout_mask_band)
 
 
 class ValueLoss(nn.Module):

@@ -200,7 +200,7 @@ def test_bad_input():
         ppo(x, x, x, torch.ones(2, 2))
     with pytest.raises(ValueError, match=r"rollout_log_probs has shape \(2, 1\)"):
         ppo(x, x, x, rollout_log_probs=torch.zeros(2, 1), tis_cap=2.0)
-    with pytest.raises(ValueError, match="--tis_cap is set but no rollout log-probs"):
+    with pytest.raises(ValueError, match=r"--rollout_correction token_tis \(or --tis_cap\) is set but no rollout log-probs"):
         ppo(x, x, x, tis_cap=2.0)
     with pytest.raises(ValueError, match="--dual_clip does not apply to --policy_loss cispo"):
         get_policy_loss("cispo")(x, x, x, None, PolicyLossConfig(dual_clip=3.0))

@@ -118,7 +118,7 @@ def test_every_float_flag_refuses_nan_and_inf_naming_the_flag(bad):
     assert ("algorithm", "eps_clip") in fields and ("optim", "adam_betas") in fields and len(fields) > 25
     for section_name, name in fields:
         section = PPO_VALUES.get(section_name) or PPORunConfig.sections()[section_name]()
-        value = (bad, 0.95) if name in ("adam_betas", "eps_clip_low_high") else bad
+        value = (bad, 0.95) if name in ("adam_betas", "eps_clip_low_high", "rollout_mask_band") else bad
         with pytest.raises(ConfigError) as info:
             PPORunConfig(**{**PPO_VALUES, section_name: dataclasses.replace(section, **{name: value})})
         assert f"--{name} " in str(info.value), (name, str(info.value))

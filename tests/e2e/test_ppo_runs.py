@@ -206,17 +206,23 @@ def train_first_digit_reward_model(base_model, out):
 
 
 def test_dapo_and_regularisers_run_together(toy, tmp_path):
-    """Dynamic sampling, KL loss (k3), entropy bonus, PTX loss, EMA, two epochs and pass@k in one run."""
+    """Dynamic sampling, KL loss (k3), entropy bonus, PTX loss, EMA, two epochs, pass@k and a rollout
+    correction (geometric-mean sequence mask) in one run."""
     summary, scalars = run_ppo(
         toy, tmp_path, max_steps=2, dynamic_sampling=True, max_sampling_rounds=3, use_kl_loss=True,
         kl_estimator="k3", init_kl_coef=0.01, entropy_coef=0.01, pretrain_data=toy["train"],
         pretrain_output_key="output", ptx_coef=0.1, enable_ema=True, max_epochs=2, eval_data=toy["eval"],
-        eval_steps=2, eval_n_samples=4, eps_clip_low_high="0.2 0.28")
+        eval_steps=2, eval_n_samples=4, eps_clip_low_high="0.2 0.28", rollout_correction="geo_mask",
+        rollout_mask_band="0.9 1.1")
     assert summary["step"] == 2
     last = {tag: dict(series)[2] for tag, series in scalars.items()}
     assert last["train/ptx_loss"] > 0 and last["train/entropy"] > 0 and last["train/kl_loss"] >= 0
     # Equal-reward groups are common on this task: some were dropped and refilled from more prompts.
     assert last["train/dropped_groups"] > 0 and last["train/sampling_rounds"] > 2
+    # The rollout correction and its mismatch metrics reach the loss: the HF engine samples with
+    # the trainer's own module, so nothing is masked and the ratios are 1.
+    assert last["train/rollout_corrected_seq_frac"] == 0.0 and abs(last["train/mismatch_kl_k3"]) < 1e-6
+    assert abs(last["train/rollout_ratio_p05"] - 1) < 1e-3 and abs(last["train/rollout_ratio_p95"] - 1) < 1e-3
     # pass@k (any of k right) is never below the mean per-sample reward of the same samples.
     assert 0 <= last["eval/reward_mean"] <= last["eval/pass@4"] <= 1
     assert (tmp_path / "ckpt" / "_ema" / "latest").exists()
