@@ -12,6 +12,7 @@
    under `model.`.
 """
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -50,6 +51,25 @@ def merged_peft_copy(peft_model: nn.Module, state_dict: dict[str, torch.Tensor])
     return merged
 
 
+@contextlib.contextmanager
+def conversions_that_invert(module: nn.Module):
+    """While saving, the weight-name conversions transformers reverts on save are the model's
+    default ones when the recorded ones hold a prefix change: a model loaded under ZeRO-3 by
+    transformers 5.24 records one (`PrefixChange` to `model.language_model.`, beside the renaming
+    that does the same), and reverting both wrote a Qwen-VL's decoder as `model.model.layers.*`,
+    names no loader maps back. The defaults are what a model built without `from_pretrained`
+    saves with: the checkpoint layout every version reads."""
+    recorded = getattr(module, "_weight_conversions", None)
+    drop = recorded is not None and any(type(c).__name__ == "PrefixChange" for c in recorded)
+    if drop:
+        module._weight_conversions = None
+    try:
+        yield
+    finally:
+        if drop:
+            module._weight_conversions = recorded
+
+
 def write_module(module: nn.Module, state_dict: dict[str, torch.Tensor], output_dir: Path) -> None:
     """Writes `module` (with weights `state_dict`) as a Hugging Face folder (module docstring)."""
     if is_peft_model(module):
@@ -57,7 +77,8 @@ def write_module(module: nn.Module, state_dict: dict[str, torch.Tensor], output_
         merged.save_pretrained(output_dir, state_dict=merged.state_dict())
         return
     if callable(getattr(module, "save_pretrained", None)):
-        module.save_pretrained(output_dir, state_dict=state_dict)
+        with conversions_that_invert(module):
+            module.save_pretrained(output_dir, state_dict=state_dict)
         return
     inner = getattr(module, "model", None)
     if isinstance(inner, nn.Module):
