@@ -101,7 +101,8 @@ class ExplorerLink:
                 named += [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
         if self.publisher is not None:
             # a context made elsewhere (research code, a test) may not name an adapter
-            self.publisher.publish(version, named, start_batch=self.stream,
+            # The batch the explorers begin at: the run's stream (`start`), else the version's own batch.
+            self.publisher.publish(version, named, start_batch=version if self.stream is None else self.stream,
                                    adapter=getattr(self.context, "adapter", None))
 
     # ---------------------------------------------------------------------------------- steps

@@ -542,6 +542,7 @@ def unique_cpu_shared_memory_names() -> None:
         return f"lightrft{launch}-" + original(communicator).replace("/", "")
 
     make_group_name.lightrft_launch_id = True
+    make_group_name.vllm_original = original
     shm.make_group_name = staticmethod(make_group_name)
 
 

@@ -5,8 +5,11 @@ The end-to-end check is tests/e2e/test_vllm_tp.py (a tensor-parallel run leaves 
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +34,16 @@ def test_socket_folders_of_gone_processes_are_removed_and_a_live_ones_kept(tmp_p
     assert not dead.exists() and alive.is_dir() and other.is_dir()
 
 
-def test_each_process_gets_a_short_socket_folder_of_its_own(tmp_path, monkeypatch):
+@pytest.fixture
+def short_temp():
+    """A temp folder with a short path (the test's own may be too long for a socket address)."""
+    folder = Path(tempfile.mkdtemp(prefix="lrft", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_each_process_gets_a_short_socket_folder_of_its_own(short_temp, monkeypatch):
+    tmp_path = short_temp
     monkeypatch.setattr(vllm_engine, "_rpc_folder", [])
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     monkeypatch.setattr(vllm_engine.tempfile, "gettempdir", lambda: str(tmp_path))
@@ -61,6 +73,8 @@ def test_cpu_shared_memory_names_carry_the_launch(monkeypatch):
 
     shm = cpu_communicator._CPUSHMDistributed
     monkeypatch.setattr(shm, "make_group_name", shm.__dict__["make_group_name"])     # restored afterwards
+    # vLLM's own function (an engine built earlier in this process may have wrapped it already).
+    shm.make_group_name = staticmethod(getattr(shm.make_group_name, "vllm_original", shm.make_group_name))
     monkeypatch.setenv("VLLM_DIST_IDENT", "//")        # what vLLM sets under an external launcher
     group = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
     plain = shm.make_group_name(group)
