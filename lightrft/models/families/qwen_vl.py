@@ -217,9 +217,7 @@ class Qwen3VL(QwenVL):
         if encoded is None:
             return kwargs
         placeholders = (input_ids[0] == model.config.image_token_id).long()
-        before = placeholders.cumsum(0)
-        lo = int(before[start - 1]) if start > 0 else 0
-        hi = int(before[stop - 1]) if stop > 0 else 0
+        lo, hi = (int(n) for n in torch.stack([placeholders[:start].sum(), placeholders[:stop].sum()]).tolist())
         pooled = torch.cat(encoded.pooler_output)
         deep = [torch.cat(f) for f in encoded.deepstack_features]
         total = 0.0 * (pooled.sum() + sum(f.sum() for f in deep))
