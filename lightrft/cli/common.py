@@ -211,13 +211,14 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, digits: int = 6) -> None:
+def print_summary(strategy, stop_reason, step: int, save_path: str, logs: dict, digits: int = 6,
+                  extra: dict | None = None) -> None:
     """The one JSON line a training command ends with on rank 0: why it stopped, the step, where the
-    model went, and the last logged metrics."""
+    model went, the last logged metrics, and `extra` (the health monitors' actions)."""
     if strategy.is_rank_0():
         summary = {k: round(v, digits) for k, v in logs.items() if isinstance(v, float)}
         print(json_out.dumps({"stop_reason": stop_reason or "finished", "step": step,
-                          "save_path": os.path.abspath(save_path), **summary}), flush=True)
+                          "save_path": os.path.abspath(save_path), **summary, **(extra or {})}), flush=True)
 
 
 def run_command(prog: str, train_fn, args) -> None:

@@ -6,7 +6,8 @@ Checks (docs/doctor.md): data (rows rejected and why, prompt lengths, what --pro
 memory (one step at the longest prompts and responses, peak per phase, the flags to change),
 invariance (loss and gradient: 1 vs 2 micro-batches, padded vs packed), engine (rollout log-probs
 vs the trainer's, weight-sync round trip), rewards (count, type, finiteness and latency of every
-source) and workflow (multi-turn episodes of --workflow: turns, tools, how they ended, rewards).
+source), workflow (multi-turn episodes of --workflow: turns, tools, how they ended, rewards) and
+monitors (the health monitors the flags turn on and what each would do).
 Rank 0 prints a table per check and a verdict; the exit code is 0 when nothing failed, 1
 when a check failed, 2 for bad flags. Nothing is written to --ckpt_path or --save_path: the run
 is built in a temporary folder and thrown away.
@@ -25,7 +26,7 @@ from lightrft.builders.ppo_run import check_world_size  # noqa: F401  (the docs'
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, check_data, check_engine,
-                             check_invariance, check_memory, check_rewards, check_workflow)
+                             check_invariance, check_memory, check_monitors, check_rewards, check_workflow)
 from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
@@ -114,7 +115,9 @@ def run_doctor(argv: list[str], *, prepare=None) -> DoctorReport:
             model = user_args.model
             tokenizer = lambda: build_tokenizer(model.pretrain, model.trust_remote_code, padding_side="left")  # noqa: E731
             results.append(guarded("data", lambda: check_data(user_args, tokenizer())))
-        model_checks = [c for c in options.doctor_checks if c != "data"]
+        if "monitors" in options.doctor_checks:
+            results.append(guarded("monitors", lambda: check_monitors(user_args)))
+        model_checks = [c for c in options.doctor_checks if c not in ("data", "monitors")]
         if model_checks:
             results += run_model_checks(run_args, options, model_checks, prepare)
         report = DoctorReport(results, config=changed_options(options))

@@ -15,6 +15,7 @@ from lightrft.builders.ppo_run import PPORun, build_ppo_run, build_strategy, che
 from lightrft.cli.common import announce_config, parse_run_config, print_summary, run_command
 from lightrft.config import PPORunConfig
 from lightrft.models.tokenizer import stop_token_ids  # noqa: F401  (the name research scripts import from here)
+from lightrft.trainer.ppo_health import EXIT_STATUS as HEALTH_EXIT_STATUS
 from lightrft.utils.program import run_program
 
 
@@ -80,11 +81,15 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
     if run.eval_dataloader is not None:
         logs.update(trainer.evaluate(run.eval_dataloader))
     run.tracker.close()
-    print_summary(run.strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4)
+    events = trainer.health.events if trainer.health is not None else []
+    print_summary(run.strategy, trainer.stop_reason, trainer.global_step, args.save_path, logs, digits=4,
+                  extra={"health": events} if events else None)
     trainer.rollout.shutdown()      # a vLLM engine's teardown needs the process group the strategy closes
     run.strategy.close()
     if trainer.stop_reason == "nonfinite":
         raise SystemExit(3)
+    if (trainer.stop_reason or "").startswith("monitor:"):
+        raise SystemExit(HEALTH_EXIT_STATUS)      # a health monitor stopped the run (its report in --ckpt_path)
     return logs
 
 

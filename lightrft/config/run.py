@@ -23,7 +23,7 @@ from lightrft.config.sections import (AgentConfig, AlgorithmConfig, CheckpointCo
                                       EvalConfig, LoggingConfig, PPODataConfig, PPODistributedConfig, PPOLoggingConfig,
                                       PPOModelConfig, PPOOptimConfig, RewardConfig, RMDataConfig, RMModelConfig,
                                       RMOptimConfig, RolesConfig, RolloutConfig, SFTDataConfig, SupervisedOptimConfig,
-                                      ModelConfig,
+                                      ModelConfig, MonitorConfig,
                                       check_bounds, check_distillation, check_finite)
 
 
@@ -161,7 +161,8 @@ class PPORunConfig(RunConfig):
     GROUPS: ClassVar = (("distributed", "distributed"), ("model", "models"), ("rollout", "rollout"),
                         ("algorithm", "algorithm"), ("optim", "optimisation"), ("data", "data"),
                         ("rewards", "rewards"), ("logging", "logging"), ("checkpoint", "checkpoint"),
-                        ("roles", "explorer and trainer roles"), ("agent", "multi-turn agents"))
+                        ("roles", "explorer and trainer roles"), ("agent", "multi-turn agents"),
+                        ("health", "health monitors"))
 
     distributed: PPODistributedConfig = _section(PPODistributedConfig)
     model: PPOModelConfig = _section(PPOModelConfig)
@@ -174,6 +175,7 @@ class PPORunConfig(RunConfig):
     checkpoint: CheckpointConfig = _section(CheckpointConfig)
     roles: RolesConfig = _section(RolesConfig)
     agent: AgentConfig = _section(AgentConfig)
+    health: MonitorConfig = _section(MonitorConfig)
 
     def __post_init__(self):
         from lightrft.algorithms.advantages import get_advantage_estimator, validate_group_size
@@ -214,6 +216,11 @@ class PPORunConfig(RunConfig):
         if samples % self.optim.train_batch_size != 0:
             raise ConfigError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per rollout must "
                               f"be a multiple of --train_batch_size {self.optim.train_batch_size}")
+        rollbacks = [name for name, action in self.health.actions().items() if action == "rollback"]
+        if rollbacks and (self.checkpoint.save_steps < 1 or self.checkpoint.disable_ds_ckpt):
+            raise ConfigError(f"--monitors {','.join(f'{n}=rollback' for n in rollbacks)} restores the last healthy "
+                              "checkpoint: pass --save_steps N (a checkpoint every N steps) without --disable_ds_ckpt, "
+                              "or choose the action stop")
         if self.data.image_key:
             self._check_images()
         if self.distributed.sequence_parallel_size > 1:

@@ -218,6 +218,12 @@ class PPOModelConfig(ModelConfig):
                                              "prompt in a micro-batch, padded or packed, share one forward of it in "
                                              "the actor, reference, critic and reward models: the same log-probs, "
                                              "values and gradients, the prompt computed once)")
+    fused_logprob_head: Optional[int] = option(None, "compute the actor's, reference's and teacher's log-probs and "
+                                                     "entropy from the last hidden states and the LM head, N tokens' "
+                                                     "logits at a time, never holding (tokens x vocabulary) logits "
+                                                     "(a bare flag: 1024 tokens); the same values and gradients "
+                                                     "(docs/benchmarks.md)", nargs="?", const=1024, at_least=1,
+                                               metavar="TOKENS")
 
 
 @dataclass(frozen=True)
@@ -530,6 +536,10 @@ class RewardConfig:
                                       "(a judge URL)")
     judge_model: Optional[str] = option(None, "model name a judge URL's requests carry (default: none; the server "
                                               "answers with the model it serves)")
+    eval_remote_rm_url: Optional[str] = option(None, "reward sources that score evaluation (--eval_data) instead of "
+                                                     "the training ones, same forms as --remote_rm_url: a held-out "
+                                                     "scorer, which the reward_hacking monitor compares the training "
+                                                     "reward with", secret="urls")
 
     def __post_init__(self):
         check_positive(self, "judge_max_new_tokens", "judge_batch_size")
@@ -546,6 +556,61 @@ class RewardConfig:
             if not any(s.startswith("judge:") for s in specs):
                 raise ConfigError("--judge_template is set but --remote_rm_url names no judge; add "
                                   "judge:MODEL_FOLDER_OR_URL to --remote_rm_url, or drop --judge_template")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Health monitors: the run reads its own metrics and acts when it is failing (docs/monitors.md)."""
+
+    monitors: str = option("warn", "what each monitor does when its condition holds: comma-separated ACTION (every "
+                                   "monitor) or NAME=ACTION items, actions off, warn, stop (save, write a report, exit "
+                                   "with status 4) or rollback (restore the last healthy checkpoint, apply the "
+                                   "rollback changes, continue); monitors entropy_collapse, length_blowup, "
+                                   "length_collapse, kl_runaway, mismatch_drift, grad_spike, reward_hacking, "
+                                   "reward_sources (e.g. 'warn,kl_runaway=rollback')", metavar="SPEC")
+    monitor_window: Optional[int] = option(None, "logged steps a condition must hold before a monitor acts "
+                                                 "(default: each monitor's own, docs/monitors.md)", at_least=1)
+    entropy_floor: float = option(0.02, "entropy_collapse: per-token entropy of the sampled responses below this",
+                                  at_least=0)
+    entropy_drop_factor: float = option(10.0, "entropy_collapse: or fallen by this factor from its start", above=1)
+    max_truncated_share: float = option(0.5, "length_blowup: share of responses cut at --generate_max_len above this",
+                                        above=0, at_most=1)
+    length_change_factor: float = option(3.0, "length_blowup / length_collapse: mean response length above this "
+                                              "times its start / below its start divided by this", above=1)
+    max_ref_kl: float = option(1.0, "kl_runaway: per-token KL to the reference above this", above=0)
+    max_approx_kl: float = option(0.5, "kl_runaway: the update's step-to-step approximate KL above this", above=0)
+    max_mismatch: float = option(0.05, "mismatch_drift: engine/trainer mismatch KL (or mean log-prob gap) above this",
+                                 above=0)
+    grad_spike_factor: float = option(10.0, "grad_spike: actor gradient norm above this times the median of the "
+                                            "20 steps before", above=1)
+    reward_hacking_margin: float = option(0.05, "reward_hacking: held-out reward fell and training reward rose by "
+                                                "more than this over the monitor's evaluations", above=0)
+    max_reward_failure_rate: float = option(0.2, "reward_sources: share of a reward source's calls failing above this",
+                                            above=0, at_most=1)
+    max_rollbacks: int = option(2, "rollbacks a run may take; the next rollback verdict stops it", at_least=0)
+    rollback_lr_scale: float = option(0.5, "a rollback multiplies the learning rates by this", above=0, at_most=1)
+    rollback_kl_scale: float = option(2.0, "a rollback multiplies the KL coefficient by this", at_least=1)
+
+    def __post_init__(self):
+        from lightrft.algorithms.monitors import parse_monitor_actions
+
+        try:
+            parse_monitor_actions(self.monitors)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def actions(self) -> dict:
+        """{monitor: action} of every registered monitor (`--monitors`)."""
+        from lightrft.algorithms.monitors import parse_monitor_actions
+
+        return parse_monitor_actions(self.monitors)
+
+    def settings(self):
+        """The monitors' thresholds (`lightrft.algorithms.monitors.MonitorSettings`)."""
+        from lightrft.algorithms.monitors import MonitorSettings
+
+        names = {f.name for f in dataclasses.fields(MonitorSettings)} - {"window"}
+        return MonitorSettings(window=self.monitor_window, **{name: getattr(self, name) for name in names})
 
 
 @dataclass(frozen=True)

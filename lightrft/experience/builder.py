@@ -199,6 +199,9 @@ class ExperienceBuilder:
             "kl": masked_mean(kl, mask_f, dim=1) if kl is not None else torch.zeros_like(scores),
             "truncated": truncated.float(),
             "valid": valid.float(),
+            # The sampling policy's per-token entropy, estimated without the logits: the mean
+            # negative log-prob of the sampled tokens (E[-log p(x)] = H); the entropy monitor reads it.
+            "entropy": masked_mean(-rollout.rollout_log_probs.float(), mask_f, dim=1),
             **{k: v.float() for k, v in rewards.info.items()},
         }
         if teacher_log_probs is not None:

@@ -23,6 +23,11 @@ class TrainerCallback:
     def on_save(self, trainer, path: str) -> None:
         """After a checkpoint is complete on disk at `path`."""
 
+    def on_health(self, trainer, event: dict) -> None:
+        """After a health monitor's action (`lightrft.trainer.ppo_health`): `event` names the
+        monitor, the metric, its value and threshold, the onset and step, the action, and for a
+        rollback the restored checkpoint's step (`restored_step`)."""
+
     def on_train_end(self, trainer) -> None:
         """After the last step, before the final export."""
 

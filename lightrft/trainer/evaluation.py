@@ -2,9 +2,12 @@
 pass@k with the mean reward of k samples. Shared by `PPOTrainer` (the eval/* metrics during a run)
 and anything else that scores a policy, such as `lightrft.cli.bench` over saved checkpoints."""
 
+import dataclasses
+
 import torch
 
 from lightrft.experience.generation import sampling_params
+from lightrft.experience.scorer import Scorer
 
 
 @torch.no_grad()
@@ -44,3 +47,19 @@ def evaluate_policy(services, strategy, dataloader, generate_kwargs: dict, k: in
         logs[f"eval/pass@{k}"] = totals[2] / max(totals[4], 1)
         logs["eval/reward_mean"] = totals[3] / max(totals[4], 1)
     return logs
+
+
+def held_out_services(services, rewards=None):
+    """`services` (a run's `RolloutServices`) scored by the sources of `rewards.eval_remote_rm_url`
+    (the run config's rewards section) when it names a held-out scorer, with the section's
+    timeout, retries and failure policy; `services` itself otherwise."""
+    url = getattr(rewards, "eval_remote_rm_url", None)
+    if not url:
+        return services
+    from lightrft.rewards import make_reward_source
+
+    sources = [make_reward_source(spec.strip(), timeout=rewards.reward_timeout, max_retries=rewards.reward_retries,
+                                  on_failure=rewards.reward_on_failure) for spec in url.split(",") if spec.strip()]
+    scorer = services.scorer
+    return dataclasses.replace(services, scorer=Scorer(scorer.tokenizer, reward_sources=sources,
+                                                       eos_token_ids=scorer.eos_token_ids))

@@ -6,9 +6,11 @@ falling back are the run services' (`run_services.py`), shared with SFT and RM.
 `PPOCheckpoints` is a base class of `PPOTrainer`, not used alone.
 """
 
+from pathlib import Path
 from typing import Any, Optional
 
 from lightrft.config.run import PPORunConfig, plain_options
+from lightrft.strategy import checkpoint_io
 from lightrft.trainer.checkpoint import pinned_options
 from lightrft.trainer.run_services import CheckpointPart, RunServices
 from lightrft.utils.secrets import redact_options
@@ -45,6 +47,7 @@ class PPOCheckpoints:
     save_hf_ckpt: bool
     disable_ds_ckpt: bool
     args: Optional[PPORunConfig]       # the run config `fit` runs
+    health: Any                        # the health monitors' state travels in the checkpoint
 
     @staticmethod
     def saved_at_step(args, global_step: int) -> bool:
@@ -61,6 +64,7 @@ class PPOCheckpoints:
                     "kl_ctl": self.kl_ctl.state_dict(), **source_state,
                     "counters": dict(self.counters), "failed_saves": self.services.failed_saves,
                     "nonfinite_counts": dict(self.nonfinite_counts),
+                    "health": self.health.state_dict() if getattr(self, "health", None) is not None else {},
                     # the resolved run config travels with every checkpoint, its secrets redacted
                     "config": redact_options(plain_options(self.args))}
         return RunServices.client_state(counters, self.pinned_options(self.args))
@@ -103,3 +107,18 @@ class PPOCheckpoints:
         self.services.guard.skipped = self.counters["skipped_steps"]
         self.nonfinite_counts.update(state.get("nonfinite_counts", {}))
         return self.consumed_samples
+
+    def checkpoint_steps(self, args) -> list[tuple[int, str]]:
+        """(step, folder) of every complete checkpoint of the actor in --ckpt_path, oldest first."""
+        return [(int(checkpoint_io.load_client_state(path, 0)["global_step"]), str(path))
+                for _, path in checkpoint_io.list_complete(Path(as_ppo_config(args).checkpoint.ckpt_path) / "_actor")]
+
+    def restore_checkpoint(self, args, folder: str) -> dict:
+        """Loads the checkpoint `folder` (one of `checkpoint_steps`) into the running engines, the
+        weights and optimizer states of each (the learning-rate schedules keep their place), and
+        returns this rank's client state; the counters are left as they are (a health rollback)."""
+        tag = checkpoint_io.read_marker(Path(folder))["tag"]
+        for part in self.checkpoint_parts(args):
+            self.strategy.load_ckpt(part.model, part.folder, tag=tag, load_optimizer_states=part.load_optimizer_states,
+                                    load_lr_scheduler_states=False)
+        return checkpoint_io.load_client_state(Path(folder), self.strategy.rank)

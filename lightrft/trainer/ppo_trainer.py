@@ -23,17 +23,18 @@ from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceCo
 from lightrft.rollout.base import SamplingParams
 from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.assembly import PPOParts, build_ppo_parts, classic_reward_sources
-from lightrft.trainer.evaluation import evaluate_policy
+from lightrft.trainer.evaluation import evaluate_policy, held_out_services
 from lightrft.trainer.metrics import (EXTREME_SUFFIXES, GlobalCounts, combine_metric,  # noqa: F401  (re-exported)
                                      perf_metrics, start_step_totals)
 from lightrft.trainer.ppo_config import (PPOModels, PPOTrainerConfig, classic_options_config,  # noqa: F401
                                          classic_trainer_config, legacy_models, legacy_positionals,
                                          rollout_generate_kwargs)
 from lightrft.trainer.ppo_checkpoints import PINNED_OPTIONS, PPOCheckpoints, as_ppo_config  # noqa: F401
+from lightrft.trainer.ppo_health import PPOHealth
 from lightrft.trainer.ppo_update import PPOUpdate
 
 
-class PPOTrainer(PPOUpdate, PPOCheckpoints):
+class PPOTrainer(PPOUpdate, PPOCheckpoints, PPOHealth):
     """Trains `actor` with PPO-family updates. `critic=None` selects a critic-free method.
 
     Two ways to build one, which build the same trainer:
@@ -143,7 +144,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         self.global_step, self.consumed_samples = 0, 0
         self.counters, self.nonfinite_counts = ({"skipped_steps": 0, "dropped_groups": 0, "sampling_rounds": 0},
                                                 dict.fromkeys(NONFINITE_SOURCES, 0))
-        self.stop_reason = self.pass_preempted = self.pretrain_iter = self.args = None
+        self.stop_reason = self.pass_preempted = self.pretrain_iter = self.args = self.health = None
         self._warned_no_aux_loss, self.resumed_state, self.last_timings = False, {}, {}
 
     @cached_property
@@ -177,8 +178,10 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
                 bar.set_postfix(reward=f"{logs.get('rollout/reward', float('nan')):.3f}")
                 # 3. Logs, evaluation, checkpoints; stop early on preemption or non-finite streaks.
                 self.save_logs_and_checkpoints(config, self.global_step, bar, logs, eval_dataloader=eval_dataloader)
+                # 4. The health monitors read the step's metrics: warn, stop, or roll back.
+                self.stop_reason = self.act_on_health(config, self.last_logs)
                 # A signal that came during a save (which can take long) stops the run now, not a step later.
-                self.stop_reason = self.services.stop_reason(
+                self.stop_reason = self.stop_reason or self.services.stop_reason(
                     ckpt_path, None if self.saved_at_step(config, self.global_step) else preempted)
                 if self.stop_reason is not None:
                     break
@@ -198,6 +201,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
         the experience source started where the run left off (the colocated one over
         `prompts_dataloader` unless one was given). Returns the planned steps."""
         self.set_pretrain_data(pretrain_dataloader)
+        self.start_health(config, self.resumed_state.get("health"))
         self.consumed_samples = consumed_samples
         total_steps = self.planned_steps(config, prompts_dataloader)
         if self.experience_source is None:
@@ -343,9 +347,15 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints):
     def evaluate(self, eval_dataloader) -> dict[str, float]:
         """Mean reward of greedy decoding, and pass@k over k samples when `eval_n_samples` > 1
         (see `lightrft.trainer.evaluation.evaluate_policy`)."""
-        return evaluate_policy(self.experience_services, self.strategy, eval_dataloader,
+        return evaluate_policy(self.eval_services, self.strategy, eval_dataloader,
                                {**self.generate_kwargs, **self.eval_generate_kwargs},
                                k=self.args.data.eval_n_samples if self.args is not None else 1)
+
+    @cached_property
+    def eval_services(self):
+        """The run's rollout services, scored by --eval_remote_rm_url's sources when it names a
+        held-out scorer (evaluation only; training keeps its own reward)."""
+        return held_out_services(self.experience_services, self.args.rewards if self.args is not None else None)
 
 
 DISTILL_SUMS = ("reverse_kl", "teacher_logprob", "student_logprob")

@@ -22,6 +22,7 @@ def test_grpo_raises_held_out_accuracy_and_logs(toy, tmp_path):
     # 50 GRPO steps from a ~30% start: measured 31% -> 50% (2 CPU ranks); assert +7 points.
     assert after >= before + 0.07, (before, after)
     assert summary["step"] == 50 and summary["stop_reason"] == "finished"
+    assert "health" not in summary, summary["health"]     # every monitor warns by default: a healthy run, no alarm
     assert abs(summary["eval/reward_greedy"] - after) < 1e-6   # the trainer's eval agrees with ours
 
     scalars = tensorboard_scalars(tmp_path / "tb")
