@@ -15,8 +15,9 @@ def model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
 
 def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
     """Keyword arguments of every policy-shaped model of a run (actor, reference, EMA, explorer
-    copies) besides its path: the same as `model_kwargs` (critic and reward models share prompts too)."""
-    return model_kwargs(model, distributed)
+    copies) besides its path: `model_kwargs` (critic and reward models share prompts too) and the
+    fused log-prob head (`--fused_logprob_head`), which only policies have."""
+    return {**model_kwargs(model, distributed), "fused_head_chunk": model.fused_logprob_head}
 
 
 def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float,

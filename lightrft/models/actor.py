@@ -1,16 +1,19 @@
 """The policy: a Hugging Face causal LM that returns log-probabilities of its action tokens."""
 
 import copy
+import logging
 import os
 import re
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.families import family_of, load_model
 from lightrft.models.attention import default_attn_implementation
+from lightrft.models.lm_head import FusedHeadUnsupported, LMHead, find_lm_head
 from lightrft.models.hf_utils import (
     check_packed_row,
     enable_gradient_checkpointing,
@@ -28,6 +31,8 @@ from lightrft.models.shared_prompts import (
     sharing_possible,
     shared_prompt_forward,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ActorLanguage(nn.Module):
@@ -61,6 +66,13 @@ class ActorLanguage(nn.Module):
             prompt's matrix work done once for its G samples. Off under gradient checkpointing
             (its layers drop the KV cache) and for mixture-of-experts load-balancing losses.
             Packed rows given `prompt_groups` share too, gradient checkpointing included.
+        fused_head_chunk: None (the default) computes log-probs from the model's logits of the
+            action-predicting positions. A number of tokens turns on the fused log-prob head: the
+            decoder runs without the LM head and `lightrft.algorithms.fused_head` computes the
+            log-probs and entropies from its hidden states and the head's weight, `fused_head_chunk`
+            tokens' logits at a time, so no (tokens x vocabulary) logits or logit gradients are
+            held (`lightrft.algorithms.fused_head.CHUNK_TOKENS` is a good size). The same values and
+            gradients; where it does not apply, the plain forward runs (`forward` says where).
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`;
     `.family` its `lightrft.models.families.ModelFamily`, which loads it and builds its forward inputs.
@@ -83,6 +95,7 @@ class ActorLanguage(nn.Module):
         packing_samples: bool = False,
         share_prompts: bool = True,
         freeze_vision_tower: bool = False,
+        fused_head_chunk: int | None = None,
         flag: str = "--pretrain",
     ) -> None:
         super().__init__()
@@ -91,6 +104,9 @@ class ActorLanguage(nn.Module):
             raise ValueError(f"--temperature must be > 0, got {temperature}")
         if lora_rank < 0:
             raise ValueError(f"--lora_rank must be >= 0, got {lora_rank}")
+        if fused_head_chunk is not None and (type(fused_head_chunk) is not int or fused_head_chunk < 1):
+            raise ValueError(f"fused_head_chunk must be None (off) or a number of tokens >= 1, "
+                             f"got {fused_head_chunk!r}")
         self.temperature = float(temperature)
         self.share_prompts = share_prompts
         if isinstance(pretrain_or_model, nn.Module):
@@ -142,12 +158,25 @@ class ActorLanguage(nn.Module):
             )
             model = get_peft_model(model, lora_config)
         self.model = model
+        self.fused_head_chunk = fused_head_chunk
+        # The decoder and head the fused log-prob head runs on, or None for the model's logits.
+        self.lm_head = self._split_head(model) if fused_head_chunk is not None else None
         self.prompt_sharing = PackedPromptSharing(model, flag)
         # The sequence-parallel group packed rows are split over (`use_sequence_parallel`), or None.
         self.sequence_parallel = None
         self.packing_checked = False
         if packing_samples:
             self.check_packing()
+
+    def _split_head(self, model: nn.Module) -> LMHead | None:
+        """The decoder and head of `model` for the fused log-prob head, or None (with the reason
+        logged) where it cannot stand in for the model's logits."""
+        try:
+            return find_lm_head(model, self.family)
+        except FusedHeadUnsupported as reason:
+            logger.warning("%s: the fused log-prob head is off: %s; log-probs come from the model's logits",
+                           self.flag, reason)
+            return None
 
     def check_packing(self) -> None:
         """Raises if this architecture cannot be packed exactly with its attention; runs once,
@@ -194,6 +223,16 @@ class ActorLanguage(nn.Module):
 
         Only the logits that predict action tokens are computed (`logits_to_keep`), and the
         float32 log-softmax runs in chunks, so no float32 (B, T, V) copy is made.
+
+        With `fused_head_chunk` set (and a model `lm_head.find_lm_head` can split), padded and
+        packed forwards, shared prompts included, compute no logits at all: the decoder's hidden
+        states of the action-predicting positions go through `fused_head.log_probs_from_hidden`
+        (same values and gradients), and a `return_output` output has `logits=None` (and `entropy`
+        when asked for). The plain forward still runs for `num_actions=None` (the caller wants
+        logits), for mixture-of-experts router logits (`return_aux_loss`: transformers computes the
+        loss in the causal LM's forward), for rows split over a sequence-parallel group, and for
+        vision-language models and architectures outside `lm_head.FUSED_HEAD_MODEL_TYPES` (said
+        once, at construction).
 
         With `return_output=True` returns `(log_probs, output)`: the model output whose `logits`
         cover only the action-predicting positions ((B, A, V) padded, (1, K, V) packed with
@@ -242,6 +281,8 @@ class ActorLanguage(nn.Module):
             return self.model(**kwargs)
         check_num_actions(num_actions, sequences, None)
         num_actions = int(num_actions)
+        if self.lm_head is not None and "output_router_logits" not in kwargs:
+            return self._fused_padded(kwargs, sequences[:, -num_actions:], return_output, return_entropy)
         output = self._shared_prompt_forward(kwargs, num_actions)
         if output is None:
             # Logits at T-A-1 .. T-2 predict the action tokens at T-A .. T-1: keep A + 1, drop the last.
@@ -263,13 +304,40 @@ class ActorLanguage(nn.Module):
         fill = -1e9 if torch.finfo(logits.dtype).max > 1e10 else torch.finfo(logits.dtype).min / 2
         return logits.index_fill(-1, self.banned_ids.to(logits.device), fill)
 
-    def _shared_prompt_forward(self, kwargs, num_actions):
-        """The padded output with one prompt forward per distinct prompt, or None for the plain forward."""
+    def _fused_padded(self, kwargs, labels, return_output, return_entropy):
+        """`_forward_padded` with the fused head: the decoder's hidden states at the positions that
+        predict the action tokens `labels` (B, A), through `lightrft.algorithms.fused_head`."""
+        num_actions = labels.size(1)
+        output = self._shared_prompt_forward(kwargs, num_actions, self.lm_head.decoder, "last_hidden_state")
+        if output is not None:
+            hidden = output.last_hidden_state  # (B, A, H)
+        else:
+            # Hidden states at T-A-1 .. T-2 predict the action tokens at T-A .. T-1.
+            hidden = self.lm_head.hidden_states(kwargs)[:, -num_actions - 1:-1]  # (B, A, H)
+        return self._fused_result(hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1),
+                                  lambda flat: flat.view_as(labels), return_output, return_entropy)
+
+    def _fused_result(self, hidden, labels, to_layout, return_output, return_entropy):
+        """The log-probs (and entropies) of `labels` (K,) from the hidden states (K, H) that predict
+        them, put in the caller's layout by `to_layout`; with `return_output`, an output without
+        logits (the fused head computes none) holding `entropy` when asked for."""
+        log_probs, entropy = self.lm_head.log_probs(hidden, labels, self.temperature, self.banned_ids,
+                                                    return_output and return_entropy, self.fused_head_chunk)
+        if not return_output:
+            return to_layout(log_probs)
+        output = CausalLMOutputWithPast()
+        if entropy is not None:
+            output["entropy"] = to_layout(entropy)
+        return to_layout(log_probs), output
+
+    def _shared_prompt_forward(self, kwargs, num_actions, model=None, field="logits"):
+        """The padded output with one prompt forward per distinct prompt, or None for the plain forward;
+        `model` and `field` as `shared_prompt_forward` takes them (default: this actor's model, logits)."""
         if (not self.share_prompts or "output_router_logits" in kwargs or "input_ids" not in kwargs
                 or "mm_encoder_outputs" in kwargs or not sharing_possible(self.model)):
             return None
         try:
-            return shared_prompt_forward(self.model, kwargs, num_actions)
+            return shared_prompt_forward(self.model if model is None else model, kwargs, num_actions, field)
         except PromptSharingUnsupported:
             self.share_prompts = False  # this model cannot; the plain forward from now on
             return None
@@ -286,6 +354,9 @@ class ActorLanguage(nn.Module):
         if self.sequence_parallel is not None:
             return self._forward_split(sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
                                        router=bool(extra), media=media)
+        if self.lm_head is not None and not extra:
+            return self._fused_packed(sequences, packed_seq_lens, num_actions, index, prompt_groups, media,
+                                      return_output, return_entropy)
         output = None
         if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
             output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
@@ -299,6 +370,21 @@ class ActorLanguage(nn.Module):
         if return_output and return_entropy:
             output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
         return (log_probs, output) if return_output else log_probs
+
+    def _fused_packed(self, sequences, packed_seq_lens, num_actions, index, prompt_groups, media, return_output,
+                      return_entropy):
+        """`_forward_packed` with the fused head: the decoder's hidden states at `index.predict_positions`
+        (of the shared row when the prompts are shared), through `lightrft.algorithms.fused_head`."""
+        hidden = None
+        if self.share_prompts and prompt_groups is not None:
+            hidden = self.prompt_sharing.forward(
+                sequences, packed_seq_lens, num_actions, prompt_groups,
+                lambda shared, layout: self.lm_head.hidden_states(shared)[0, layout.predict_positions])
+        if hidden is None:
+            kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
+            hidden = self.lm_head.hidden_states(kwargs)[0, index.predict_positions]  # (K, H)
+        labels = sequences[0, index.token_positions]  # (K,)
+        return self._fused_result(hidden, labels, index.to_rows, return_output, return_entropy)
 
     def _forward_split(self, sequences, packed_seq_lens, num_actions, index, return_output, return_entropy,
                        router: bool = False, media=None):

@@ -57,7 +57,7 @@ def sharing_possible(model: nn.Module) -> bool:
     return not (model.training and activation_checkpointing_on(model))
 
 
-def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
+def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int, field: str = "logits"):
     """The model output over padded rows whose logits are those predicting the last `num_actions`
     tokens of each row ((B, A, V), like a plain forward with `logits_to_keep=A + 1` minus its last
     position), computed with one prompt forward per distinct prompt; None when no rows share a
@@ -65,6 +65,10 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
     returns no cache it can index by row, or when the response forward did not continue the
     prompt's cache (a forward that swallows a cache argument it does not know would otherwise
     give the responses' log-probs without their prompts, with no error).
+
+    With `field="last_hidden_state"`, `model` is a causal LM's decoder (`lm_head.LMHead.decoder`)
+    and that field of its output holds the hidden states of the same positions, (B, A, H), for
+    the fused log-prob head.
 
     `kwargs` are `ModelFamily.padded_inputs`: input_ids (B, T), attention_mask, position_ids.
     """
@@ -83,20 +87,23 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int):
         return None
     first, inverse = groups
     name = cache_argument(model)
+    # A decoder computes every position's hidden state (it takes no `logits_to_keep`); the last are kept below.
+    keep = (lambda count: {"logits_to_keep": count}) if field == "logits" else (lambda count: {})
     prompt = model(input_ids=input_ids[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
-                   position_ids=position_ids[first, :prompt_len], use_cache=True, logits_to_keep=1)
+                   position_ids=position_ids[first, :prompt_len], use_cache=True, **keep(1))
     cache = returned_cache(prompt, name)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise PromptSharingUnsupported(f"{type(model).__name__} returned no KV cache that can be indexed by row")
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...); the backward sums over a prompt's rows
     output = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
-                   position_ids=position_ids[:, prompt_len:], use_cache=True, logits_to_keep=num_actions,
+                   position_ids=position_ids[:, prompt_len:], use_cache=True, **keep(num_actions),
                    **{name: cache})
     if returned_cache(output, name) is not cache:
         raise PromptSharingUnsupported(f"{type(model).__name__}'s forward did not continue the prompt's KV cache "
                                        f"passed as `{name}`")
     # The prompt's last position predicts the first action; the response's positions the rest.
-    output.logits = torch.cat([prompt.logits[inverse], output.logits[:, :-1]], dim=1)  # (B, A, V)
+    predicting = [getattr(prompt, field)[inverse, -1:], getattr(output, field)[:, -num_actions:-1]]
+    setattr(output, field, torch.cat(predicting, dim=1))  # (B, A, V) logits, or (B, A, H) hidden states
     setattr(output, name, None)
     return output
 
