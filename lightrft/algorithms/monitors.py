@@ -336,6 +336,7 @@ class HealthWatch:
         self.active: set[str] = set()
         self.rollbacks = 0
         self.events: list[dict] = []
+        self.abandoned: list[tuple[int, int]] = []     # (restored step, last step) of each rollback
 
     def window(self, name: str) -> int:
         return self.settings.window or MONITORS[name].window
@@ -355,17 +356,29 @@ class HealthWatch:
         return verdicts
 
     def forget_after(self, step: int) -> None:
-        """Drops the history after `step` (a restored checkpoint's): the windows start again."""
+        """Drops the history after `step` (a restored checkpoint's): the windows start again. The
+        steps from `step` to the last one recorded are abandoned: their checkpoints belong to the
+        weights the rollback threw away and are never restored (`restorable`)."""
+        last = self.history.steps[-1][0] if self.history.steps else step
+        if last > step:
+            self.abandoned.append((step, last))
         self.history.steps = [(s, values) for s, values in self.history.steps if s <= step]
         self.active.clear()
 
+    def restorable(self, step: int) -> bool:
+        """Whether the checkpoint of `step` holds weights of the run as it went on (not of steps a
+        rollback abandoned)."""
+        return not any(first < step <= last for first, last in self.abandoned)
+
     def state_dict(self) -> dict:
-        return {"history": self.history.state_dict(), "rollbacks": self.rollbacks, "events": list(self.events)}
+        return {"history": self.history.state_dict(), "rollbacks": self.rollbacks, "events": list(self.events),
+                "abandoned": [list(span) for span in self.abandoned]}
 
     def load_state_dict(self, state: dict) -> None:
         self.history.load_state_dict(state.get("history", {}))
         self.rollbacks = int(state.get("rollbacks", 0))
         self.events = list(state.get("events", []))
+        self.abandoned = [tuple(span) for span in state.get("abandoned", [])]
 
 
 def write_report(folder, verdict: Verdict, action: str, checkpoint: str) -> list:

@@ -89,9 +89,11 @@ class PPOHealth:
         return None
 
     def rollback(self, config, verdict: Verdict) -> Optional[int]:
-        """Restores the newest checkpoint at or before `verdict.healthy_step` and applies the
-        rollback changes; returns its step, or None when there is none."""
-        healthy = [(step, folder) for step, folder in self.checkpoint_steps(config) if step <= verdict.healthy_step]
+        """Restores the newest checkpoint at or before `verdict.healthy_step` (of the weights the run
+        went on with: none of the steps an earlier rollback abandoned) and applies the rollback
+        changes; returns its step, or None when there is none."""
+        healthy = [(step, folder) for step, folder in self.checkpoint_steps(config)
+                   if step <= verdict.healthy_step and self.health.restorable(step)]
         if not healthy:
             return None
         step, folder = max(healthy)

@@ -179,3 +179,16 @@ def test_rollback_needs_checkpoints(capsys):
                     "group_norm", "--n_samples_per_prompt", "4", "--monitors", "grad_spike=rollback"])
     assert "--monitors grad_spike=rollback restores the last healthy checkpoint: pass --save_steps N" in \
         capsys.readouterr().err
+
+
+def test_checkpoints_of_abandoned_steps_are_not_restorable():
+    watch = HealthWatch(parse_monitor_actions("warn"))
+    for step in range(1, 7):
+        watch.observe(step, {"rollout/reward": 0.0})
+    watch.forget_after(4)            # a rollback at step 6 to the checkpoint of step 4
+    for step in range(7, 9):
+        watch.observe(step, {"rollout/reward": 0.0})
+    assert [watch.restorable(s) for s in range(1, 9)] == [True] * 4 + [False, False] + [True, True]
+    again = HealthWatch(parse_monitor_actions("warn"))
+    again.load_state_dict(watch.state_dict())
+    assert not again.restorable(6) and again.restorable(7)

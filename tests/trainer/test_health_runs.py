@@ -73,6 +73,8 @@ class Recorder(TrainerCallback):
 
     def on_rollout_end(self, trainer, experiences):
         # A learning rate 30x too high for step `lr_spike_at` (1-based) alone.
+        if not self.lr_spike_at:
+            return
         if trainer.global_step + 1 == self.lr_spike_at:
             scale_learning_rate(trainer.actor_scheduler, 30.0)
         elif trainer.global_step + 1 == self.lr_spike_at + 1:
@@ -97,8 +99,8 @@ class ColderTrainer(PPOTrainer):
 
 class LongerTrainer(PPOTrainer):
     """From step ONSET every response runs to --generate_max_len (end-of-sequence held off, as a
-    stop-token misconfiguration does). A length reward makes the same failure, but a tiny policy
-    learns it too slowly for a test."""
+    stop-token misconfiguration does). A reward for length makes the same failure, but this tiny
+    policy learns it only after 13-18 steps at a temperature of 1.5, too slowly for a test."""
 
     def sampling_params(self, step):
         params = super().sampling_params(step)
@@ -221,9 +223,9 @@ def test_a_learning_rate_spike_is_rolled_back_to_the_checkpoint_before_it(task, 
 
 def test_reward_hacking_against_a_held_out_scorer(task, tmp_path):
     # From step ONSET the training reward pays for wrong answers (a scorer bug); the held-out scorer
-    # is the math rule. A fast learning rate picks the bug up within the run.
-    flags = dict(kind="hack", eval_data=task["eval"], eval_steps=2, eval_remote_rm_url="math", actor_learning_rate=1e-2,
-                 max_steps=24, num_episodes=2)
+    # is the math rule.
+    flags = dict(kind="hack", eval_data=task["eval"], eval_steps=2, eval_remote_rm_url="math", max_steps=24,
+                 num_episodes=2)
     logs, off = train(task, tmp_path / "off", **flags)
     held_out, reward = series(off, "eval/reward_greedy"), series(off, "rollout/reward")
     mean = lambda steps: sum(reward[s] for s in steps) / len(steps)      # noqa: E731
@@ -237,3 +239,20 @@ def test_reward_hacking_against_a_held_out_scorer(task, tmp_path):
     assert event["monitor"] == "reward_hacking" and event["step"] - event["onset"] == 4, event
     assert event["onset"] >= ONSET - 2 and held_out[event["step"]] == event["value"]
     report_of(tmp_path / "on", event["step"], "reward_hacking")
+
+
+def test_a_failure_that_outlives_its_rollbacks_stops_the_run(task, tmp_path):
+    """A reward 100x too large from step ONSET on: each rollback restores a checkpoint from before
+    the spike that followed (bit for bit), the spike comes back with the reward, and after
+    --max_rollbacks 2 the third verdict stops the run."""
+    out = tmp_path / "run"
+    status, recorder = train(task, out, kind="scale", advantage_estimator="rloo", monitors="off,grad_spike=rollback",
+                             save_steps=1, save_hf_ckpt=True, max_ckpt_num=4, max_steps=24, num_episodes=2)
+    assert status == EXIT_STATUS
+    assert [e["action"] for e in recorder.events] == ["rollback", "rollback", "stop"], recorder.events
+    for event, restored in zip(recorder.events, recorder.restored):
+        assert event["restored_step"] <= event["onset"] - 2          # a gradient describes the step before's weights
+        saved = load_file(out / "ckpt" / f"global_step{event['restored_step']}_hf" / "model.safetensors")
+        assert all(torch.equal(restored[name], saved[name]) for name in saved)
+    assert recorder.logs[recorder.events[2]["step"]]["train/actor_lr"] == pytest.approx(0.25e-3)   # halved twice
+    report_of(out, recorder.events[2]["step"], "grad_spike")
