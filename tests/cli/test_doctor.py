@@ -78,9 +78,10 @@ def test_healthy_configuration_passes_every_check(task, tmp_path, capsys):
     json_report = tmp_path / "doctor.json"
     report = doctor(task, tmp_path, "--doctor_report", json_report, prompt_max_len=24)
     printed = capsys.readouterr().out
-    assert [c.name for c in report.checks] == ["data", "memory", "invariance", "engine", "rewards", "workflow"]
+    assert [c.name for c in report.checks] == ["data", "monitors", "memory", "invariance", "engine", "rewards",
+                                               "workflow"]
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
-        ["data", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+        ["data", "monitors", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
     assert [f.text for f in report.check("workflow").findings] == [
         "no --workflow: one response per prompt (nothing to check)"]
     assert report.exit_code == 0 and "verdict: PASS" in printed
@@ -346,7 +347,7 @@ def test_a_vision_language_run_passes_with_its_images_in_every_check(tmp_path):
         for key in LAUNCH_ENV:
             os.environ.pop(key, None)
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
-        ["data", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+        ["data", "monitors", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
     assert report.check("engine").figures["gap_mean"] < 1e-3
 
 
