@@ -13,6 +13,8 @@
 #            (64 / 4 GPUs = 16 prompts, 128 samples per GPU)
 #            train_batch_size 128: 512 / 128 = 4 optimizer steps per rollout (max_epochs 1)
 #            micro_train_batch_size 4 x 4 GPUs = 16 samples per forward: 128 / 16 = 8 gradient-accumulation steps
+#            micro_train_max_tokens 4096: a packed micro-batch of long samples holds fewer than 4 (same update,
+#            more micro-batches per optimizer step)
 #            micro_rollout_batch_size 16 samples per GPU per forward when scoring experience
 # Lengths    prompt_max_len 512, generate_max_len 1024
 # Memory     trainer: 0.49B params x 2 bytes (bf16 weights, whole on each GPU under ZeRO-2)
@@ -47,7 +49,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --advantage_estimator group_norm --n_samples_per_prompt 8 \
     --rollout_engine vllm --vllm_gpu_memory_utilization 0.4 \
     --rollout_batch_size 64 --micro_rollout_batch_size 16 \
-    --train_batch_size 128 --micro_train_batch_size 4 \
+    --train_batch_size 128 --micro_train_batch_size 4 --micro_train_max_tokens 4096 \
     --prompt_max_len 512 --generate_max_len 1024 --temperature 1.0 \
     --actor_learning_rate 1e-6 --lr_warmup_ratio 0.03 \
     --init_kl_coef 1e-3 --use_kl_loss --kl_estimator k3 --eps_clip 0.2 \

@@ -225,6 +225,8 @@ class PPORunConfig(RunConfig):
             self._check_images()
         if self.distributed.sequence_parallel_size > 1:
             self._check_sequence_parallel()
+        if self.optim.micro_train_max_tokens is not None:
+            self._check_token_budget()
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
@@ -238,6 +240,17 @@ class PPORunConfig(RunConfig):
         refuse(f"--image_key {self.data.image_key}", {
             "--recorded_data": (self.data.recorded_data, "recorded experiences hold token ids only, not the images "
                                 "the policy saw")}, "docs/vlm.md")
+
+    def _check_token_budget(self) -> None:
+        """--micro_train_max_tokens counts the tokens of packed rows; a padded micro-batch pads every
+        row to its longest, so its cost is not its tokens."""
+        budget = self.optim.micro_train_max_tokens
+        if not self.model.packing_samples:
+            raise ConfigError(f"--micro_train_max_tokens {budget} budgets the tokens of packed micro-batches: add "
+                              "--packing_samples, or drop --micro_train_max_tokens")
+        if self.algorithm.ptx_coef > 0:
+            raise ConfigError(f"--micro_train_max_tokens {budget} changes the number of micro-batches per optimizer "
+                              f"step, and each draws one PTX batch (--ptx_coef {self.algorithm.ptx_coef}): drop one")
 
     def _check_sequence_parallel(self) -> None:
         """What a row split over ranks (--sequence_parallel_size) needs, named with the flag to change."""

@@ -478,6 +478,11 @@ class PPOOptimConfig(OptimConfig):
     max_steps: int = option(-1, "stop after N rollout steps with a checkpoint and the export (-1: run all episodes)", off=-1, at_least=1)
     actor_learning_rate: float = option(1e-6, "peak learning rate of the actor", at_least=0)
     critic_learning_rate: float = option(9e-6, "peak learning rate of the critic", at_least=0)
+    micro_train_max_tokens: Optional[int] = option(
+        None, "most tokens per packed update micro-batch: each optimizer step's samples, in order, fill micro-batches "
+              "of whole samples up to N tokens (a longer sample goes alone), at most --micro_train_batch_size "
+              "samples each; the same samples per optimizer step and the same loss (default: off, "
+              "--micro_train_batch_size samples each); needs --packing_samples", at_least=1, metavar="TOKENS")
 
     def __post_init__(self):
         super().__post_init__()

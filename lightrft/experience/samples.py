@@ -14,6 +14,7 @@ train nor enter the advantages and the KL. The response layout (which slots hold
 attention mask's, separate from it.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
@@ -174,3 +175,35 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     sequences[real] = tokens
     return Experience(sequences=sequences, attention_mask=real.long(), action_mask=action_mask,
                       num_actions=width, packed_seq_lens=None, info=info, media=media, **per_action)
+
+
+def split_by_tokens(lengths: Sequence[int], max_tokens: int, max_samples: Optional[int] = None) -> list[list[int]]:
+    """The indices of consecutive samples of `lengths` (tokens each) cut into micro-batches in
+    their order: each takes the next sample while its tokens stay within `max_tokens` and it holds
+    fewer than `max_samples` (no limit when None); a sample longer than `max_tokens` goes alone.
+    E.g. lengths [5, 3, 7, 2, 9], max_tokens 10 -> [[0, 1], [2, 3], [4]]."""
+    batches: list[list[int]] = []
+    tokens = 0
+    for i, length in enumerate(lengths):
+        full = max_samples is not None and batches and len(batches[-1]) >= max_samples
+        if not batches or full or tokens + length > max_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(i)
+        tokens += length
+    return batches
+
+
+def split_to_count(batches: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """`batches` (from `split_by_tokens`) cut further until there are `count` of them, so every rank
+    runs the same number of micro-batches per optimizer step: the one with the most tokens among
+    those of two samples or more is halved (by samples), the halves staying in place. Needs `count`
+    <= the number of samples."""
+    batches = [list(b) for b in batches]
+    if count > len(lengths):
+        raise ValueError(f"cannot cut {len(lengths)} samples into {count} micro-batches")
+    while len(batches) < count:
+        k = max((k for k, b in enumerate(batches) if len(b) > 1), key=lambda k: sum(lengths[i] for i in batches[k]))
+        half = len(batches[k]) // 2
+        batches[k:k + 1] = [batches[k][:half], batches[k][half:]]
+    return batches

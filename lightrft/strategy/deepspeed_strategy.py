@@ -437,6 +437,15 @@ class DeepspeedStrategy:
         gradients are averaged over ranks, so pass the mean loss of this rank's micro-batch."""
         model.backward(loss)
 
+    def set_accumulation_boundary(self, boundary: bool, *models) -> None:
+        """Whether the next micro-batch of `models` (None skipped) ends its optimizer step, for
+        steps of a varying number of micro-batches (--micro_train_max_tokens): DeepSpeed otherwise
+        counts `accumulated_gradient` of them. Its loss division by that count stays as it is
+        (`PPOUpdate.loss_scale` undoes it), and ZeRO reduces the gradients at the boundary."""
+        for model in models:
+            if model is not None:
+                model.set_gradient_accumulation_boundary(boundary)
+
     def optimizer_step(self, optimizer, model, scheduler=None, name: str = "model") -> None:
         """Counts a micro-batch; at the end of each accumulation window the gradients are clipped
         to `max_norm` (by DeepSpeed, or here when `clips_gradients`), and DeepSpeed steps the

@@ -125,11 +125,11 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints, PPOHealth):
         self.actor, self.critic, self.initial_model = models.actor, models.critic, models.initial_model
         self.ema_model, self.teacher_model, self.reward_model = (models.ema_model, models.teacher_model,
                                                                  models.classic_reward_model)
-        self.actor_optim, self.critic_optim = models.actor_optim, models.critic_optim
+        self.actor_optim, self.critic_optim, self.max_epochs = models.actor_optim, models.critic_optim, optim.max_epochs
         self.actor_scheduler, self.critic_scheduler = models.actor_scheduler, models.critic_scheduler
-        self.ema_beta, self.max_epochs, self.max_norm = config.model.ema_beta, optim.max_epochs, optim.max_norm
+        self.max_norm, self.micro_train_max_tokens = optim.max_norm, optim.micro_train_max_tokens
         self.micro_train_batch_size, self.prompt_max_len = optim.micro_train_batch_size, config.data.prompt_max_len
-        self.micro_rollout_batch_size = config.rollout.micro_rollout_batch_size
+        self.micro_rollout_batch_size, self.ema_beta = config.rollout.micro_rollout_batch_size, config.model.ema_beta
         self.save_hf_ckpt, self.disable_ds_ckpt = config.checkpoint.save_hf_ckpt, config.checkpoint.disable_ds_ckpt
         self.gradient_checkpointing, self.dataloader_pin_memory = (config.distributed.gradient_checkpointing,
                                                                    parts.dataloader_pin_memory)

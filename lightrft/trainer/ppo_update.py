@@ -24,7 +24,7 @@ from lightrft.algorithms.aggregation import aggregate_loss
 from lightrft.algorithms.distill import distill_loss_per_token
 from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.config.sections import AlgorithmConfig
-from lightrft.experience.samples import Experience, Sample, collate_samples
+from lightrft.experience.samples import Experience, Sample, collate_samples, split_by_tokens, split_to_count
 from lightrft.models.media import media_keywords
 from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
@@ -57,6 +57,7 @@ class PPOUpdate:
     ema_beta: float
     max_epochs: int
     micro_train_batch_size: int
+    micro_train_max_tokens: Optional[int]    # most tokens per packed micro-batch (None: no budget)
     dataloader_pin_memory: bool
     # what a step trains on, and where its counts go
     replay_buffer: Any
@@ -102,12 +103,17 @@ class PPOUpdate:
             drawn.clear()
             micro_batches = list(dataloader)
             groups = [micro_batches[start:start + grad_accum] for start in range(0, len(micro_batches), grad_accum)]
+            if self.micro_train_max_tokens is not None:
+                groups = self.token_budget_groups(drawn, grad_accum)
+                micro_batches = [exp for group in groups for exp in group]
             counts = self.global_counts(groups)     # in flight until the first loss needs them
-            self.fill_old_log_probs(micro_batches[grad_accum:], drawn[grad_accum:])
+            first = len(groups[0]) if groups else 0     # the micro-batches of the first optimizer step
+            self.fill_old_log_probs(micro_batches[first:], drawn[first:])
             local, grad_sources, norms = [], [], []
             trains_actor = global_steps > self.algo.freezing_actor_steps
             for group, group_counts in zip(groups, counts):
-                local.append([self.training_step(exp, global_steps, group_counts) for exp in group])
+                local.append([self.micro_step(exp, global_steps, group_counts, k, len(group), grad_accum)
+                              for k, exp in enumerate(group)])
                 grad_sources.append(nonfinite_grad_norms(self.strategy, actor=self.actor, critic=self.critic))
                 norms.append(self.strategy.grad_norm(self.actor) if trains_actor else None)
             # One all-reduce for the metrics of every optimizer step of the pass: each is a barrier
@@ -122,6 +128,45 @@ class PPOUpdate:
                 self.callbacks.on_step_end(self, metrics)
                 step_metrics.append(metrics)
         return combine_step_metrics(step_metrics)
+
+    def token_budget_groups(self, drawn: list[list[Sample]], grad_accum: int) -> list[list[Experience]]:
+        """Each optimizer step's micro-batches under `micro_train_max_tokens`: the samples of its
+        `grad_accum` drawn micro-batches (`drawn`, replaced in place by the new split), in the same
+        order, cut by `split_by_tokens` (at most `micro_train_batch_size` samples each). DeepSpeed
+        ZeRO reduces gradients over ranks per micro-batch, so every rank runs the most micro-batches
+        any rank has for that step: one all-reduce (max) of the counts of the pass, and a rank with
+        fewer halves its largest micro-batches (`split_to_count`)."""
+        steps = [[s for batch in drawn[start:start + grad_accum] for s in batch]
+                 for start in range(0, len(drawn), grad_accum)]
+        lengths = [[s.sequence.numel() for s in samples] for samples in steps]
+        cuts = [split_by_tokens(step_lengths, self.micro_train_max_tokens, self.micro_train_batch_size)
+                for step_lengths in lengths]
+        if self.strategy.world_size > 1 and cuts:
+            most = self.strategy.all_reduce(torch.tensor([len(c) for c in cuts]), "max")
+            cuts = [split_to_count(c, step_lengths, int(n)) for c, step_lengths, n in zip(cuts, lengths, most.tolist())]
+        drawn[:] = [[samples[i] for i in batch] for samples, cut in zip(steps, cuts) for batch in cut]
+        batches = iter(self.replay_buffer.collate_fn(batch) for batch in drawn)
+        return [[next(batches) for _ in cut] for cut in cuts]
+
+    # The metrics that are a micro-batch's share of the optimizer step's loss (normalised by its
+    # global counts): their logged mean over the step's micro-batches is the step's loss over
+    # `accumulated_gradient`, whatever the number of micro-batches a token budget made.
+    LOSS_SHARE_METRICS = ("train/policy_loss", "train/critic_loss", "train/kl_loss", "train/distill_loss",
+                          "train/entropy")
+
+    def micro_step(self, experience: Experience, global_steps: int, counts: dict, index: int, size: int,
+                   grad_accum: int) -> dict:
+        """`training_step` on micro-batch `index` of the `size` of an optimizer step. With a token
+        budget `size` varies, so DeepSpeed is told whether this one ends the step, and the loss
+        shares are scaled by size / grad_accum so their mean is what `grad_accum` would give."""
+        if self.micro_train_max_tokens is None:
+            return self.training_step(experience, global_steps, counts)
+        self.strategy.set_accumulation_boundary(index == size - 1, self.actor, self.critic)
+        metrics = self.training_step(experience, global_steps, counts)
+        for key in self.LOSS_SHARE_METRICS:
+            if key in metrics:
+                metrics[key] = metrics[key] * (size / grad_accum)
+        return metrics
 
     @torch.no_grad()
     def fill_old_log_probs(self, micro_batches: list[Experience], samples: list[list[Sample]]) -> None:

@@ -8,7 +8,7 @@ import yaml
 
 from lightrft.cli import train_ppo, train_rm, train_sft
 from lightrft.config import (AlgorithmConfig, CheckpointConfig, ConfigError, PPODataConfig, PPOModelConfig,
-                             PPORunConfig, RewardConfig, RMRunConfig, SFTDataConfig, SFTRunConfig)
+                             PPOOptimConfig, PPORunConfig, RewardConfig, RMRunConfig, SFTDataConfig, SFTRunConfig)
 from lightrft.config.options import flag_fields
 from lightrft.experience.maker import NaiveExperienceMaker
 
@@ -70,6 +70,13 @@ def test_values_derived_from_other_sections_and_flat_access():
           algorithm=AlgorithmConfig(advantage_estimator="reinforce", n_samples_per_prompt=4, dynamic_sampling=True)),
      "--dynamic_sampling keeps the groups whose task rewards differ, and this run has no task reward"),
     (dict(model=PPOModelConfig()), "--pretrain is required"),
+    # A token budget is for packed rows; padded ones cost their longest row times their rows.
+    (dict(optim=PPOOptimConfig(micro_train_max_tokens=4096)),
+     "--micro_train_max_tokens 4096 budgets the tokens of packed micro-batches: add --packing_samples"),
+    (dict(optim=PPOOptimConfig(micro_train_max_tokens=4096), model=PPOModelConfig(pretrain="m", packing_samples=True),
+          data=PPODataConfig(prompt_data="p.jsonl", pretrain_data="sft.jsonl"),
+          algorithm=AlgorithmConfig(advantage_estimator="group_norm", n_samples_per_prompt=4, ptx_coef=0.1)),
+     "--micro_train_max_tokens 4096 changes the number of micro-batches .* PTX batch \\(--ptx_coef 0.1\\)"),
 ])
 def test_python_built_configs_get_the_command_lines_errors(change, message):
     values = dict(model=PPOModelConfig(pretrain="m"), data=PPODataConfig(prompt_data="p.jsonl"),

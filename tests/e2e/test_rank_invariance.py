@@ -13,7 +13,11 @@ from tests.trainer.ppo_harness import flags, make_task, run
 pytestmark = pytest.mark.dist
 
 
-PACKING = {"padded": {}, "packed": {"packing_samples": True}}
+# "budget": packed micro-batches of at most 30 tokens (three 10-token samples, --micro_train_max_tokens):
+# a step's 16 samples make 6 on one rank and 3 per rank on two, instead of 2 and 1; the accumulation
+# boundary DeepSpeed steps at comes from the trainer.
+PACKING = {"padded": {}, "packed": {"packing_samples": True},
+           "budget": {"packing_samples": True, "micro_train_max_tokens": 30}}
 
 
 def overrides(root, packing: str) -> dict:
