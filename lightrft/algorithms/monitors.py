@@ -152,6 +152,14 @@ def breach_run(series: list[tuple[int, float]], breached: Callable[[int, float],
     return series[onset][0], series[-1][1], threshold
 
 
+def beyond_start(series: list[tuple[int, float]], window: int, limit: float,
+                 relation: str) -> Optional[tuple[int, float, float]]:
+    """`breach_run` of the points after the first `window` (the start they are compared with)
+    that lie `relation` ('below' or 'above') `limit`."""
+    crossed = (lambda v: v < limit) if relation == "below" else (lambda v: v > limit)
+    return breach_run(series, lambda i, v: limit if i >= window and crossed(v) else None, window)
+
+
 def baseline(series: list[tuple[int, float]], window: int) -> Optional[float]:
     """The mean of the first `window` points: where the metric started."""
     return sum(v for _, v in series[:window]) / window if len(series) >= window else None
@@ -176,7 +184,7 @@ def entropy_collapse(history: MetricHistory, s: MonitorSettings, window: int) ->
     if start is None or start <= s.entropy_floor:
         return None         # greedy decoding, or an engine without log-probs: nothing to collapse from
     limit = max(s.entropy_floor, start / s.entropy_drop_factor)
-    found = breach_run(series, lambda i, v: limit if i >= window and v < limit else None, window)
+    found = beyond_start(series, window, limit, "below")
     return _verdict("entropy_collapse", "rollout/entropy", found, "below", window, series)
 
 
@@ -188,7 +196,7 @@ def length_blowup(history: MetricHistory, s: MonitorSettings, window: int) -> Op
     start = baseline(cut, window)
     if start is not None:
         limit = max(s.max_truncated_share, start + 0.2)
-        found = breach_run(cut, lambda i, v: limit if i >= window and v > limit else None, window)
+        found = beyond_start(cut, window, limit, "above")
         if found is not None:
             return _verdict("length_blowup", "rollout/truncated", found, "above", window, cut)
     lengths = history.series("rollout/response_length")
@@ -196,7 +204,7 @@ def length_blowup(history: MetricHistory, s: MonitorSettings, window: int) -> Op
     if start is None:
         return None
     limit = start * s.length_change_factor
-    found = breach_run(lengths, lambda i, v: limit if i >= window and v > limit else None, window)
+    found = beyond_start(lengths, window, limit, "above")
     return _verdict("length_blowup", "rollout/response_length", found, "above", window, lengths)
 
 
@@ -208,7 +216,7 @@ def length_collapse(history: MetricHistory, s: MonitorSettings, window: int) -> 
     if start is None:
         return None
     limit = start / s.length_change_factor
-    found = breach_run(lengths, lambda i, v: limit if i >= window and v < limit else None, window)
+    found = beyond_start(lengths, window, limit, "below")
     return _verdict("length_collapse", "rollout/response_length", found, "below", window, lengths)
 
 
