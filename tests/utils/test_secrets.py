@@ -24,7 +24,7 @@ QUERY_KEY = "PLANTEDquery55c1"
 
 
 def test_secret_flags_come_from_the_config_fields_marker():
-    assert secret_flags() == {"api_key": "key", "use_wandb": "key", "remote_rm_url": "urls"}
+    assert secret_flags() == {"api_key": "key", "use_wandb": "key", "remote_rm_url": "urls", "eval_remote_rm_url": "urls"}
     with pytest.raises(ValueError, match="secret kind must be 'key' or 'urls'"):
         option(None, "x", secret="password")
 
