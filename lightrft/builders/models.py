@@ -15,9 +15,11 @@ def model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
 
 def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -> dict:
     """Keyword arguments of every policy-shaped model of a run (actor, reference, EMA, explorer
-    copies) besides its path: `model_kwargs` (critic and reward models share prompts too) and the
-    fused log-prob head (`--fused_logprob_head`), which only policies have."""
-    return {**model_kwargs(model, distributed), "fused_head_chunk": model.fused_logprob_head}
+    copies) besides its path: `model_kwargs` (critic and reward models share prompts too), the
+    fused log-prob head (`--fused_logprob_head`) and routing replay (`--routing_replay`), which only
+    policies have."""
+    return {**model_kwargs(model, distributed), "fused_head_chunk": model.fused_logprob_head,
+            "routing_replay": model.routing_replay}
 
 
 def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float,
@@ -27,10 +29,17 @@ def build_scoring_policy(path: str, model: PPOModelConfig, distributed: Distribu
     the actor's precision, attention, packing and sampling temperature, so its log-probs compare
     with the actor's; built inside `strategy.zero3_init_context()` it is partitioned under ZeRO-3,
     and `strategy.prepare` serves it as a frozen module (`--ref_reward_offload` keeps it on the CPU).
-    `flag` is the option `path` came from, named in its errors."""
+    `flag` is the option `path` came from, named in its errors. The reference replays the actor's
+    routes (`--routing_replay`, same architecture); a teacher routes live.
+    """
     from lightrft.models import ActorLanguage
 
-    return ActorLanguage(path, temperature=temperature, flag=flag, **policy_model_kwargs(model, distributed))
+    kwargs = policy_model_kwargs(model, distributed)
+    if flag != "--pretrain":
+        kwargs["routing_replay"] = "off"
+    elif kwargs["routing_replay"] != "off":
+        kwargs["routing_replay"] = "old"      # replays what it is given; the actor's engine records
+    return ActorLanguage(path, temperature=temperature, flag=flag, **kwargs)
 
 
 def reward_model_paths(config) -> list[str]:

@@ -79,7 +79,8 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
             # With LoRA the reference is the actor's base model (adapter off): no second copy of the weights.
             initial_model = (actor.adapter_disabled() if model.lora_rank > 0
                              else build_scoring_policy(model.pretrain, model, config.distributed, temperature))
-        ema_model = ActorLanguage(model.pretrain, **policy_kwargs) if model.enable_ema else None
+        ema_model = (ActorLanguage(model.pretrain, **{**policy_kwargs, "routing_replay": "off"})
+                     if model.enable_ema else None)
         # The teacher is served like the reference: same builder, sharding, offload and packing.
         teacher_model = (build_scoring_policy(model.teacher_pretrain, model, config.distributed, temperature,
                                               flag="--teacher_pretrain") if model.teacher_pretrain else None)

@@ -227,6 +227,8 @@ class PPORunConfig(RunConfig):
             self._check_sequence_parallel()
         if self.optim.micro_train_max_tokens is not None:
             self._check_token_budget()
+        if self.model.routing_replay == "rollout":
+            self._check_rollout_routes()
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
@@ -240,6 +242,26 @@ class PPORunConfig(RunConfig):
         refuse(f"--image_key {self.data.image_key}", {
             "--recorded_data": (self.data.recorded_data, "recorded experiences hold token ids only, not the images "
                                 "the policy saw")}, "docs/vlm.md")
+
+    def _check_rollout_routes(self) -> None:
+        """--routing_replay rollout replays the routes the Hugging Face engine records while it
+        samples; what makes samples another way has none to replay (docs/moe.md)."""
+        from lightrft.rollout import engine_capabilities
+
+        roles, engine = self.roles, self.rollout.rollout_engine
+        refuse("--routing_replay rollout", {
+            f"--rollout_engine {engine}": (not engine_capabilities(engine).routes, "this engine records no routed "
+                                           "experts (lightrft's vLLM engine does not ask vLLM for them: vLLM captures "
+                                           "them in its GPU model runner only, which no test here can run); "
+                                           "--routing_replay old replays the old-policy forward's routes"),
+            "--recorded_data": (self.data.recorded_data, "recorded experiences carry no routes"),
+            "--workflow": (self.agent.workflow, "multi-turn episodes are assembled from the turns' tokens, without "
+                           "routes; --routing_replay old replays the old-policy forward's routes"),
+            "--explorer_ranks": (roles.explorer_ranks > 0, "explorer ranks decode with a copy that records no routes; "
+                                 "--routing_replay old works with explorers"),
+            "--sync_offset": (roles.sync_offset > 0 and roles.explorer_ranks == 0, "the explorer thread decodes with "
+                              "a copy that records no routes; --routing_replay old works with it")},
+               "docs/moe.md")
 
     def _check_token_budget(self) -> None:
         """--micro_train_max_tokens counts the tokens of packed rows; a padded micro-batch pads every

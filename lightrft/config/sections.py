@@ -224,6 +224,10 @@ class PPOModelConfig(ModelConfig):
                                                      "(a bare flag: 1024 tokens); the same values and gradients "
                                                      "(docs/benchmarks.md)", nargs="?", const=1024, at_least=1,
                                                metavar="TOKENS")
+    routing_replay: str = option("off", "mixture-of-experts policies: send each token through the experts it was "
+                                        "routed to at rollout (rollout: recorded by the Hugging Face engine) or in "
+                                        "the old-policy forward (old), the gate weights kept live (docs/moe.md)",
+                                 choices=("off", "rollout", "old"))
 
 
 @dataclass(frozen=True)

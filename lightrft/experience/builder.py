@@ -7,6 +7,7 @@ returns, and which samples may train. Colocated rollouts, explorers' rollouts an
 all go through it, so an experience is the same whatever made the samples.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -22,6 +23,7 @@ from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
 from lightrft.models.media import media_keywords
+from lightrft.models.routing import NO_ROUTE, routing_of
 from lightrft.experience.scorer import RewardBatch, truncated_rows
 from lightrft.rollout.base import RolloutOutput
 
@@ -93,15 +95,63 @@ class ExperienceBuilder:
     def forward(self, model, rollout: RolloutOutput) -> Tensor:
         """`model`'s per-action values over the rollout (log-probs of a policy, values of a
         critic), in micro-batches of `micro_rollout_batch_size`, on the host, 0 outside the
-        action mask. Shape: (B, A)."""
+        action mask. A policy with routing replay replays the rollout's routes (`routes_for`).
+        Shape: (B, A)."""
         a = rollout.action_mask.size(1)
+        replays = routing_of(model) is not None
         outs = []
         for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
             sl = slice(i, i + self.micro_rollout_batch_size)
             seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
             extra = media_keywords(rollout.media[sl] if rollout.media is not None else None)
+            if replays:
+                extra["routes"] = None if rollout.routes is None else rollout.routes[sl].to(seq.device)
             outs.append(model(seq, a, attention_mask=mask, **extra).float().cpu())
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
+
+    @torch.no_grad()
+    def old_policy_forward(self, rollout: RolloutOutput) -> tuple[Tensor, RolloutOutput, dict[str, Tensor]]:
+        """The actor's log-probs of the rollout, the rollout as the update sees it, and routing
+        statistics per sample (`info`). With --routing_replay rollout the forward replays the
+        engine's routes; with old it routes live, records its choices, and the rollout leaves with
+        them as its routes (what the update and the reference then replay).
+
+        Statistics (rollout mode): `route_pairs`, the (token, MoE layer) pairs replayed, and
+        `route_flips`, those where the live router would have chosen another expert set; and over
+        the first micro-batch (one more forward of it, routed live), the mean absolute gap between
+        the engine's log-probs and the actor's with the routes replayed and live
+        (`route_gap_replayed`, `route_gap_live`), the same value on every sample."""
+        routing = routing_of(self.actor)
+        if routing is None:
+            return self.forward(self.actor, rollout), rollout, {}
+        if not routing.record_rollouts:     # --routing_replay old: the old policy's own routes
+            routing.start_recording()
+            try:
+                log_probs = self.forward(self.actor, dataclasses.replace(rollout, routes=None))
+                rows = [r.view(-1, rollout.sequences.size(1), *r.shape[1:]) for r in routing.take()]
+            finally:
+                routing.stop_recording()
+            routes = torch.cat(rows).cpu()
+            routes[~rollout.attention_mask.bool()] = NO_ROUTE
+            return log_probs, dataclasses.replace(rollout, routes=routes), {}
+        if rollout.routes is None:
+            return self.forward(self.actor, rollout), rollout, {}
+        routing.count_per_token(True)
+        try:
+            log_probs = self.forward(self.actor, rollout)
+            flips, pairs = routing.take_token_counts()                         # (B*T,) each
+        finally:
+            routing.count_per_token(False)
+        batch = rollout.sequences.size(0)
+        stats = {"route_flips": flips.view(batch, -1).sum(dim=1).float().cpu(),
+                 "route_pairs": pairs.view(batch, -1).sum(dim=1).float().cpu()}
+        first = rollout.select(range(min(self.micro_rollout_batch_size, batch)))
+        live = self.forward(self.actor, dataclasses.replace(first, routes=None))
+        mask = first.action_mask.float()
+        for name, values in (("route_gap_replayed", log_probs[:mask.size(0)]), ("route_gap_live", live)):
+            gap = masked_mean((values - first.rollout_log_probs).abs(), mask)
+            stats[name] = torch.full((batch,), float(gap))
+        return log_probs, rollout, stats
 
     def eval_models(self) -> None:
         """The models that make experience, in eval mode (no dropout in the rollout forwards)."""
@@ -148,8 +198,12 @@ class ExperienceBuilder:
         # With one epoch (see PPOTrainer.reuse_old_log_probs) the trainer provides the "old"
         # log-probs itself: the first optimizer step from its own forward, the later ones from a
         # forward before the first update, so none runs here. Distillation needs them at rollout time.
-        reuse = self.reuse_policy_log_probs and not self.kl_in_use() and self.teacher is None
-        action_log_probs = None if reuse else self.forward(self.actor, rollout)
+        # Routing replay's old mode records the routes in the actor's forward here, so it runs.
+        reuse = (self.reuse_policy_log_probs and not self.kl_in_use() and self.teacher is None
+                 and routing_of(self.actor) is None)
+        action_log_probs, routing_stats = None, {}
+        if not reuse:
+            action_log_probs, rollout, routing_stats = self.old_policy_forward(rollout)
         base_log_probs = self.forward(self.initial_model, rollout) if self.kl_in_use() else None
         teacher_log_probs = self.forward(self.teacher, rollout) if self.teacher is not None else None
         values = self.forward(self.critic, rollout) if self.critic is not None else None
@@ -203,6 +257,7 @@ class ExperienceBuilder:
             # negative log-prob of the sampled tokens (E[-log p(x)] = H); the entropy monitor reads it.
             "entropy": masked_mean(-rollout.rollout_log_probs.float(), mask_f, dim=1),
             **{k: v.float() for k, v in rewards.info.items()},
+            **routing_stats,
         }
         if teacher_log_probs is not None:
             info.update(self.distill_info(action_log_probs, teacher_log_probs, action_mask & keep))
@@ -211,7 +266,8 @@ class ExperienceBuilder:
             num_actions=action_mask.size(1), packed_seq_lens=None, action_log_probs=action_log_probs,
             advantages=advantages, returns=returns, base_action_log_probs=base_log_probs,
             rollout_log_probs=torch.where(keep, rollout.rollout_log_probs.float(), 0.0),
-            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info, media=rollout.media)
+            values=values, kl=kl, teacher_log_probs=teacher_log_probs, info=info, media=rollout.media,
+            routes=rollout.routes)
         built.experiences.append(exp)
         return built
 

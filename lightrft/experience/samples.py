@@ -49,6 +49,8 @@ class Experience:
                                                      # (`packing.prompt_group_ids`): the forwards share them
     media: Optional[list[Optional[dict[str, Tensor]]]] = None   # B entries: each sample's prompt's model
                                                      # inputs (images) or None; None when no sample has any
+    routes: Optional[Tensor] = None                  # (B, T, L, K) padded or (1, P, L, K) packed: per token,
+                                                     # the experts routing replay replays (`RolloutOutput.routes`)
 
     @property
     def batch_size(self) -> int:
@@ -97,6 +99,7 @@ class Sample:
     per_action: dict[str, Tensor]    # each (A_i,): action_log_probs, advantages, returns, ...
     info: dict[str, Tensor]          # each a 0-d tensor
     media: Optional[dict[str, Tensor]] = None   # its prompt's model inputs (images), None for text only
+    routes: Optional[Tensor] = None             # (L, layers, K): its tokens' experts for routing replay
 
 
 def response_lengths(exp: Experience) -> Tensor:
@@ -127,9 +130,10 @@ def split_experience(exp: Experience) -> list[Sample]:
                   if getattr(exp, name) is not None}
     info = {k: v.unbind(0) for k, v in exp.info.items()}
     media = exp.media or [None] * len(lens)
+    routes = [None] * len(lens) if exp.routes is None else exp.routes[tokens].split(tokens.sum(dim=1).tolist())
     return [Sample(sequence=sequences[i], num_actions=int(a_i), action_mask=masks[i],
                    per_action={name: rows[i] for name, rows in per_action.items()},
-                   info={k: rows[i] for k, rows in info.items()}, media=media[i])
+                   info={k: rows[i] for k, rows in info.items()}, media=media[i], routes=routes[i])
             for i, a_i in enumerate(lens)]
 
 
@@ -158,12 +162,13 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     info = {k: torch.stack([s.info[k] for s in samples]) for k in samples[0].info}
     seq_lens = [s.sequence.numel() for s in samples]
     media = [s.media for s in samples] if any(s.media for s in samples) else None
+    routes = _sample_routes(samples)
     if packing:
         sequences = torch.cat([s.sequence for s in samples]).unsqueeze(0)      # (1, P)
         groups = prompt_group_ids([s.sequence for s in samples], num_actions)
         return Experience(sequences=sequences, attention_mask=None, action_mask=action_mask,
                           num_actions=num_actions, packed_seq_lens=seq_lens, info=info, prompt_groups=groups,
-                          media=media, **per_action)
+                          media=media, routes=None if routes is None else routes.unsqueeze(0), **per_action)
     # Prompts left-padded and responses right-padded, so the last `width` positions are the action
     # slots: row i's real tokens are the positions [P - prompt_i, P + actions_i).
     prompt_lens = torch.tensor(seq_lens, device=device) - actions
@@ -173,8 +178,23 @@ def collate_samples(samples: list[Sample], pad_token_id: int, packing: bool) -> 
     tokens = torch.cat([s.sequence for s in samples])
     sequences = torch.full(real.shape, pad_token_id, dtype=tokens.dtype)
     sequences[real] = tokens
+    padded_routes = None
+    if routes is not None:
+        padded_routes = routes.new_full((*real.shape, *routes.shape[1:]), -1)
+        padded_routes[real] = routes
     return Experience(sequences=sequences, attention_mask=real.long(), action_mask=action_mask,
-                      num_actions=width, packed_seq_lens=None, info=info, media=media, **per_action)
+                      num_actions=width, packed_seq_lens=None, info=info, media=media, routes=padded_routes,
+                      **per_action)
+
+
+def _sample_routes(samples: list[Sample]) -> Optional[Tensor]:
+    """The samples' routes one token after another (P, L, K), a sample without any all -1; None
+    when no sample has routes."""
+    shaped = next((s.routes for s in samples if s.routes is not None), None)
+    if shaped is None:
+        return None
+    return torch.cat([s.routes if s.routes is not None else shaped.new_full((s.sequence.numel(), *shaped.shape[1:]), -1)
+                      for s in samples])
 
 
 def split_by_tokens(lengths: Sequence[int], max_tokens: int, max_samples: Optional[int] = None) -> list[list[int]]:

@@ -24,6 +24,7 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
+from lightrft.models.routing import NO_ROUTE, ROUTING_REPLAY_MODES, RoutingReplay
 from lightrft.models.sequence_parallel import checked_group
 from lightrft.models.shared_prompts import (
     PackedPromptSharing,
@@ -73,6 +74,10 @@ class ActorLanguage(nn.Module):
             tokens' logits at a time, so no (tokens x vocabulary) logits or logit gradients are
             held (`lightrft.algorithms.fused_head.CHUNK_TOKENS` is a good size). The same values and
             gradients; where it does not apply, the plain forward runs (`forward` says where).
+        routing_replay: "off" (the default); else a mixture-of-experts model's forwards take
+            `routes=` and send each token through the recorded experts (`lightrft.models.routing`):
+            "rollout" also has the Hugging Face engine decoding with `.model` record the rollout's
+            routes; "old" leaves recording to the caller (the old-policy forward's routes).
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`;
     `.family` its `lightrft.models.families.ModelFamily`, which loads it and builds its forward inputs.
@@ -96,6 +101,7 @@ class ActorLanguage(nn.Module):
         share_prompts: bool = True,
         freeze_vision_tower: bool = False,
         fused_head_chunk: int | None = None,
+        routing_replay: str = "off",
         flag: str = "--pretrain",
     ) -> None:
         super().__init__()
@@ -158,6 +164,12 @@ class ActorLanguage(nn.Module):
             )
             model = get_peft_model(model, lora_config)
         self.model = model
+        if routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"--routing_replay must be one of {', '.join(ROUTING_REPLAY_MODES)}, "
+                             f"got {routing_replay!r}")
+        # The expert choice of every MoE layer, recorded and replayed (`forward(routes=...)`), or None.
+        self.routing = (None if routing_replay == "off" else
+                        RoutingReplay(model, flag, record_rollouts=routing_replay == "rollout"))
         self.fused_head_chunk = fused_head_chunk
         # The decoder and head the fused log-prob head runs on, or None for the model's logits.
         self.lm_head = self._split_head(model) if fused_head_chunk is not None else None
@@ -211,6 +223,7 @@ class ActorLanguage(nn.Module):
         return_aux_loss: bool = False,
         prompt_groups: list[int] | None = None,
         media: dict[str, torch.Tensor] | None = None,
+        routes: torch.Tensor | None = None,
     ):
         """Log-probabilities of the action tokens (the last `num_actions` tokens of each sequence).
 
@@ -259,7 +272,18 @@ class ActorLanguage(nn.Module):
         same modules). A vision-language model's forwards do not share prompts, and its image
         placeholder ids are out of the distribution (the rollout engines never sample them), so the
         log-probs and entropy are the engines'.
+
+        `routes` (with `routing_replay` on): per token, the experts each MoE layer sends it through,
+        laid out like `sequences` ((B, T, L, K) padded, (1, P, L, K) packed; -1 where the live
+        router chooses), for this forward and its recomputation under gradient checkpointing; None:
+        live routing. Packed rows share prompts with the first sample's prompt routes; padded rows
+        of a model with routing replay do not share prompts (recorded routes follow the rows).
         """
+        if routes is not None and self.routing is None:
+            raise ValueError(f"{self.flag}: forward got routes but routing replay is off for this model "
+                             "(ActorLanguage(routing_replay=...), --routing_replay)")
+        if self.routing is not None:
+            self.routing.replay(None if routes is None else routes.reshape(-1, *routes.shape[-2:]))
         if return_aux_loss and num_actions is not None and not return_output:
             raise ValueError("return_aux_loss=True puts the loss in the model output: pass return_output=True too")
         extra = {"output_router_logits": True} if return_aux_loss and self.is_moe else {}
@@ -334,7 +358,7 @@ class ActorLanguage(nn.Module):
         """The padded output with one prompt forward per distinct prompt, or None for the plain forward;
         `model` and `field` as `shared_prompt_forward` takes them (default: this actor's model, logits)."""
         if (not self.share_prompts or "output_router_logits" in kwargs or "input_ids" not in kwargs
-                or "mm_encoder_outputs" in kwargs or not sharing_possible(self.model)):
+                or "mm_encoder_outputs" in kwargs or not sharing_possible(self.model) or self.routing is not None):
             return None
         try:
             return shared_prompt_forward(self.model if model is None else model, kwargs, num_actions, field)
@@ -359,9 +383,12 @@ class ActorLanguage(nn.Module):
                                       return_output, return_entropy)
         output = None
         if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
-            output = self.prompt_sharing.forward(sequences, packed_seq_lens, num_actions, prompt_groups,
-                                                 lambda shared, layout: self.model(**shared, logits_to_keep=layout.predict_positions))
+            output = self.prompt_sharing.forward(
+                sequences, packed_seq_lens, num_actions, prompt_groups,
+                lambda shared, layout: self._replay_shared(layout) or self.model(
+                    **shared, logits_to_keep=layout.predict_positions))
         if output is None:
+            self._replay_unshared()
             kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
             output = self.model(**kwargs, **extra, logits_to_keep=index.predict_positions)  # logits (1, K, V)
         output.logits = self._without_banned(output.logits)
@@ -379,8 +406,10 @@ class ActorLanguage(nn.Module):
         if self.share_prompts and prompt_groups is not None:
             hidden = self.prompt_sharing.forward(
                 sequences, packed_seq_lens, num_actions, prompt_groups,
-                lambda shared, layout: self.lm_head.hidden_states(shared)[0, layout.predict_positions])
+                lambda shared, layout: self._replay_shared(layout) or self.lm_head.hidden_states(shared)[
+                    0, layout.predict_positions])
         if hidden is None:
+            self._replay_unshared()
             kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
             hidden = self.lm_head.hidden_states(kwargs)[0, index.predict_positions]  # (K, H)
         labels = sequences[0, index.token_positions]  # (K,)
@@ -398,6 +427,14 @@ class ActorLanguage(nn.Module):
         shard = self.sequence_parallel.split_row(
             self.model, lambda ids, lens: self.family.packed_inputs(self.model, ids, lens, media), sequences,
             packed_seq_lens, num_actions)
+        if self._replaying:
+            # This rank's slice of the row's routes; the filler the split appends routes live.
+            routes = self._row_routes
+            local = shard.local["position_ids"].size(-1)
+            filler = shard.start + local - routes.size(0)
+            if filler > 0:
+                routes = torch.cat([routes, routes.new_full((filler, *routes.shape[1:]), NO_ROUTE)])
+            self.routing.replay(routes[shard.start:shard.start + local])
         positions = shard.local_positions(index.predict_positions)
         extra = {"output_router_logits": True} if router else {}
         output = self.model(**shard.local, **extra, logits_to_keep=positions)   # logits (1, K_r, V)
@@ -412,6 +449,28 @@ class ActorLanguage(nn.Module):
         if return_output and return_entropy:
             output["entropy"] = index.to_rows(shard.gather(entropy_from_logits(output.logits[0], self.temperature)))
         return (log_probs, output) if return_output else log_probs
+
+    @property
+    def _replaying(self) -> bool:
+        """Whether this forward replays routes."""
+        return self.routing is not None and self.routing.row_routes is not None
+
+    @property
+    def _row_routes(self) -> torch.Tensor:
+        """The routes `forward` was given, one token after another. Shape: (P, L, K)"""
+        return self.routing.row_routes
+
+    def _replay_shared(self, layout) -> None:
+        """Routes laid out like the shared row of `layout` (each token's from its place in the
+        packed row: a shared prompt's from its group's first sample) for the forward that follows."""
+        if self._replaying:
+            self.routing.replay(self._row_routes[layout.source], keep_row=True)
+
+    def _replay_unshared(self) -> None:
+        """The packed row's own routes again, for a forward over the unshared row (the shared one may
+        have been tried and given up on)."""
+        if self._replaying:
+            self.routing.replay(self._row_routes, keep_row=True)
 
     def gradient_checkpointing_enable(self) -> None:
         enable_gradient_checkpointing(self.model)

@@ -95,6 +95,8 @@ class EngineCapabilities:
       a process holds one; an explorer thread cannot build a second beside the trainer's.
     - `memory_options`: the rollout-section options that bound its memory while generating, which
       the doctor recommends when generation runs out.
+    - `routes`: it records the experts a mixture-of-experts policy routed each token to
+      (`RolloutOutput.routes`), what `--routing_replay rollout` replays.
     """
 
     weight_syncs: frozenset[str]
@@ -107,6 +109,7 @@ class EngineCapabilities:
     needs_shutdown: bool = False
     one_per_process: bool = False
     memory_options: tuple[str, ...] = ()
+    routes: bool = False
 
     def __post_init__(self):
         kinds = frozenset(self.weight_syncs)
@@ -164,6 +167,11 @@ class RolloutOutput:
     # vision-language model's images, `PromptRecord.media`), None for a text-only sample; None
     # when no sample has any. Several samples of one prompt hold the same dict.
     media: list[dict[str, torch.Tensor] | None] | None = None
+    # (B, T, L, K) int8/int16: per token of `sequences`, the K experts each of a mixture-of-experts
+    # policy's L MoE layers sent it to while sampling, -1 where none was recorded (padding, a
+    # response's last token); what routing replay (`lightrft.models.routing`) replays in the
+    # trainer's forwards. None unless the engine records routes.
+    routes: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:
@@ -191,7 +199,8 @@ class RolloutOutput:
         return RolloutOutput(self.sequences[index], self.attention_mask[index], self.action_mask[index],
                              self.rollout_log_probs[index], self.prompt_len,
                              None if self.truncated is None else self.truncated[index],
-                             None if self.media is None else [self.media[i] for i in index.tolist()])
+                             None if self.media is None else [self.media[i] for i in index.tolist()],
+                             None if self.routes is None else self.routes[index])
 
     @classmethod
     def from_token_lists(
@@ -276,7 +285,8 @@ class RolloutOutput:
         truncated = None if self.truncated is None else self.truncated[start:stop]
         return RolloutOutput(sequences[:, cols], attention[:, cols], actions[:, :num_actions],
                              self.rollout_log_probs[start:stop, :num_actions], prompt_len, truncated,
-                             None if self.media is None else self.media[start:stop])
+                             None if self.media is None else self.media[start:stop],
+                             None if self.routes is None else self.routes[start:stop, cols])
 
     @classmethod
     def concat(cls, parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
@@ -309,7 +319,23 @@ class RolloutOutput:
         if any(p.media is not None for p in parts):
             media = [m for p in parts for m in (p.media if p.media is not None else [None] * p.sequences.size(0))]
         return cls(torch.cat(sequences), torch.cat(attention), torch.cat(actions), torch.cat(log_probs),
-                   prompt_len, truncated, media)
+                   prompt_len, truncated, media, cls._concat_routes(parts, prompt_len, width))
+
+    @staticmethod
+    def _concat_routes(parts: Sequence["RolloutOutput"], prompt_len: int, width: int) -> torch.Tensor | None:
+        """The parts' routes padded like their sequences (-1: no record), parts without routes all
+        -1; None when no part has any."""
+        shaped = next((p.routes for p in parts if p.routes is not None), None)
+        if shaped is None:
+            return None
+        out = []
+        for p in parts:
+            routes = p.routes
+            if routes is None:
+                routes = shaped.new_full((p.sequences.size(0), p.sequences.size(1), *shaped.shape[2:]), -1)
+            left, right = prompt_len - p.prompt_len, width - p.num_actions
+            out.append(torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=-1))
+        return torch.cat(out)
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from lightrft.models.routing import NO_ROUTE, recorder_of
 from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
                                    validate_prompts)
 from lightrft.rollout.registry import register_engine
@@ -58,12 +59,17 @@ class HFEngine:
     Position ids follow the left padding: `cumsum(attention_mask) - 1`, as the actor computes
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree; each new
     token takes the next position.
+
+    A mixture-of-experts model with routing replay set to record rollouts (`lightrft.models.routing.
+    RoutingReplay(record_rollouts=True)`, which `--routing_replay rollout` installs) gets the experts
+    each token went through recorded: `RolloutOutput.routes`, from the prefill for the prompt and
+    from each decoding step for the token it fed.
     """
 
     # It decodes with the module it was given, the trainer's own: no weights to push after a step,
     # nothing to free while the trainer runs, and a LoRA actor is served as it trains.
     capabilities = EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True, multimodal=True,
-                                      memory_options=("micro_rollout_batch_size",))
+                                      memory_options=("micro_rollout_batch_size",), routes=True)
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None,
@@ -135,12 +141,19 @@ class HFEngine:
 
         was_training = self.model.training
         self.model.eval()
+        routing = recorder_of(self.model)
+        rows = distinct_rows(prompts, media)
         try:
+            if routing is not None:
+                routing.start_recording()
             with torch.no_grad():
                 tokens, log_probs, action_mask, unfinished = self._decode(
-                    input_ids, prompt_mask, distinct_rows(prompts, media), params, uniforms, media)
+                    input_ids, prompt_mask, rows, params, uniforms, media)
+            routes = None if routing is None else self._routes(routing.take(), rows[1], prompt_mask, action_mask)
         finally:
             self.model.train(was_training)
+            if routing is not None:
+                routing.stop_recording()
 
         # Trim the columns no response of this rank reaches (synced ranks may decode further).
         num_actions = int(action_mask.sum(dim=-1).max().item())
@@ -153,7 +166,27 @@ class HFEngine:
             rollout_log_probs=log_probs,
             prompt_len=input_ids.shape[1],
             truncated=unfinished.cpu(),
+            routes=None if routes is None else routes[:, :input_ids.shape[1] + num_actions].cpu(),
         )
+
+    @staticmethod
+    def _routes(recorded: list[torch.Tensor], expand: torch.Tensor, prompt_mask: torch.Tensor,
+                action_mask: torch.Tensor) -> torch.Tensor:
+        """The recorded expert choices laid out per token of the sequences: the prefill's (one per
+        distinct prompt, `expand` to every sample) on the prompt's real tokens, decoding step s's
+        on the token it fed (response token s - 1); -1 elsewhere (padding, the last token, which no
+        forward saw). `recorded`: the prefill's (U*Tp, L, K), then one (B, L, K) per decoding step.
+        Shape: (B, Tp + S, L, K), S the steps decoded."""
+        batch, prompt_len = prompt_mask.shape
+        prefill, steps = recorded[0], recorded[1:]
+        layers, top_k = prefill.shape[1:]
+        routes = prefill.new_full((batch, prompt_len + action_mask.size(1), layers, top_k), NO_ROUTE)
+        prompt = prefill.view(-1, prompt_len, layers, top_k)[expand.to(prefill.device)]       # (B, Tp, L, K)
+        routes[:, :prompt_len] = torch.where(prompt_mask.bool()[..., None, None], prompt, NO_ROUTE)
+        for step, chosen in enumerate(steps, start=1):      # step s fed response token s - 1
+            fed = action_mask[:, step - 1]
+            routes[:, prompt_len + step - 1] = torch.where(fed[:, None, None], chosen, NO_ROUTE)
+        return routes
 
     @staticmethod
     def _uniforms(sample_seeds: list[int], steps: int) -> torch.Tensor:

@@ -285,7 +285,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints, PPOHealth):
         if check_engine:
             self.check_engine_gap(train_logs)
         self.replay_buffer.clear()
-        rollout_logs = distill_metrics(totals.result())
+        rollout_logs = routing_metrics(distill_metrics(totals.result()))
         self.kl_ctl.update(rollout_logs.get("rollout/kl", 0.0), samples)
         self.global_step += 1
         return {**rollout_logs, **train_logs, "train/kl_coef": self.kl_ctl.value}
@@ -374,4 +374,20 @@ def distill_metrics(rollout_logs: dict[str, float]) -> dict[str, float]:
     for name in DISTILL_SUMS:
         total = logs.pop(f"rollout/distill_{name}")
         logs[f"distill/{name}"] = total / tokens if tokens > 0 else float("nan")
+    return logs
+
+
+def routing_metrics(rollout_logs: dict[str, float]) -> dict[str, float]:
+    """A step's rollout logs with routing replay's statistics (`ExperienceBuilder.old_policy_forward`,
+    means over samples) as routing/*: flip_share, the share of (token, MoE layer) pairs where the
+    trainer's live router would have chosen another expert set than the rollout's; logprob_gap_live
+    and logprob_gap_replayed, the mean absolute gap between the engine's and the actor's log-probs
+    without and with replay (first micro-batch). Logs without them come back unchanged."""
+    if "rollout/route_pairs" not in rollout_logs:
+        return rollout_logs
+    logs = dict(rollout_logs)
+    flips, pairs = logs.pop("rollout/route_flips"), logs.pop("rollout/route_pairs")
+    logs["routing/flip_share"] = flips / pairs if pairs > 0 else 0.0
+    for kind in ("live", "replayed"):
+        logs[f"routing/logprob_gap_{kind}"] = logs.pop(f"rollout/route_gap_{kind}")
     return logs

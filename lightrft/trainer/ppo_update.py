@@ -26,6 +26,7 @@ from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.config.sections import AlgorithmConfig
 from lightrft.experience.samples import Experience, Sample, collate_samples, split_by_tokens, split_to_count
 from lightrft.models.media import media_keywords
+from lightrft.models.routing import routing_of
 from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
 from lightrft.trainer.guards import nonfinite_grad_norms
@@ -236,10 +237,12 @@ class PPOUpdate:
             model.train()
 
     def _actor_forward(self, model, experience: Experience, return_entropy: bool = False):
+        # A policy with routing replay sends each token through the experts it recorded.
+        routes = {"routes": experience.routes} if routing_of(model) is not None else {}
         return model(experience.sequences, experience.num_actions, attention_mask=experience.attention_mask,
                      return_output=True, packed_seq_lens=experience.packed_seq_lens,
                      return_entropy=return_entropy, return_aux_loss=self.algo.aux_loss_coef > 0,
-                     **self._prompt_groups(model, experience), **media_keywords(experience.media))
+                     **self._prompt_groups(model, experience), **media_keywords(experience.media), **routes)
 
     def _prompt_groups(self, model, experience: Experience) -> dict:
         """`prompt_groups=` for a packed micro-batch, so its forward computes each prompt once; {}
