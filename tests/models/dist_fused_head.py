@@ -57,6 +57,44 @@ def train_step(strategy, arch: str, fused: bool, batch) -> dict:
             "entropy": output["entropy"].tolist(), "after": after.tolist()}
 
 
+def replay_under_zero3(strategy, batch) -> dict:
+    """Routing replay with every router weight partitioned: a sharded Qwen3-MoE actor replaying
+    routes (other than its live ones) gives the log-probs of the same actor unsharded, padded and
+    packed, and one Adam step through the replayed forward moves the router weights."""
+    reference = ActorLanguage(build_tiny_arch("qwen3_moe", seed=0).float(), routing_replay="old")
+    real = batch.attention_mask.bool()
+    reference.routing.start_recording()
+    with torch.no_grad():
+        reference(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    routes = reference.routing.take()[0].view(*batch.sequences.shape, reference.routing.layers, -1)
+    reference.routing.stop_recording()
+    routes = ((routes.long() + 1) % 4).to(routes.dtype)
+    routes[~real] = -1
+    with torch.no_grad():
+        expected = reference(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask, routes=routes)
+        live = reference(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask)
+    # Built whole (the reference's weights), partitioned by `prepare`.
+    actor = ActorLanguage(build_tiny_arch("qwen3_moe", seed=0).float(), routing_replay="old")
+    optim = strategy.create_optimizer(actor, lr=1e-2)
+    engine, optim, _ = strategy.prepare((actor, optim, None))
+    sharded = all(router.weight.numel() == 0 for router in actor.routing.routers)
+    mask = batch.action_mask()
+    padded = engine(batch.sequences, batch.num_actions, attention_mask=batch.attention_mask, routes=routes)
+    packed = engine(batch.packed_ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens,
+                    routes=routes[real].unsqueeze(0))
+    routers = [router.weight for router in actor.routing.routers]
+    with deepspeed_strategy.deepspeed.zero.GatheredParameters(routers):
+        before = [w.detach().clone() for w in routers]
+    # One forward per backward: ZeRO-3 reduces an expert weight's gradient once per backward.
+    strategy.backward(-(padded * mask).sum() / mask.sum(), engine, optim)
+    strategy.optimizer_step(optim, engine)
+    with deepspeed_strategy.deepspeed.zero.GatheredParameters(routers):
+        moved = min((w.detach() - b).abs().max().item() for w, b in zip(routers, before))
+    return {"sharded": sharded, "padded": (padded.detach() - expected).mul(mask).abs().max().item(),
+            "packed": (packed.detach() - expected).mul(mask).abs().max().item(),
+            "replayed_vs_live": (expected - live).mul(mask).abs().max().item(), "router_moved": moved}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -67,6 +105,7 @@ def main() -> None:
     batch = make_batch([3, 6, 2], [4, 1, 5], seed=10 + strategy.rank)  # each rank its own batch
     records = {f"{arch}/{'fused' if fused else 'plain'}": train_step(strategy, arch, fused, batch)
                for arch in ("qwen2", "llama_tied") for fused in (False, True)}
+    records["moe/replay"] = replay_under_zero3(strategy, make_batch([3, 6, 2], [4, 1, 5], seed=30))
     Path(f"{args.out}.rank{strategy.rank}").write_text(json.dumps(records))
     strategy.barrier()
 

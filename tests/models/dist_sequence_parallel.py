@@ -133,6 +133,44 @@ def check_moe(group: SequenceParallel) -> dict:
             "router_grad_scale": max(ref_grads[n].abs().max().item() for n in router), "routers": len(router)}
 
 
+def check_moe_replay(group: SequenceParallel) -> dict:
+    """Routing replay on a split row: each rank replays its slice of the row's routes (routes other
+    than the live ones, so replay decides every expert); the unsplit row's log-probs, and its
+    gradients (router weights included) once the ranks' parts are summed."""
+    config = lambda: Qwen3MoeConfig(**{**COMMON, "head_dim": 16}, num_experts=4, num_experts_per_tok=2,  # noqa: E731
+                                    moe_intermediate_size=32)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).float()
+    twin = AutoModelForCausalLM.from_config(config()).float()
+    twin.load_state_dict(model.state_dict())
+    reference, split = ActorLanguage(model, routing_replay="old"), ActorLanguage(twin, routing_replay="old")
+    split.use_sequence_parallel(group)
+    reference.train(), split.train()
+    ids, lens, actions = row(8)
+    reference.routing.start_recording()
+    with torch.no_grad():
+        live = reference(ids, actions, packed_seq_lens=lens)
+    routes = reference.routing.take()[0]
+    reference.routing.stop_recording()
+    routes = ((routes.long() + 1) % 4).to(routes.dtype).unsqueeze(0)           # (1, P, L, K), all replayed
+    advantages = torch.randn(3, max(actions), generator=torch.Generator().manual_seed(9))
+    mask = (torch.arange(max(actions)).unsqueeze(0) < torch.tensor(actions).unsqueeze(1)).float()
+    results = {}
+    for key, actor in (("reference", reference), ("split", split)):
+        log_probs = actor(ids, actions, packed_seq_lens=lens, routes=routes)
+        PolicyLoss(0.2)(log_probs, log_probs.detach(), advantages, action_mask=mask).backward()
+        results[key] = (log_probs.detach(), {n: p.grad.clone() for n, p in actor.model.named_parameters()
+                                             if p.grad is not None})
+    for grad in results["split"][1].values():
+        dist.all_reduce(grad, group=group.group)
+    ref_grads = results["reference"][1]
+    router = [n for n in ref_grads if n.endswith("gate.weight")]
+    return {"check": "moe_replay", "replayed_vs_live": max_diff(results["reference"][0] * mask, live * mask),
+            "log_probs": max_diff(results["split"][0] * mask, results["reference"][0] * mask),
+            "grads": max(max_diff(results["split"][1][n], g) for n, g in ref_grads.items()),
+            "router_grad_scale": min(ref_grads[n].abs().max().item() for n in router), "routers": len(router)}
+
+
 def check_critic(group: SequenceParallel, folder: Path) -> dict:
     torch.manual_seed(0)
     if dist.get_rank() == 0:
@@ -261,6 +299,7 @@ def main() -> None:
     records.append(check_actor("qwen2_gqa_window", group, True))
     records.append(check_critic(group, out.parent / "critic"))
     records.append(check_moe(group))
+    records.append(check_moe_replay(group))
     records += [check_vlm(name, group) for name in VLMS]
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     strategy.close()

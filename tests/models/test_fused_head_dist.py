@@ -35,3 +35,13 @@ def test_fused_head_equals_plain_under_zero3(records, arch):
         moved = (torch.tensor(plain["after"]) - torch.tensor(plain["padded"])).abs().max()
         assert moved > 0.5
         torch.testing.assert_close(torch.tensor(fused["after"]), torch.tensor(plain["after"]), atol=1e-4, rtol=0)
+
+
+def test_routing_replay_under_zero3(records):
+    """Routing replay with the router weights partitioned (tests/models/dist_fused_head.py): the
+    sharded actor replays the routes as the unsharded one does, padded and packed, and its routers
+    train through the replayed forward."""
+    for record in records:
+        r = record["moe/replay"]
+        assert r["sharded"] and r["replayed_vs_live"] > 1e-2
+        assert r["padded"] < 1e-5 and r["packed"] < 1e-5 and r["router_moved"] > 1e-4

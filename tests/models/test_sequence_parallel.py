@@ -61,6 +61,17 @@ def test_a_split_row_gives_the_unsplit_load_balancing_loss_and_gradients(records
 
 
 @pytest.mark.dist
+def test_a_split_row_replays_its_slice_of_the_routes(records):
+    """Routing replay with the row split: each rank's slice of the row's routes (the filler routed
+    live) gives the unsplit row's log-probs and, summed over the group, its gradients, the routers'
+    included."""
+    for rank in records:
+        r = rank["moe_replay"]
+        assert r["routers"] == 2 and r["replayed_vs_live"] > 1e-2 and r["router_grad_scale"] > 1e-5
+        assert r["log_probs"] < ATOL and r["grads"] < ATOL
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("family", ["idefics3", "qwen_2", "qwen_2.5", "qwen_3"])
 def test_a_split_vision_language_row_gives_the_unsplit_log_probs_and_gradients(records, family):
     """The vision tower runs on every rank and each keeps its slice of the row (Qwen3-VL: the image
