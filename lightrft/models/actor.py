@@ -24,7 +24,7 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
-from lightrft.models.routing import NO_ROUTE, ROUTING_REPLAY_MODES, RoutingReplay
+from lightrft.models.routing import NO_ROUTE, ROUTING_REPLAY_MODES, RoutingReplay, load_balancing_loss
 from lightrft.models.sequence_parallel import checked_group
 from lightrft.models.shared_prompts import (
     PackedPromptSharing,
@@ -382,11 +382,10 @@ class ActorLanguage(nn.Module):
             return self._fused_packed(sequences, packed_seq_lens, num_actions, index, prompt_groups, media,
                                       return_output, return_entropy)
         output = None
-        if self.share_prompts and prompt_groups is not None and not extra and not self.family.takes_media():
+        if self.share_prompts and prompt_groups is not None and not self.family.takes_media():
             output = self.prompt_sharing.forward(
                 sequences, packed_seq_lens, num_actions, prompt_groups,
-                lambda shared, layout: self._replay_shared(layout) or self.model(
-                    **shared, logits_to_keep=layout.predict_positions))
+                lambda shared, layout: self._replay_shared(layout) or self._shared_row_forward(shared, layout, extra))
         if output is None:
             self._replay_unshared()
             kwargs = self.family.packed_inputs(self.model, sequences, packed_seq_lens, media)
@@ -397,6 +396,18 @@ class ActorLanguage(nn.Module):
         if return_output and return_entropy:
             output["entropy"] = index.to_rows(entropy_from_logits(output.logits[0], self.temperature))  # (N, A)
         return (log_probs, output) if return_output else log_probs
+
+    def _shared_row_forward(self, shared: dict, layout, extra: dict):
+        """The model over a shared-prompt row; with router logits asked for (`extra`), its
+        load-balancing loss counts each shared prompt token once per sample sharing it
+        (`layout.multiplicity`): the unshared row's value."""
+        output = self.model(**shared, **extra, logits_to_keep=layout.predict_positions)
+        if extra:
+            config = self.model.config
+            experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+            output["aux_loss"] = load_balancing_loss(output.router_logits, int(experts),
+                                                     int(config.num_experts_per_tok), layout.multiplicity)
+        return output
 
     def _fused_packed(self, sequences, packed_seq_lens, num_actions, index, prompt_groups, media, return_output,
                       return_entropy):

@@ -220,6 +220,7 @@ class SharedPromptLayout:
     kv_spans: list[list[tuple[int, int]]]  # per segment, the (start, stop) spans of the shared row it attends to
     length: int  # S
     groups: int  # distinct prompts
+    multiplicity: torch.Tensor = None  # (S,) float: the sequences each shared-row token stands for
     calls: int = 0
 
 
@@ -245,7 +246,7 @@ def shared_prompt_layout(seq_lens: Sequence[int], num_actions: Sequence[int], gr
     starts = [0]
     for length in seq_lens[:-1]:
         starts.append(starts[-1] + length)
-    source, positions, q_lens, kv_spans = [], [], [], []
+    source, positions, q_lens, kv_spans, multiplicity = [], [], [], [], []
     predict = [0] * len(seq_lens)  # per sequence, the shared-row position predicting its first action
     response_start = [0] * len(seq_lens)
     for rows in members.values():
@@ -255,6 +256,7 @@ def shared_prompt_layout(seq_lens: Sequence[int], num_actions: Sequence[int], gr
         if any(seq_lens[i] - num_actions[i] != prompt for i in rows):
             raise ValueError(f"packed sequences {rows} are in one prompt group but their prompts have different lengths")
         prompt_start = len(source)
+        multiplicity.extend([len(rows)] * prompt)
         source.extend(range(starts[rows[0]], starts[rows[0]] + prompt))
         positions.extend(range(prompt))
         q_lens.append(prompt)
@@ -264,6 +266,7 @@ def shared_prompt_layout(seq_lens: Sequence[int], num_actions: Sequence[int], gr
             response_start[i] = len(source)
             if num_actions[i] == 0:
                 continue
+            multiplicity.extend([1] * num_actions[i])
             source.extend(range(starts[i] + prompt, starts[i] + seq_lens[i]))
             positions.extend(range(prompt, seq_lens[i]))
             q_lens.append(num_actions[i])
@@ -289,6 +292,7 @@ def shared_prompt_layout(seq_lens: Sequence[int], num_actions: Sequence[int], gr
         kv_spans=kv_spans,
         length=len(source),
         groups=len(members),
+        multiplicity=upload(torch.tensor(multiplicity, dtype=torch.float32), device),
     )
 
 

@@ -269,3 +269,23 @@ def recorder_of(model: nn.Module) -> RoutingReplay | None:
 def padded_routes(routes: torch.Tensor) -> torch.Tensor:
     """(B, T, L, K) routes of a padded batch in the forward's token order: (B*T, L, K)."""
     return routes.reshape(-1, routes.size(-2), routes.size(-1))
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The mixture-of-experts load-balancing loss (Switch Transformer eq. 4, as transformers computes it
+    over a packed row: E x sum_e f_e P_e, f the share of top-k assignments to each expert and P the
+    mean router probability, over every layer's tokens) from the router logits (one (S, E) tensor per
+    layer), each token counted `weights` times (S,): a shared-prompt row's prompt tokens once per
+    sample that shares them, so the value is the unshared row's. None: each token once."""
+    tokens = router_logits[0].size(0)
+    w = torch.ones(tokens) if weights is None else weights.float()
+    w = w.to(router_logits[0].device)
+    routed = torch.zeros(num_experts, device=w.device)
+    prob_sums = torch.zeros(num_experts, device=w.device)
+    for layer in router_logits:
+        probs = torch.softmax(layer, dim=-1)             # in the router's dtype, as transformers does
+        chosen = torch.topk(probs, top_k, dim=-1).indices                                         # (S, k)
+        routed = routed.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        prob_sums = prob_sums + (probs.float() * w.unsqueeze(-1)).sum(dim=0)
+    total = w.sum() * len(router_logits)
+    return num_experts * ((routed / total) * (prob_sums / total)).sum()

@@ -275,3 +275,33 @@ def test_train_ppo_replays_routes_and_logs_their_agreement(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(task, tmp_path / "vllm", routing_replay="rollout", rollout_engine="vllm", **flags)
     assert "--routing_replay rollout cannot be combined with --rollout_engine vllm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_packed_rows_share_prompts_with_the_load_balancing_loss(family):
+    """A shared-prompt row counts each prompt token once per sample sharing it in the router
+    statistics: the unshared row's load-balancing loss, log-probs and gradients (the routers'
+    included), with the prompts computed once."""
+    tokenizer = build_char_tokenizer()
+    prompts = [tokenizer.encode("12+7="), tokenizer.encode("abc")]
+    responses = [[20, 21, 22], [30, 2], [40, 41, 42, 43], [50], [60, 61]]
+    rows = [prompts[0], prompts[0], prompts[1], prompts[1], prompts[1]]
+    sequences = [torch.tensor(p + r) for p, r in zip(rows, responses)]
+    ids, lens, actions = torch.cat(sequences).unsqueeze(0), [len(s) for s in sequences], [len(r) for r in responses]
+    results = {}
+    for shared in (False, True):
+        actor = ActorLanguage(build(family), packing_samples=True)
+        calls = []
+        inner = actor._shared_row_forward
+        actor._shared_row_forward = lambda *args: calls.append(1) or inner(*args)
+        log_probs, output = actor(ids, actions, packed_seq_lens=lens, return_output=True, return_aux_loss=True,
+                                  prompt_groups=[0, 0, 2, 2, 2] if shared else None)
+        (log_probs.sum() + 10 * output["aux_loss"]).backward()
+        assert len(calls) == int(shared)
+        results[shared] = (log_probs.detach(), output["aux_loss"].detach(),
+                           [r.weight.grad.clone() for r in find_routers(actor.model)])
+    (lp, aux, grads), (lp_shared, aux_shared, grads_shared) = results[False], results[True]
+    assert aux > 0.5 and abs(aux_shared - aux) < 1e-6
+    assert (lp_shared - lp).abs().max() < 1e-5
+    for g, g_shared in zip(grads, grads_shared):
+        assert g.abs().max() > 1e-4 and torch.allclose(g_shared, g, atol=1e-6, rtol=1e-4)
