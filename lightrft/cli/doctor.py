@@ -26,7 +26,7 @@ from lightrft.builders.ppo_run import check_world_size  # noqa: F401  (the docs'
 from lightrft.cli import train_ppo
 from lightrft.cli.common import parse_command_line
 from lightrft.doctor import (CHECKS, CheckResult, DoctorReport, check_data, check_engine,
-                             check_invariance, check_memory, check_monitors, check_rewards, check_workflow)
+                             check_invariance, check_memory, check_moe, check_monitors, check_rewards, check_workflow)
 from lightrft.experience.placement import arrive
 from lightrft.doctor.engine import sampling_params
 from lightrft.doctor.report import LEVELS
@@ -147,7 +147,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
         begin_training(run)
         if "memory" in checks:
             results.append(agree(guarded("memory", lambda: check_memory(run, options.doctor_memory_budget_gb)), run))
-        sampled = [c for c in checks if c in ("invariance", "engine", "rewards", "workflow")]
+        sampled = [c for c in checks if c in ("invariance", "engine", "moe", "rewards", "workflow")]
         if sampled:
             try:
                 prompts, labels, prompt_ids, rollout = sample_batch(run)
@@ -157,6 +157,7 @@ def run_model_checks(args, options, checks: list[str], prepare) -> list[CheckRes
                 return results
             runners = {"invariance": lambda: check_invariance(run, rollout),
                        "engine": lambda: check_engine(run, prompts, prompt_ids, rollout),
+                       "moe": lambda: check_moe(run, prompts, prompt_ids),
                        "rewards": lambda: check_rewards(run, prompts, labels, rollout, options.doctor_reward_calls),
                        "workflow": lambda: check_workflow(run, prompts, labels)}
             for name in sampled:

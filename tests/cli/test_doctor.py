@@ -78,10 +78,10 @@ def test_healthy_configuration_passes_every_check(task, tmp_path, capsys):
     json_report = tmp_path / "doctor.json"
     report = doctor(task, tmp_path, "--doctor_report", json_report, prompt_max_len=24)
     printed = capsys.readouterr().out
-    assert [c.name for c in report.checks] == ["data", "monitors", "memory", "invariance", "engine", "rewards",
-                                               "workflow"]
+    assert [c.name for c in report.checks] == ["data", "monitors", "memory", "invariance", "engine", "moe",
+                                               "rewards", "workflow"]
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
-        ["data", "monitors", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+        ["data", "monitors", "memory", "invariance", "engine", "moe", "rewards", "workflow"], "PASS")
     assert [f.text for f in report.check("workflow").findings] == [
         "no --workflow: one response per prompt (nothing to check)"]
     assert report.exit_code == 0 and "verdict: PASS" in printed
@@ -347,7 +347,7 @@ def test_a_vision_language_run_passes_with_its_images_in_every_check(tmp_path):
         for key in LAUNCH_ENV:
             os.environ.pop(key, None)
     assert {c.name: c.status for c in report.checks} == dict.fromkeys(
-        ["data", "monitors", "memory", "invariance", "engine", "rewards", "workflow"], "PASS")
+        ["data", "monitors", "memory", "invariance", "engine", "moe", "rewards", "workflow"], "PASS")
     assert report.check("engine").figures["gap_mean"] < 1e-3
 
 
@@ -365,3 +365,43 @@ def test_the_memory_check_measures_a_step_with_rows_split_over_two_ranks(task, t
     train = [f["text"] for f in memory["findings"] if f["text"].startswith("train:")]
     assert train and "--sequence_parallel_size (now 2;" in train[0]
     assert proc.returncode == 1            # over the 50 MB budget: the step ran, then failed the check
+
+
+class NearTieEngine(CopyEngine):
+    """The Hugging Face engine on its own copy of a mixture-of-experts model whose routers score
+    experts 1 and 2 exactly alike, recording routes; the trainer's routers score expert 2 higher by
+    a relative 1e-6 (`near_tie`), so they flip the engine's choice wherever the two compete."""
+
+    capabilities = EngineCapabilities(weight_syncs=frozenset({"full"}), routes=True)
+
+    def update_weights(self, named_params):
+        list(named_params)      # the copy keeps its exact ties (the check moves no weights)
+
+
+def near_tie(run):
+    from lightrft.models.routing import RoutingReplay, find_routers
+
+    actor = run.strategy.unwrap_model(run.trainer.actor)
+    with torch.no_grad():
+        for router in find_routers(actor.model):
+            router.weight[2] = router.weight[1] * (1 + 1e-6)
+    own_engine(NearTieEngine)(run)
+    engine_model = run.trainer.rollout.engine.model
+    with torch.no_grad():
+        for router in find_routers(engine_model):
+            router.weight[2] = router.weight[1]
+    RoutingReplay(engine_model, record_rollouts=True)
+
+
+def test_moe_check_finds_routing_that_differs_from_the_engine_and_that_replay_closes_the_gap(task, tmp_path):
+    moe = dict(task, model=save_tiny_arch(tmp_path / "moe", "qwen3_moe"))
+    report = doctor(moe, tmp_path, "--doctor_checks", "moe", prepare=near_tie)
+    check = report.check("moe")
+    figures = check.figures
+    assert (figures["moe_layers"], figures["experts"], figures["top_k"]) == (2, 4, 2)
+    assert figures["flips"] > 0 and figures["gap_live_mean"] > 1e-3 and figures["gap_replayed_max"] < 1e-5
+    assert check.status == "WARN" and "turn on --routing_replay rollout" in check.findings[0].text
+    replayed = doctor(moe, tmp_path, "--doctor_checks", "moe", prepare=near_tie, routing_replay="rollout")
+    assert replayed.check("moe").status == "PASS"
+    dense = doctor(task, tmp_path, "--doctor_checks", "moe")
+    assert [f.text for f in dense.check("moe").findings] == ["the policy is dense (no router modules): nothing to check"]
