@@ -16,5 +16,6 @@ from lightrft.doctor.workflow import check_workflow
 CHECKS = ("data", "monitors", "memory", "invariance", "engine", "moe", "rewards", "workflow")
 
 __all__ = ["CHECKS", "CheckResult", "DoctorReport", "Finding", "MemoryProbe", "check_data", "check_engine",
-           "check_invariance", "check_memory", "check_moe", "check_monitors", "check_rewards", "check_workflow", "format_table",
+           "check_invariance", "check_memory", "check_moe", "check_monitors", "check_rewards", "check_workflow",
+           "format_table",
            "percentile"]

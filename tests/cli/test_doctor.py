@@ -404,4 +404,5 @@ def test_moe_check_finds_routing_that_differs_from_the_engine_and_that_replay_cl
     replayed = doctor(moe, tmp_path, "--doctor_checks", "moe", prepare=near_tie, routing_replay="rollout")
     assert replayed.check("moe").status == "PASS"
     dense = doctor(task, tmp_path, "--doctor_checks", "moe")
-    assert [f.text for f in dense.check("moe").findings] == ["the policy is dense (no router modules): nothing to check"]
+    assert [f.text for f in dense.check("moe").findings] == [
+        "the policy is dense (no router modules): nothing to check"]
