@@ -17,5 +17,4 @@ CHECKS = ("data", "monitors", "memory", "invariance", "engine", "moe", "rewards"
 
 __all__ = ["CHECKS", "CheckResult", "DoctorReport", "Finding", "MemoryProbe", "check_data", "check_engine",
            "check_invariance", "check_memory", "check_moe", "check_monitors", "check_rewards", "check_workflow",
-           "format_table",
-           "percentile"]
+           "format_table", "percentile"]
