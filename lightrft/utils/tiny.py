@@ -15,6 +15,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
@@ -23,6 +24,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
@@ -169,6 +171,14 @@ TINY_ARCHS: dict[str, TinyArch] = {arch.name: arch for arch in [
         features="4 experts, top-2"),
     TinyArch("mixtral", "Mixtral", lambda ids: MixtralConfig(
         **_COMMON, num_local_experts=4, num_experts_per_tok=2, **ids), features="4 experts, top-2"),
+    TinyArch("olmoe", "OLMoE", lambda ids: OlmoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, **ids), features="4 experts, top-2, QK-norm"),
+    TinyArch("deepseek_v3", "DeepSeek-V3 (MoE with shared experts, MLA)", lambda ids: DeepseekV3Config(
+        **{**_COMMON, "num_hidden_layers": 3, "num_key_value_heads": 2}, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, rope_scaling=None,
+        **ids), features="a dense first layer, then 4 routed experts top-2 in 2 groups (1 chosen) plus a shared "
+                         "expert; multi-head latent attention"),
     TinyArch("mistral", "Mistral", lambda ids: MistralConfig(**_COMMON, sliding_window=TINY_WINDOW, **ids),
              features=f"sliding window {TINY_WINDOW} on every layer"),
     TinyArch("gemma2", "Gemma 2", lambda ids: Gemma2Config(

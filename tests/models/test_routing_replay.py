@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, OlmoeConfig, Qwen2MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, Qwen2MoeConfig
 
 from lightrft.experience.samples import Experience, collate_samples, split_experience
 from lightrft.models import ActorLanguage
@@ -22,21 +22,15 @@ from lightrft.utils.tiny import build_char_tokenizer, build_tiny_arch, tiny_toke
 _SIZES = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# Families beyond the architecture matrix's two, at tiny size: their routers differ (softmax after
-# top-k, sigmoid scores with group-limited choice and a scaling factor, shared experts).
+# Families beyond the architecture matrix's four, at tiny size: their routers differ (softmax after
+# top-k with a router bias; shared experts beside the routed ones).
 EXTRA = {
-    "olmoe": lambda: OlmoeConfig(**_SIZES, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2),
     "qwen2_moe": lambda: Qwen2MoeConfig(**_SIZES, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
                                         moe_intermediate_size=32, shared_expert_intermediate_size=64),
     "gpt_oss": lambda: GptOssConfig(**_SIZES, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                                     head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-    "deepseek_v3": lambda: DeepseekV3Config(**_SIZES, num_hidden_layers=3, n_routed_experts=4, num_experts_per_tok=2,
-                                            n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1,
-                                            n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=None,
-                                            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
-                                            rope_scaling=None),
 }
-FAMILIES = ["qwen3_moe", "mixtral", *EXTRA]
+FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", *EXTRA]
 
 
 def build(family: str, seed: int = 0) -> torch.nn.Module:
@@ -78,7 +72,7 @@ def test_replaying_the_recorded_routes_changes_nothing_and_other_routes_do(famil
     ids = tokens()
     routes = record(routing, model, ids)
     assert routes.shape == (ids.numel(), routing.layers, 2) and routes.dtype == torch.int8
-    assert routing.layers == (2 if family != "deepseek_v3" else 2)      # DeepSeek-V3: its first layer is dense
+    assert routing.layers == 2      # DeepSeek-V3's tiny config: a dense first layer, then 2 MoE layers
     with torch.no_grad():
         live = model(input_ids=ids).logits
         routing.replay(routes)
@@ -195,7 +189,7 @@ def test_engine_routes_are_those_of_a_teacher_forced_forward():
     assert recorded.sum() > 40 and same[recorded].all()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen2_moe"])
 def test_padded_packed_and_shared_prompt_rows_replay_alike(family):
     """Routes other than the live ones, so replay decides every expert: the padded batch, the
     packed row and the packed row sharing prompts give the same log-probs."""
