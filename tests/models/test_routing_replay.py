@@ -6,6 +6,7 @@ and router gradients); the rollout's routes make a trainer whose router flips ne
 the engine's log-probs; padded = packed = shared-prompt rows."""
 
 import copy
+import importlib.util
 import types
 
 import pytest
@@ -299,3 +300,23 @@ def test_packed_rows_share_prompts_with_the_load_balancing_loss(family):
     assert (lp_shared - lp).abs().max() < 1e-5
     for g, g_shared in zip(grads, grads_shared):
         assert g.abs().max() > 1e-4 and torch.allclose(g_shared, g, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_why_vllms_cpu_build_returns_no_routes():
+    """vLLM captures routed experts (`enable_return_routed_experts`) in its second-generation GPU
+    model runner only; the CPU build's runner derives from the first-generation one, which has no
+    capture. So `--routing_replay rollout` refuses vLLM (`EngineCapabilities.routes` is False) and
+    `old` replays the trainer's own old-policy routes. When this fails, the CPU runner can return
+    routes and lightrft's vLLM engine should ask for them."""
+    import inspect
+
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
+    from vllm.v1.worker.gpu import model_runner as runner_v2
+
+    assert "aux_output_connector" in inspect.getsource(runner_v2)          # where vLLM captures routes
+    assert cpu_model_runner.CPUModelRunner.__mro__[1] is gpu_model_runner.GPUModelRunner
+    assert "aux_output" not in inspect.getsource(gpu_model_runner)
+    assert "aux_output" not in inspect.getsource(cpu_model_runner)
+    from lightrft.rollout import engine_capabilities
+    assert not engine_capabilities("vllm").routes and engine_capabilities("hf").routes
