@@ -18,7 +18,7 @@ from lightrft.models import ActorLanguage
 from lightrft.models.routing import NO_ROUTE, RoutingReplay, RoutingUnsupported, find_routers
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.hf_engine import hf_engine_for
-from lightrft.utils.tiny import build_char_tokenizer, build_tiny_arch, tiny_tokenizer
+from lightrft.utils.tiny import build_char_tokenizer, build_tiny_arch, save_tiny_arch, tiny_tokenizer
 
 _SIZES = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
               max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -246,20 +246,23 @@ def test_a_dense_model_and_misshapen_routes_are_refused_with_the_flag():
         plain(ids, 2, attention_mask=torch.ones_like(ids), routes=torch.zeros(1, 6, 2, 2, dtype=torch.int8))
 
 
-def test_train_ppo_replays_routes_and_logs_their_agreement(tmp_path, capsys):
-    """Two GRPO steps through `train_ppo` on a tiny Qwen3-MoE with packed rows: replaying the old
-    policy's routes trains like live routing (the Hugging Face engine decodes with the trainer's own
+def test_train_ppo_replays_routes_logs_their_agreement_and_resumes_exactly(tmp_path, capsys):
+    """GRPO through `train_ppo` on a tiny Qwen3-MoE with packed rows: replaying the old policy's
+    routes trains like live routing (the Hugging Face engine decodes with the trainer's own
     module, so nothing flips); replaying the rollout's, with a KL reference that replays them too,
-    has on-policy ratios 1 and logs routing/* (flip share 0); what has no routes is refused."""
-    from lightrft.utils.tiny import save_tiny_arch
+    has on-policy ratios 1, logs routing/* (flip share 0), and a run saved at step 2 and resumed
+    ends with the uninterrupted run's weights bit for bit; what has no routes is refused."""
     from tests.trainer.ppo_harness import make_task, max_weight_change, run
 
     task = make_task(tmp_path)
     task["model"] = save_tiny_arch(tmp_path / "moe", "qwen3_moe")
     flags = dict(packing_samples=True, max_steps=2)
     live_logs, live = run(task, tmp_path / "off", **flags)
-    replayed_logs, _ = run(task, tmp_path / "rollout", routing_replay="rollout", **{**flags, "init_kl_coef": 0.01})
     old_logs, old = run(task, tmp_path / "old", routing_replay="old", **flags)
+    rollout = dict(flags, routing_replay="rollout", init_kl_coef=0.01, save_steps=2, max_steps=4)
+    replayed_logs, replayed = run(task, tmp_path / "rollout", **rollout)
+    run(task, tmp_path / "cut", **{**rollout, "max_steps": 2})
+    resumed_logs, resumed = run(task, tmp_path / "cut", **rollout, load_checkpoint=True)
     assert "routing/flip_share" not in live_logs and "routing/flip_share" not in old_logs
     assert replayed_logs["routing/flip_share"] == 0.0
     assert replayed_logs["routing/logprob_gap_replayed"] < 1e-5 and replayed_logs["routing/logprob_gap_live"] < 1e-5
@@ -267,6 +270,7 @@ def test_train_ppo_replays_routes_and_logs_their_agreement(tmp_path, capsys):
         assert abs(logs["train/ratio_max"] - 1) < 1e-5 and abs(logs["train/ratio_min"] - 1) < 1e-5
     assert replayed_logs["rollout/kl"] > 0
     assert max_weight_change(live, old) < 1e-5
+    assert resumed_logs["rollout/kl"] == replayed_logs["rollout/kl"] and max_weight_change(replayed, resumed) == 0.0
     with pytest.raises(SystemExit):
         run(task, tmp_path / "vllm", routing_replay="rollout", rollout_engine="vllm", **flags)
     assert "--routing_replay rollout cannot be combined with --rollout_engine vllm" in capsys.readouterr().err
