@@ -16,7 +16,7 @@ from lightrft.doctor.engine import gap, sampling_params
 from lightrft.doctor.report import CheckResult
 from lightrft.experience.placement import arrive
 from lightrft.models.media import media_keywords
-from lightrft.models.routing import RoutingReplay, find_routers
+from lightrft.utils.routing import RoutingReplay, find_routers
 from lightrft.rollout.manager import engine_capabilities_of
 from lightrft.rollout.checks import engine_gap_tolerance
 

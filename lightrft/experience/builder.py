@@ -23,7 +23,7 @@ from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.experience.placement import arrive
 from lightrft.experience.samples import Experience
 from lightrft.models.media import media_keywords
-from lightrft.models.routing import NO_ROUTE, routing_of
+from lightrft.utils.routing import NO_ROUTE, routing_of
 from lightrft.experience.scorer import RewardBatch, truncated_rows
 from lightrft.rollout.base import RolloutOutput
 

@@ -24,7 +24,7 @@ from lightrft.models.hf_utils import (
 )
 from lightrft.models.packing import check_num_actions, packed_action_index
 from lightrft.models.reference import AdapterDisabledReference
-from lightrft.models.routing import NO_ROUTE, ROUTING_REPLAY_MODES, RoutingReplay, load_balancing_loss
+from lightrft.utils.routing import NO_ROUTE, ROUTING_REPLAY_MODES, RoutingReplay, load_balancing_loss
 from lightrft.models.sequence_parallel import checked_group
 from lightrft.models.shared_prompts import (
     PackedPromptSharing,
@@ -75,7 +75,7 @@ class ActorLanguage(nn.Module):
             held (`lightrft.algorithms.fused_head.CHUNK_TOKENS` is a good size). The same values and
             gradients; where it does not apply, the plain forward runs (`forward` says where).
         routing_replay: "off" (the default); else a mixture-of-experts model's forwards take
-            `routes=` and send each token through the recorded experts (`lightrft.models.routing`):
+            `routes=` and send each token through the recorded experts (`lightrft.utils.routing`):
             "rollout" also has the Hugging Face engine decoding with `.model` record the rollout's
             routes; "old" leaves recording to the caller (the old-policy forward's routes).
 

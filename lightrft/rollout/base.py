@@ -169,7 +169,7 @@ class RolloutOutput:
     media: list[dict[str, torch.Tensor] | None] | None = None
     # (B, T, L, K) int8/int16: per token of `sequences`, the K experts each of a mixture-of-experts
     # policy's L MoE layers sent it to while sampling, -1 where none was recorded (padding, a
-    # response's last token); what routing replay (`lightrft.models.routing`) replays in the
+    # response's last token); what routing replay (`lightrft.utils.routing`) replays in the
     # trainer's forwards. None unless the engine records routes.
     routes: torch.Tensor | None = None
 

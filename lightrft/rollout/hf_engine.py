@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from lightrft.models.routing import NO_ROUTE, recorder_of
+from lightrft.utils.routing import NO_ROUTE, recorder_of
 from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
                                    validate_prompts)
 from lightrft.rollout.registry import register_engine
@@ -60,7 +60,7 @@ class HFEngine:
     them for its teacher-forced forward, so the rollout log-probs and the actor's agree; each new
     token takes the next position.
 
-    A mixture-of-experts model with routing replay set to record rollouts (`lightrft.models.routing.
+    A mixture-of-experts model with routing replay set to record rollouts (`lightrft.utils.routing.
     RoutingReplay(record_rollouts=True)`, which `--routing_replay rollout` installs) gets the experts
     each token went through recorded: `RolloutOutput.routes`, from the prefill for the prompt and
     from each decoding step for the token it fed.

@@ -26,7 +26,7 @@ from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.config.sections import AlgorithmConfig
 from lightrft.experience.samples import Experience, Sample, collate_samples, split_by_tokens, split_to_count
 from lightrft.models.media import media_keywords
-from lightrft.models.routing import routing_of
+from lightrft.utils.routing import routing_of
 from lightrft.models.utils import accepts_keyword
 from lightrft.rollout.checks import engine_logprob_gap
 from lightrft.trainer.guards import nonfinite_grad_norms

@@ -379,7 +379,7 @@ class NearTieEngine(CopyEngine):
 
 
 def near_tie(run):
-    from lightrft.models.routing import RoutingReplay, find_routers
+    from lightrft.utils.routing import RoutingReplay, find_routers
 
     actor = run.strategy.unwrap_model(run.trainer.actor)
     with torch.no_grad():

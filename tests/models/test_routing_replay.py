@@ -1,4 +1,4 @@
-"""Routing replay (`lightrft.models.routing`): the experts each token went through are recorded
+"""Routing replay (`lightrft.utils.routing`): the experts each token went through are recorded
 (by the Hugging Face engine, or by a forward) and replayed in later forwards, the choice fixed and
 the gate weights live. Checked on six mixture-of-experts families: replaying the recorded routes
 changes nothing; other routes give what a hand-written router with that fixed choice gives (values
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig, Qwen2MoeConfig
 
 from lightrft.experience.samples import Experience, collate_samples, split_experience
 from lightrft.models import ActorLanguage
-from lightrft.models.routing import NO_ROUTE, RoutingReplay, RoutingUnsupported, find_routers
+from lightrft.utils.routing import NO_ROUTE, RoutingReplay, RoutingUnsupported, find_routers
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.hf_engine import hf_engine_for
 from lightrft.utils.tiny import build_char_tokenizer, build_tiny_arch, save_tiny_arch, tiny_tokenizer
