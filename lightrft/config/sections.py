@@ -100,8 +100,9 @@ class ModelConfig:
 
     pretrain: str = option(help="Hugging Face folder of the model to train", required=True)
     attn_implementation: Optional[str] = option(
-        None, "attention kernel: flash_attention_2, sdpa, eager or flex_attention (default: flash_attention_2 when "
-              "installed on CUDA, else lightrft_varlen: exact packing, sliding windows and soft-caps per layer)")
+        None, "attention kernel: flash_attention_2, sdpa, eager or flex_attention (default: lightrft_varlen: exact "
+              "packing, sliding windows and soft-caps per layer, shared prompts; on CUDA one varlen kernel call per "
+              "layer, flash-attn's when installed)")
     trust_remote_code: bool = option(False, "allow model code shipped inside the model folder to run")
     lora_rank: int = option(0, "LoRA rank; 0 trains all weights", at_least=0)
     lora_alpha: int = option(16, "LoRA scaling numerator", at_least=1)

@@ -45,7 +45,7 @@ class ActorLanguage(nn.Module):
             implementation is set as below.
         bf16: load weights in bfloat16 (else float32). Log-probs are float32 either way.
         attn_implementation: None picks `attention.default_attn_implementation()`
-            ("flash_attention_2" on CUDA with flash-attn, else exact per-sequence SDPA); any
+            (lightrft's packed attention, on flash-attn's varlen kernel where installed); any
             transformers name ("sdpa", "eager", "flex_attention", ...) overrides it.
         lora_rank: > 0 wraps the model in a peft LoRA adapter of this rank; only the adapter trains.
         lora_alpha, lora_dropout: LoRA scale numerator (scale = alpha / rank) and dropout.

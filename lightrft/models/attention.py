@@ -7,7 +7,7 @@ Which attention runs where (details in docs/packing.md):
 
 | device, flash-attn        | default implementation | packed sequences                                  |
 |---------------------------|------------------------|---------------------------------------------------|
-| CUDA, flash-attn present  | "flash_attention_2"    | varlen kernel, `cu_seq_lens_*` passed              |
+| CUDA, flash-attn present  | VARLEN_ATTENTION       | flash-attn's varlen kernel, one call per layer     |
 | CUDA without flash-attn   | VARLEN_ATTENTION       | torch's varlen kernel, one call per layer (bf16)   |
 | CPU, float32, soft-caps   | VARLEN_ATTENTION       | one causal attention per sequence (no row mask)    |
 | user picks "sdpa"/"eager" | as given               | block-diagonal (P x P) mask from position ids      |
@@ -37,10 +37,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def default_attn_implementation() -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed, else VARLEN_ATTENTION (exact packing
-    on CPU and memory-efficient packing on CUDA without flash-attn)."""
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
+    """VARLEN_ATTENTION everywhere: exact packing on the CPU; on CUDA one varlen kernel call per
+    layer, flash-attn's where it is installed (`fused_varlen_kernel`), with shared prompts kept
+    (transformers' "flash_attention_2" builds its own varlen call, which cannot share them)."""
     return VARLEN_ATTENTION
 
 
@@ -111,13 +110,40 @@ def _attend(module, query, key, value, attention_mask, window, softcap, **kwargs
     return softcapped_attention(module, query, key, value, attention_mask, softcap, **kwargs)[0]
 
 
+def flash_attn_kernel(flash_attn_varlen_func):
+    """flash-attn's `flash_attn_varlen_func` behind the signature of torch's `varlen_attn`
+    (`one_call_varlen` calls either): packed (total, heads, head_dim) queries and keys with their
+    own int32 cumulative starts and longest lengths; causal, aligned to the bottom right where a
+    segment has more keys than queries (a response after its shared prompt); `window_size=(left,
+    right)` counted from that alignment; grouped key/value heads taken as they are."""
+    def kernel(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, 0), enable_gqa=True):
+        return flash_attn_varlen_func(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                      causal=True, window_size=tuple(window_size))
+    return kernel
+
+
+@cache
+def _flash_attn_kernel():
+    """flash-attn's varlen kernel (`flash_attn_kernel`) when flash-attn imports, else None."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_kernel(flash_attn_varlen_func)
+
+
 def fused_varlen_kernel(query: torch.Tensor):
-    """PyTorch's varlen attention kernel (`torch.nn.attention.varlen.varlen_attn`: flash attention
-    over every sequence of a packed row in one call) where it runs, or None: CUDA tensors in half
-    precision, on a torch that ships it. Elsewhere (the CPU, float32) packed rows take one SDPA
-    call per sequence."""
+    """A varlen attention kernel (flash attention over every sequence of a packed row in one call)
+    where one runs, or None: CUDA tensors in half precision, flash-attn's (`flash_attn_kernel`) when
+    it is installed, else PyTorch's (`torch.nn.attention.varlen.varlen_attn`) on a torch that ships
+    it. Elsewhere (the CPU, float32) packed rows take one SDPA call per sequence."""
     if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)):
         return None
+    flash = _flash_attn_kernel()
+    if flash is not None:
+        return flash
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

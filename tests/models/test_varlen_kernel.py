@@ -136,3 +136,93 @@ def test_a_kernel_without_windows_or_grouped_heads_runs_the_layers_it_can(arch, 
     for name, grad in grads.items():
         scale = ref_grads[name].abs().max().clamp(min=1e-12)
         torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=ATOL, rtol=0, msg=name)
+
+
+class FlashVarlenStandIn:
+    """flash-attn's `flash_attn_varlen_func` on the CPU, written from its documented contract, not
+    from the torch kernel's: q (total_q, nheads, d), k and v (total_k, nheads_k, d) with nheads a
+    multiple of nheads_k; int32 `cu_seqlens_q/k`; `causal` aligned to the bottom right where a
+    segment's keys outnumber its queries; query i of a segment sees the keys in
+    [i + sk - sq - window_size[0], i + sk - sq + window_size[1]] (-1: unbounded). Counts its calls."""
+
+    def __init__(self):
+        self.calls, self.separate_offsets = 0, []
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                 deterministic=False, return_attn_probs=False, block_table=None):
+        self.calls += 1
+        self.separate_offsets.append(not torch.equal(cu_seqlens_q, cu_seqlens_k))
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32 and dropout_p == 0.0
+        assert q.size(1) % k.size(1) == 0
+        scale = q.size(-1) ** -0.5 if softmax_scale is None else softmax_scale
+        out = torch.empty_like(q)
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        for i in range(len(cu_seqlens_q) - 1):
+            qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]))
+            sq, sk = qe - qs, ke - ks
+            assert sq <= max_seqlen_q and sk <= max_seqlen_k
+            rows = torch.arange(sq)[:, None] + (sk - sq)          # the key index each query is aligned to
+            cols = torch.arange(sk)[None, :]
+            allowed = torch.ones(sq, sk, dtype=torch.bool)
+            if causal:
+                allowed &= cols <= rows
+            if window_size[0] >= 0:
+                allowed &= cols >= rows - window_size[0]
+            if window_size[1] >= 0:
+                allowed &= cols <= rows + window_size[1]
+            scores = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke]) * scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            out[qs:qe] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v[ks:ke])
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3_moe"])
+def test_flash_attn_kernel_keeps_shared_prompts(arch, monkeypatch):
+    """With flash-attn installed the default attention stays lightrft's, whose varlen path calls
+    flash-attn's kernel (here its stand-in) once per layer: a packed row sharing its prompts passes
+    separate query and key offsets and gives the per-segment path's log-probs and gradients."""
+    import importlib.machinery
+    import sys
+    import types
+
+    stand_in = FlashVarlenStandIn()
+    fake = types.ModuleType("flash_attn")
+    fake.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    fake.flash_attn_varlen_func = stand_in
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    attention._flash_attn_kernel.cache_clear()
+    try:
+        kernel = attention._flash_attn_kernel()
+        assert kernel is not None and attention.default_attn_implementation() == attention.VARLEN_ATTENTION
+    finally:
+        attention._flash_attn_kernel.cache_clear()
+    batch = make_batch([5, 5, 9, 9], [6, 3, 4, 8], seed=2)
+    groups = [0, 0, 2, 2]
+    ids = batch.packed_ids.clone()
+    # The two pairs of sequences share their prompts.
+    starts = [0] + list(torch.tensor(batch.packed_seq_lens).cumsum(0)[:-1].tolist())
+    for first, second in ((0, 1), (2, 3)):
+        prompt = batch.packed_seq_lens[first] - batch.response_lens[first]
+        ids[0, starts[second]:starts[second] + prompt] = ids[0, starts[first]:starts[first] + prompt]
+    model = build_tiny_arch(arch, seed=1)
+
+    def forward(actor, shared):
+        log_probs = actor(ids, batch.response_lens, packed_seq_lens=batch.packed_seq_lens,
+                          prompt_groups=groups if shared else None)
+        actor.zero_grad()
+        log_probs.sum().backward()
+        return log_probs.detach(), {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: kernel)
+    flash = ActorLanguage(copy.deepcopy(model)).train()
+    log_probs, grads = forward(flash, True)
+    assert flash.prompt_sharing.reason is None
+    assert stand_in.calls == model.config.num_hidden_layers and all(stand_in.separate_offsets)
+    monkeypatch.setattr(attention, "fused_varlen_kernel", lambda query: None)
+    ref_log_probs, ref_grads = forward(ActorLanguage(model).train(), False)
+    torch.testing.assert_close(log_probs, ref_log_probs, atol=ATOL, rtol=0)
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp(min=1e-12)
+        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=ATOL, rtol=0, msg=name)
