@@ -160,7 +160,8 @@ class FlashVarlenStandIn:
         k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
         v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
         for i in range(len(cu_seqlens_q) - 1):
-            qs, qe, ks, ke = (int(x) for x in (cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]))
+            qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            ks, ke = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
             sq, sk = qe - qs, ke - ks
             assert sq <= max_seqlen_q and sk <= max_seqlen_k
             rows = torch.arange(sq)[:, None] + (sk - sq)          # the key index each query is aligned to
