@@ -49,7 +49,9 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
         # The trainers publish every weight of the actor, a LoRA adapter's under peft's names.
         actor = ActorLanguage(model.pretrain, lora_rank=model.lora_rank, lora_alpha=model.lora_alpha,
                               lora_dropout=model.lora_dropout, target_modules=model.target_modules,
-                              **{**policy_model_kwargs(model, config.distributed), "routing_replay": "off"})
+                              **{**policy_model_kwargs(model, config.distributed),
+                                 # The copy records the routes of what it samples, for the trainers to replay.
+                                 "routing_replay": "rollout" if model.routing_replay == "rollout" else "off"})
         module = actor.model.to(device).eval() if device is not None else actor.model.eval()
         engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size)
     # Reward models are frozen: the explorer scores with its own copy, as the trainers would.

@@ -248,7 +248,7 @@ class PPORunConfig(RunConfig):
         samples; what makes samples another way has none to replay (docs/moe.md)."""
         from lightrft.rollout import engine_capabilities
 
-        roles, engine = self.roles, self.rollout.rollout_engine
+        engine = self.rollout.rollout_engine
         refuse("--routing_replay rollout", {
             f"--rollout_engine {engine}": (not engine_capabilities(engine).routes, "this engine records no routed "
                                            "experts (lightrft's vLLM engine does not ask vLLM for them: vLLM captures "
@@ -256,11 +256,7 @@ class PPORunConfig(RunConfig):
                                            "--routing_replay old replays the old-policy forward's routes"),
             "--recorded_data": (self.data.recorded_data, "recorded experiences carry no routes"),
             "--workflow": (self.agent.workflow, "multi-turn episodes are assembled from the turns' tokens, without "
-                           "routes; --routing_replay old replays the old-policy forward's routes"),
-            "--explorer_ranks": (roles.explorer_ranks > 0, "explorer ranks decode with a copy that records no routes; "
-                                 "--routing_replay old works with explorers"),
-            "--sync_offset": (roles.sync_offset > 0 and roles.explorer_ranks == 0, "the explorer thread decodes with "
-                              "a copy that records no routes; --routing_replay old works with it")},
+                           "routes; --routing_replay old replays the old-policy forward's routes")},
                "docs/moe.md")
 
     def _check_token_budget(self) -> None:

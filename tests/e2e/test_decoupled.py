@@ -78,16 +78,30 @@ def random_reward_model(base_model, out: Path) -> Path:
 COMBINED = {"lora": dict(lora_rank=4, lora_alpha=8, actor_learning_rate=3e-3),
             "reward_model": dict(reward_pretrain="{rm}"),       # scored with the "math" rule, summed
             # DAPO's refills: a step takes the next batches until its groups' rewards differ.
-            "dynamic_sampling": dict(dynamic_sampling=True, max_sampling_rounds=3)}
+            "dynamic_sampling": dict(dynamic_sampling=True, max_sampling_rounds=3),
+            # A tiny Qwen3-MoE replaying the routes its engine recorded (the explorer's copy records
+            # them and sends them with the samples); rewarded for digits, which it emits untrained.
+            "moe_replay": dict(pretrain="{moe}", remote_rm_url="{digits}", routing_replay="rollout",
+                               packing_samples=True)}
 
 
-def combined_flags(name: str, reward_model: Path) -> dict:
-    return {k: (str(reward_model) if v == "{rm}" else v) for k, v in COMBINED[name].items()}
+def combined_flags(name: str, reward_model: dict) -> dict:
+    return {k: (str(reward_model[v.strip("{}")]) if isinstance(v, str) and v.startswith("{") else v)
+            for k, v in COMBINED[name].items()}
 
 
 @pytest.fixture(scope="module")
 def reward_model(toy, tmp_path_factory):
-    return random_reward_model(toy["model"], tmp_path_factory.mktemp("rm"))
+    """The paths COMBINED's placeholders stand for: a reward model, a tiny mixture-of-experts
+    policy and a reward file for it."""
+    from lightrft.utils.tiny import save_tiny_arch
+    from tests.trainer.ppo_harness import REWARD_FILE
+
+    root = tmp_path_factory.mktemp("rm")
+    digits = root / "digits_reward.py"
+    digits.write_text(REWARD_FILE)
+    return {"rm": random_reward_model(toy["model"], root / "rm"), "moe": save_tiny_arch(root / "moe", "qwen3_moe"),
+            "digits": digits}
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +154,13 @@ def test_on_policy_explorer_and_trainer_equal_one_colocated_rank(on_policy_runs,
 
 @pytest.mark.parametrize("name", list(COMBINED))
 def test_explorers_with_lora_a_reward_model_or_dynamic_sampling_equal_one_colocated_rank(on_policy_runs,
-                                                                                        colocated_runs, toy, name):
+                                                                                        colocated_runs, toy, name,
+                                                                                        reward_model):
     """An explorer holds the run's LoRA adapter (its policy copy is the same peft model, loaded
     with every published weight), scores with the run's reward models (its own frozen copy), and
     generates the batches a dynamic-sampling step takes to refill (asked for by the trainers when
-    past its schedule): on-policy it samples, scores and trains exactly what the colocated rank does."""
+    past its schedule), records a mixture-of-experts policy's routes for the trainers to replay:
+    on-policy it samples, scores and trains exactly what the colocated rank does."""
     out, stdout = on_policy_runs[name]
     assert summary_line(stdout)["step"] == 4
     rewards = series(out, "rollout/reward")
@@ -153,6 +169,13 @@ def test_explorers_with_lora_a_reward_model_or_dynamic_sampling_equal_one_coloca
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     # The combination's own piece is at work: the run trained away from the start and from the
     # plain run (LoRA moves the merged weights differently; the reward model adds its score).
+    if name == "moe_replay":
+        # The trainer replayed the routes the explorer's copy recorded: the metrics exist only where
+        # the samples carried routes, and on-policy replay reproduces the engine's log-probs.
+        assert series(out, "routing/flip_share") == [0.0] * 4
+        assert max(series(out, "routing/logprob_gap_replayed")) < 1e-5
+        assert weight_gap(load_safetensors(reward_model["moe"]), got) > 1e-4
+        return
     plain, start = final_weights(colocated_runs["plain"]), load_safetensors(toy["model"])
     assert weight_gap(start, got) > 1e-4 and weight_gap(plain, got) > 1e-4
     if name == "reward_model":
