@@ -27,6 +27,7 @@
 #            bytes) 2 GB of host RAM. Not measured here: no GPU ran this recipe.
 # Data       PROMPT_DATA / EVAL_DATA: jsonl (or parquet, ...) rows with "problem" and "answer" fields
 #
+# Single node; for several nodes set NNODES, NODE_RANK and MASTER_ADDR on each.
 # A different GPU count changes the arithmetic above: keep rollout_batch_size divisible by the
 # GPU count and train_batch_size divisible by micro_train_batch_size x GPUs.
 # Extra flags after the script name are passed to the trainer (the last value of a flag wins).
@@ -38,8 +39,13 @@ MODEL=${MODEL:-Qwen/Qwen3-30B-A3B}
 PROMPT_DATA=${PROMPT_DATA:-data/math/train.jsonl}
 EVAL_DATA=${EVAL_DATA:-data/math/test.jsonl}
 SAVE_DIR=${SAVE_DIR:-./ckpt/grpo_qwen3_30b_a3b}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
 
-torchrun --nproc_per_node 8 -m lightrft.cli.train_ppo \
+torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    --nproc_per_node 8 -m lightrft.cli.train_ppo \
     --pretrain "$MODEL" \
     --prompt_data "$PROMPT_DATA" --input_key problem --label_key answer --apply_chat_template \
     --eval_data "$EVAL_DATA" --eval_steps 10 --eval_n_samples 4 \
