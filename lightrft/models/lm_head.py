@@ -26,8 +26,8 @@ from lightrft.models.families import ModelFamily
 # The `config.model_type`s whose causal-LM forward is `head(decoder(...))`, followed at most by
 # Gemma's final-logit soft-cap: each is checked equal to the plain forward in
 # tests/models/test_fused_head_actor.py (values and gradients).
-FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "gemma2",
-                                    "gemma3_text", "phi3", "gpt_neox", "gpt2"})
+FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3",
+                                    "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "gpt2"})
 
 
 class FusedHeadUnsupported(ValueError):

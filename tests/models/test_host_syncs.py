@@ -29,7 +29,7 @@ READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.d
 # Its model code reshapes the padding mask before the mask function sees it, which then reads it
 # once per forward to know the packed row has no padding.
 READS_PER_FORWARD = {"gpt2": 1}
-MOE = {"qwen3_moe", "mixtral"}       # grouped expert matmuls take bf16 on the meta device
+MOE = {"qwen3_moe", "mixtral", "olmoe", "deepseek_v3"}  # grouped expert matmuls take bf16 on the meta device
 
 
 def blocking_upload(func, args, kwargs) -> bool:
