@@ -8,6 +8,7 @@ scores a response 1.0 when its final number equals the label.
 import json
 import random
 from pathlib import Path
+from lightrft.utils.hf_api import LOAD_OPTIONS
 
 
 def arithmetic_rows(n: int, seed: int, max_operand: int = 20, exclude: set | None = None) -> list[dict]:
@@ -46,7 +47,7 @@ def greedy_accuracy(model_path: str | Path, rows: list[dict], max_new_tokens: in
     from lightrft.models.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(str(model_path), padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **LOAD_OPTIONS).eval()
     correct = 0
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):

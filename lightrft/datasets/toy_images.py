@@ -12,6 +12,7 @@ about the images; `greedy_accuracy` measures held-out greedy answers.
 import json
 import random
 from pathlib import Path
+from lightrft.utils.hf_api import LOAD_OPTIONS
 
 COLOURS = {"r": (215, 40, 40), "g": (40, 170, 60), "b": (40, 80, 215), "y": (225, 200, 30)}
 PROMPT = "<image>Colour?"
@@ -62,7 +63,7 @@ def _load(folder: str | Path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, **LOAD_OPTIONS)
     return model, processor
 
 

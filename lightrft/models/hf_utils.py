@@ -24,6 +24,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 # The attention for packed rows, importable from here as before (its home: lightrft.models.attention).
+from lightrft.utils.hf_api import LOAD_OPTIONS
 from lightrft.models.attention import (ATTENTION_LAYER_TYPES, FLASH_IMPLEMENTATIONS, VARLEN_ATTENTION,  # noqa: F401
                                        VARLEN_SDPA, VARLEN_SDPA_LEGACY, all_ones_mask, causal_band_mask,
                                        default_attn_implementation, fused_varlen_kernel, known_all_ones,
@@ -286,6 +287,7 @@ def load_value_model(
             attn_implementation=attn_implementation or default_attn_implementation(),
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
+            **LOAD_OPTIONS,
         )
     head_loaded = not any(key.startswith(f"{value_head_prefix}.") for key in info["missing_keys"])
     model.config.value_head_prefix = value_head_prefix

@@ -76,3 +76,9 @@ def activation_checkpointing_on(model: nn.Module) -> bool:
     if hasattr(type(model), "is_gradient_checkpointing"):
         return bool(model.is_gradient_checkpointing)
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+# Keywords of every lightrft `from_pretrained` of a model. transformers 5.25 turns Hub kernels on
+# by default and then refuses to load any model when the optional `kernels` package is missing;
+# lightrft replaces no layers with Hub kernels, so it asks for none (every 5.x release takes it).
+LOAD_OPTIONS = {"use_kernels": False}

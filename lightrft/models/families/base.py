@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from lightrft.utils.hf_api import LOAD_OPTIONS
 from lightrft.models.hf_utils import (
     context_length,
     packed_forward_kwargs,
@@ -40,7 +41,7 @@ class ModelFamily:
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
         """The model of a checkpoint folder (or Hub id) whose config is `config`; `options` are
         `from_pretrained`'s (dtype, attn_implementation, trust_remote_code)."""
-        return AutoModelForCausalLM.from_pretrained(path, config=config, **options)
+        return AutoModelForCausalLM.from_pretrained(path, config=config, **options, **LOAD_OPTIONS)
 
     def check(self, model: nn.Module, flag: str) -> None:
         """Raises, naming `flag` and the fix, for a model of this family lightrft cannot train."""

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
+from lightrft.utils.hf_api import LOAD_OPTIONS
 from lightrft.models.families.base import ModelFamily, register_family
 
 
@@ -27,7 +28,7 @@ class Idefics3(ModelFamily):
     model_types = ("idefics3",)
 
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
-        return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
+        return AutoModelForImageTextToText.from_pretrained(path, config=config, **options, **LOAD_OPTIONS)
 
     def banned_token_ids(self, config: PretrainedConfig) -> tuple[int, ...]:
         return (config.image_token_id,)

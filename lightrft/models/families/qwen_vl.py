@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
+from lightrft.utils.hf_api import LOAD_OPTIONS
 from lightrft.models.families.base import ModelFamily, register_family
 from lightrft.models.hf_utils import context_length
 from lightrft.utils.qwen_vl_processor import IMAGE_PAD, PROCESSOR_CLASSES, QwenVLImageText
@@ -48,7 +49,7 @@ class QwenVL(ModelFamily):
     model_types = ("qwen2_vl", "qwen2_5_vl")
 
     def load(self, path: str | os.PathLike, config: PretrainedConfig, **options) -> PreTrainedModel:
-        return AutoModelForImageTextToText.from_pretrained(path, config=config, **options)
+        return AutoModelForImageTextToText.from_pretrained(path, config=config, **options, **LOAD_OPTIONS)
 
     def load_processor(self, path: str | os.PathLike, tokenizer=None, trust_remote_code: bool = False):
         """The folder's `AutoProcessor`, or where its video processor cannot be built (no
