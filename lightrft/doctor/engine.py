@@ -35,15 +35,17 @@ def sampling_params(config: PPORunConfig, seed: int) -> SamplingParams:
 
 
 @torch.no_grad()
-def actor_log_probs(run, rollout: RolloutOutput) -> torch.Tensor:
-    """The actor's log-probs of the rollout's response tokens, 0 on padding. Shape: (B, A)."""
+def actor_log_probs(run, rollout: RolloutOutput, replay_routes: bool = False) -> torch.Tensor:
+    """The actor's log-probs of the rollout's response tokens, 0 on padding; `replay_routes`: a
+    mixture-of-experts actor replays the rollout's routes (`RolloutOutput.routes`). Shape: (B, A)."""
     actor, device, micro = run.trainer.actor, run.strategy.device, run.args.rollout.micro_rollout_batch_size
     actor.eval()
     out = []
     for i in range(0, rollout.sequences.size(0), micro):
         rows = slice(i, i + micro)
+        routes = {"routes": rollout.routes[rows].to(device)} if replay_routes else {}
         out.append(actor(rollout.sequences[rows].to(device), rollout.num_actions,
-                         attention_mask=rollout.attention_mask[rows].to(device),
+                         attention_mask=rollout.attention_mask[rows].to(device), **routes,
                          **media_keywords(rollout.media[rows] if rollout.media is not None else None)).float().cpu())
     return torch.cat(out) * rollout.action_mask.float()
 

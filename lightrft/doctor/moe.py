@@ -12,27 +12,12 @@ the old policy's routes. A dense policy passes at once.
 
 import torch
 
-from lightrft.doctor.engine import gap, sampling_params
+from lightrft.doctor.engine import actor_log_probs, gap, sampling_params
 from lightrft.doctor.report import CheckResult
 from lightrft.experience.placement import arrive
-from lightrft.models.media import media_keywords
 from lightrft.utils.routing import RoutingReplay, find_routers
 from lightrft.rollout.manager import engine_capabilities_of
 from lightrft.rollout.checks import engine_gap_tolerance
-
-
-@torch.no_grad()
-def scored(run, actor, rollout, replay: bool) -> torch.Tensor:
-    """The actor's log-probs of the rollout (routes replayed or live), 0 on padding. Shape: (B, A)."""
-    device, micro = run.strategy.device, run.args.rollout.micro_rollout_batch_size
-    out = []
-    for i in range(0, rollout.sequences.size(0), micro):
-        rows = slice(i, i + micro)
-        routes = {"routes": rollout.routes[rows].to(device)} if replay else {}
-        out.append(actor(rollout.sequences[rows].to(device), rollout.num_actions,
-                         attention_mask=rollout.attention_mask[rows].to(device), **routes,
-                         **media_keywords(rollout.media[rows] if rollout.media is not None else None)).float().cpu())
-    return torch.cat(out) * rollout.action_mask.float()
 
 
 def check_moe(run, prompts: list[str], prompt_ids: list[list[int]]) -> CheckResult:
@@ -60,8 +45,7 @@ def check_moe(run, prompts: list[str], prompt_ids: list[list[int]]) -> CheckResu
         inputs = generator.engine_inputs(prompts)
         rollout = arrive(generator.with_media(run.trainer.rollout.generate(prompt_ids, params, **inputs),
                                               inputs.get("media"), params.n))
-        actor.eval()
-        live = gap(rollout.rollout_log_probs, scored(run, actor, rollout, False), rollout.action_mask)
+        live = gap(rollout.rollout_log_probs, actor_log_probs(run, rollout), rollout.action_mask)
         if rollout.routes is None:
             figures = strategy.all_reduce(torch.tensor(live), op="max").tolist()
             result.figures.update(gap_live_mean=figures[0], gap_live_max=figures[1])
@@ -71,7 +55,8 @@ def check_moe(run, prompts: list[str], prompt_ids: list[list[int]]) -> CheckResu
                                "--routing_replay old keeps the routing fixed across a rollout's optimizer steps")
             return result
         actor.routing.take_agreement()
-        replayed = gap(rollout.rollout_log_probs, scored(run, actor, rollout, True), rollout.action_mask)
+        replayed = gap(rollout.rollout_log_probs, actor_log_probs(run, rollout, replay_routes=True),
+                       rollout.action_mask)
         pairs, flips = actor.routing.take_agreement()
     finally:
         if installed:

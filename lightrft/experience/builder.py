@@ -95,7 +95,7 @@ class ExperienceBuilder:
     def forward(self, model, rollout: RolloutOutput) -> Tensor:
         """`model`'s per-action values over the rollout (log-probs of a policy, values of a
         critic), in micro-batches of `micro_rollout_batch_size`, on the host, 0 outside the
-        action mask. A policy with routing replay replays the rollout's routes (`routes_for`).
+        action mask. A policy with routing replay replays the rollout's routes (`RolloutOutput.routes`).
         Shape: (B, A)."""
         a = rollout.action_mask.size(1)
         replays = routing_of(model) is not None

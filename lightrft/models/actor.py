@@ -403,11 +403,14 @@ class ActorLanguage(nn.Module):
         (`layout.multiplicity`): the unshared row's value."""
         output = self.model(**shared, **extra, logits_to_keep=layout.predict_positions)
         if extra:
-            config = self.model.config
-            experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-            output["aux_loss"] = load_balancing_loss(output.router_logits, int(experts),
-                                                     int(config.num_experts_per_tok), layout.multiplicity)
+            output["aux_loss"] = load_balancing_loss(output.router_logits, *self._router_sizes(), layout.multiplicity)
         return output
+
+    def _router_sizes(self) -> tuple[int, int]:
+        """(experts, experts per token) of a mixture-of-experts model's config."""
+        config = self.model.config
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        return int(experts), int(config.num_experts_per_tok)
 
     def _fused_packed(self, sequences, packed_seq_lens, num_actions, index, prompt_groups, media, return_output,
                       return_entropy):
@@ -450,10 +453,7 @@ class ActorLanguage(nn.Module):
         extra = {"output_router_logits": True} if router else {}
         output = self.model(**shard.local, **extra, logits_to_keep=positions)   # logits (1, K_r, V)
         if router:
-            config = self.model.config
-            experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-            output["aux_loss"] = shard.load_balancing_loss(output.router_logits, int(experts),
-                                                           int(config.num_experts_per_tok))
+            output["aux_loss"] = shard.load_balancing_loss(output.router_logits, *self._router_sizes())
         output.logits = self._without_banned(output.logits)
         labels = sequences[0, positions + shard.start + 1]  # (K_r,)
         log_probs = index.to_rows(shard.gather(log_probs_from_logits(output.logits[0], labels, self.temperature)))
