@@ -232,6 +232,9 @@ class PPORunConfig(RunConfig):
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
+        elif roles.partial_rollouts:
+            raise ConfigError("--partial_rollouts applies to explorers, which take new weights while they generate: "
+                              "add --explorer_ranks N or --sync_offset 1, or drop --partial_rollouts")
         elif roles.sync_interval > 1:
             raise ConfigError(f"--sync_interval {roles.sync_interval} applies to explorers: add --explorer_ranks N "
                               "(explorer ranks) or --sync_offset 1 (an explorer thread per rank), or leave it at 1")
@@ -289,6 +292,19 @@ class PPORunConfig(RunConfig):
             "--vllm_tensor_parallel_size > 1": (self.rollout.vllm_tensor_parallel_size > 1, "an explorer rank holds "
                                                 "a whole vLLM engine; run one engine per explorer rank")},
                "docs/async.md")
+        if self.roles.partial_rollouts:
+            refuse("--partial_rollouts", {
+                "--rollout_engine vllm": (self.rollout.rollout_engine == "vllm", "lightrft's vLLM engine generates a "
+                                          "batch in one call, with no point between tokens to load weights at; the "
+                                          "Hugging Face engine has one"),
+                "--workflow": (self.agent.workflow, "multi-turn episodes are assembled from their turns' tokens and "
+                               "log-probs, without the version of each token"),
+                "--image_key": (self.data.image_key, "taking new weights re-reads each sequence so far as tokens, "
+                                "without its images"),
+                "--routing_replay rollout": (self.model.routing_replay == "rollout", "the routes recorded before new "
+                                             "weights arrive are those of the old weights; --routing_replay old "
+                                             "replays the trainer's own")},
+                   "docs/async.md")
 
     @property
     def updates_per_step(self) -> int:

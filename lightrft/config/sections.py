@@ -297,6 +297,9 @@ class RolesConfig:
                                            "stale and have it generated again (drop)", choices=("wait", "drop"))
     experience_queue_size: int = option(2, "rollout batches a trainer holds received but not yet trained (the "
                                            "explorers wait when it is full)")
+    partial_rollouts: bool = option(False, "explorers take new weights as soon as they arrive, also in the middle of "
+                                           "a batch: responses still generating continue under the new weights, each "
+                                           "token tagged with the version that sampled it (docs/async.md)")
 
     def __post_init__(self):
         check_positive(self, "sync_interval", "experience_queue_size")

@@ -145,7 +145,12 @@ class Explorer:
             subscriber.wait(lambda: subscriber.newest() >= needed)
             if subscriber.stopped:
                 return
-        version, named = subscriber.take(needed, newest=self.roles.staleness_policy == "drop")
+        newest = self.roles.staleness_policy == "drop" or self.roles.partial_rollouts
+        version, named = subscriber.take(needed, newest=newest)
+        self._load(version, named, subscriber)
+
+    def _load(self, version: int, named: list, subscriber: WeightSubscriber) -> None:
+        """Loads published weights `version` into the engine (the policy copy, or vLLM)."""
         if version == self.loaded_version:
             return
         if self.module is not None:
@@ -159,6 +164,16 @@ class Explorer:
         else:
             self.engine.update_weights(named)
         self.loaded_version = version
+        if self.roles.partial_rollouts:
+            self.engine.version = version
+
+    def _take_newer(self, subscriber: WeightSubscriber) -> Optional[int]:
+        """Partial rollouts: loads the newest weights received when newer than those decoding,
+        between two decoding steps (`HFEngine.weight_switch`); their version, else None."""
+        if subscriber.stopped or subscriber.newest() <= self.loaded_version:
+            return None
+        self._load(*subscriber.take(subscriber.newest(), newest=True), subscriber)
+        return self.loaded_version
 
     def _order(self, episode: int) -> list[int]:
         if episode not in self._orders:
@@ -178,13 +193,16 @@ class Explorer:
         mine = list(range(self.first_position, size, self.stride))
         prompts, labels = self.prompts.collate_fn([self.prompts[ids[p]] for p in mine])
         started = time.perf_counter()
+        version = self.loaded_version      # the batch's version: the oldest of its tokens'
+        if self.roles.partial_rollouts:
+            self.engine.weight_switch = lambda: self._take_newer(subscriber)
         with torch.no_grad():
             # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
             generation = self.generator.generate(prompts, labels, self.params, batch + 1)
         seconds = {"generate": time.perf_counter() - started}
         self._settle()                # the previous batch is scored and sent (in order), or its error raised
         self._scored = BackgroundCall(self._score_and_send, batch, episode, ids, prompts, labels, generation,
-                                      self.loaded_version, seconds, subscriber, on_error=subscriber.wake)
+                                      version, seconds, subscriber, on_error=subscriber.wake)
 
     def _scoring_failed(self) -> bool:
         return self._scored is not None and self._scored.error is not None

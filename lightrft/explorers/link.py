@@ -61,6 +61,9 @@ class ExplorerLink:
         self.total_steps = 0
         self.calls = 0
         self._window: list[int] = []       # staleness of the batches since the last log
+        # partial rollouts, per batch since the last log: summed token staleness, tokens, the most stale
+        # token's staleness, responses sampled by more than one version, responses
+        self._tokens: list[tuple[float, int, int, int, int]] = []
         self._wait_seconds = 0.0
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -172,6 +175,13 @@ class ExplorerLink:
             self.ledger.dropped += 1
             self._ask(index, needed, again=True)
         self._window.append(staleness)
+        versions = batch.rollout.versions
+        if versions is not None:      # partial rollouts: each token's version
+            mask = batch.rollout.action_mask & (versions >= 0)
+            tagged = versions[mask].long()
+            spans = [row[m].unique().numel() > 1 for row, m in zip(versions, mask)]
+            self._tokens.append((float((step - tagged).sum()), tagged.numel(),
+                                 step - int(tagged.min()) if tagged.numel() else 0, sum(spans), len(spans)))
         self.stream = index + 1
         return batch
 
@@ -202,9 +212,16 @@ class ExplorerLink:
     def logs(self) -> dict[str, float]:
         window, self._window = self._window or [0], []
         wait, self._wait_seconds = self._wait_seconds, 0.0
-        return {"rollout/staleness_min": float(min(window)), "rollout/staleness_mean": sum(window) / len(window),
+        logs = {"rollout/staleness_min": float(min(window)), "rollout/staleness_mean": sum(window) / len(window),
                 "rollout/staleness_max": float(max(window)),
                 "rollout/dropped_stale_batches": float(self.ledger.dropped), "perf/experience_wait_s": wait}
+        tokens, self._tokens = self._tokens, []
+        if tokens:
+            summed, count, _, spanning, responses = (sum(column) for column in zip(*tokens))
+            logs.update({"rollout/token_staleness_mean": summed / max(count, 1),
+                         "rollout/token_staleness_max": float(max(t[2] for t in tokens)),
+                         "rollout/multi_version_share": spanning / max(responses, 1)})
+        return logs
 
     def state_dict(self) -> dict:
         return {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict(), "rollout_stream": self.stream}

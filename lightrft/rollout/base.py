@@ -172,6 +172,11 @@ class RolloutOutput:
     # response's last token); what routing replay (`lightrft.utils.routing`) replays in the
     # trainer's forwards. None unless the engine records routes.
     routes: torch.Tensor | None = None
+    # (B, A) int32: per response token, the policy version of the weights that sampled it (and
+    # whose log-prob `rollout_log_probs` holds); -1 on padding. A response may span versions when
+    # the engine took new weights while it was generating (partial rollouts, docs/async.md). None
+    # when one set of weights sampled everything.
+    versions: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:
@@ -200,7 +205,8 @@ class RolloutOutput:
                              self.rollout_log_probs[index], self.prompt_len,
                              None if self.truncated is None else self.truncated[index],
                              None if self.media is None else [self.media[i] for i in index.tolist()],
-                             None if self.routes is None else self.routes[index])
+                             None if self.routes is None else self.routes[index],
+                             None if self.versions is None else self.versions[index])
 
     @classmethod
     def from_token_lists(
@@ -286,7 +292,8 @@ class RolloutOutput:
         return RolloutOutput(sequences[:, cols], attention[:, cols], actions[:, :num_actions],
                              self.rollout_log_probs[start:stop, :num_actions], prompt_len, truncated,
                              None if self.media is None else self.media[start:stop],
-                             None if self.routes is None else self.routes[start:stop, cols])
+                             None if self.routes is None else self.routes[start:stop, cols],
+                             None if self.versions is None else self.versions[start:stop, :num_actions])
 
     @classmethod
     def concat(cls, parts: Sequence["RolloutOutput"], pad_token_id: int) -> "RolloutOutput":
@@ -318,8 +325,13 @@ class RolloutOutput:
         media = None
         if any(p.media is not None for p in parts):
             media = [m for p in parts for m in (p.media if p.media is not None else [None] * p.sequences.size(0))]
+        versions = None
+        if any(p.versions is not None for p in parts):   # a part without tags: one unknown version (-1)
+            versions = torch.cat([pad(p.versions if p.versions is not None
+                                      else torch.full(p.action_mask.shape, -1, dtype=torch.int32), 0,
+                                      width - p.num_actions, -1) for p in parts])
         return cls(torch.cat(sequences), torch.cat(attention), torch.cat(actions), torch.cat(log_probs),
-                   prompt_len, truncated, media, cls._concat_routes(parts, prompt_len, width))
+                   prompt_len, truncated, media, cls._concat_routes(parts, prompt_len, width), versions)
 
     @staticmethod
     def _concat_routes(parts: Sequence["RolloutOutput"], prompt_len: int, width: int) -> torch.Tensor | None:

@@ -64,6 +64,14 @@ class HFEngine:
     RoutingReplay(record_rollouts=True)`, which `--routing_replay rollout` installs) gets the experts
     each token went through recorded: `RolloutOutput.routes`, from the prefill for the prompt and
     from each decoding step for the token it fed.
+
+    Partial rollouts (docs/async.md): with `weight_switch` set, a callable that loads newer weights
+    into `model` when some have arrived and returns their version (None when nothing changed), the
+    engine asks it before each decoding step. After a switch it recomputes the KV cache of every
+    sequence so far (prompt and response) under the new weights and decodes on, so each token's
+    log-prob is its own version's; `RolloutOutput.versions` tags each token with the version that
+    sampled it (`version`, the weights' version before any switch). The sampling streams are the
+    per-sample ones either way.
     """
 
     # It decodes with the module it was given, the trainer's own: no weights to push after a step,
@@ -96,6 +104,8 @@ class HFEngine:
         # Asking for the last position's logits only keeps the prefill from building (B, T, V) logits.
         self._keep_last_logits = "logits_to_keep" in parameters
         self._cache_name = cache_argument(parameters)
+        self.weight_switch = None        # partial rollouts: () -> the version of newer weights it loaded, or None
+        self.version = 0                 # the version of the weights decoding with (partial rollouts)
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +157,7 @@ class HFEngine:
             if routing is not None:
                 routing.start_recording()
             with torch.no_grad():
-                tokens, log_probs, action_mask, unfinished = self._decode(
+                tokens, log_probs, action_mask, unfinished, versions = self._decode(
                     input_ids, prompt_mask, rows, params, uniforms, media)
             routes = None if routing is None else self._routes(routing.take(), rows[1], prompt_mask, action_mask)
         finally:
@@ -159,6 +169,8 @@ class HFEngine:
         num_actions = int(action_mask.sum(dim=-1).max().item())
         tokens, log_probs = tokens[:, :num_actions], log_probs[:, :num_actions]
         action_mask = action_mask[:, :num_actions]
+        if versions is not None:
+            versions = versions[:, :num_actions].cpu()
         return RolloutOutput(
             sequences=torch.cat([input_ids, tokens], dim=1),
             attention_mask=torch.cat([prompt_mask, action_mask.long()], dim=1),
@@ -167,6 +179,7 @@ class HFEngine:
             prompt_len=input_ids.shape[1],
             truncated=unfinished.cpu(),
             routes=None if routes is None else routes[:, :input_ids.shape[1] + num_actions].cpu(),
+            versions=versions,
         )
 
     @staticmethod
@@ -201,12 +214,13 @@ class HFEngine:
 
     def _decode(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor],
                 params: SamplingParams, uniforms: torch.Tensor | None,
-                media: list[dict | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                media: list[dict | None]) -> tuple[torch.Tensor, ...]:
         """The cached decoding loop. `rows` is `distinct_rows(prompts)`: the prefill runs on the
         distinct prompts only and its KV cache and last logits are then copied to every sample.
         Returns tokens (B, S) long, log-probs (B, S) float32, the action mask (B, S) bool, where S
-        is the number of steps decoded, and (B,) bool: rows that never produced an EOS token (cut at
-        the length limit)."""
+        is the number of steps decoded, (B,) bool: rows that never produced an EOS token (cut at
+        the length limit), and with a `weight_switch` the (B, S) int32 version of each token (-1 on
+        padding), else None."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         steps = params.max_new_tokens
@@ -235,10 +249,22 @@ class HFEngine:
         # last EOS are padding, which the caller trims. On the CPU each step checks (no queue).
         check_every = self.stop_check_steps or (STOP_CHECK_STEPS if device.type == "cuda" else 1)
 
+        versions = None
+        if self.weight_switch is not None:
+            self._switch_weights()
+            versions = torch.full((batch, steps), -1, dtype=torch.int32, device=device)
         logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, merged)
         decoded = 0
         for step in range(steps):
-            if step > 0:
+            if step > 0 and self.weight_switch is not None and self._switch_weights():
+                # New weights: the cache and the next logits are recomputed from the whole sequences.
+                positions = torch.cat([position_ids, position_ids[..., -1:] + torch.arange(
+                    1, step + 1, device=device)], dim=-1)
+                out = self.model(input_ids=torch.cat([input_ids, tokens[:, :step]], dim=1),
+                                 attention_mask=attention_mask[:, :prompt_len + step], position_ids=positions,
+                                 use_cache=True, **extra)
+                logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
+            elif step > 0:
                 out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
                                  position_ids=position_ids[..., -1:] + step, use_cache=True,
                                  **{self._cache_name: cache}, **extra)
@@ -251,12 +277,24 @@ class HFEngine:
             tokens[:, step] = torch.where(unfinished, next_tokens, self.pad_token_id)
             log_probs[:, step] = torch.where(unfinished, next_log_probs, 0.0)
             is_action[:, step] = unfinished
+            if versions is not None:
+                versions[:, step] = torch.where(unfinished, self.version, -1)
             attention_mask[:, prompt_len + step] = unfinished
             unfinished &= ~torch.isin(tokens[:, step], eos)
             decoded = step + 1
             if decoded == steps or (decoded % check_every == 0 and not self._any_rank_unfinished(unfinished)):
                 break
-        return tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished
+        return (tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished,
+                None if versions is None else versions[:, :decoded])
+
+    def _switch_weights(self) -> bool:
+        """Asks `weight_switch` for newer weights; True when it loaded some (`version` moves on)."""
+        before = self.version           # the switch may set `version` itself while it loads
+        version = self.weight_switch()
+        if version is None or version == before:
+            return False
+        self.version = int(version)
+        return True
 
     def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor], extra: dict,
