@@ -232,9 +232,9 @@ class PPORunConfig(RunConfig):
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
-        elif roles.partial_rollouts:
-            raise ConfigError("--partial_rollouts applies to explorers, which take new weights while they generate: "
-                              "add --explorer_ranks N or --sync_offset 1, or drop --partial_rollouts")
+        elif roles.partial_rollouts or roles.auto_sync_offset:
+            flag = "--partial_rollouts" if roles.partial_rollouts else f"--auto_sync_offset {roles.auto_sync_offset}"
+            raise ConfigError(f"{flag} applies to explorers: add --explorer_ranks N or --sync_offset 1, or drop {flag}")
         elif roles.sync_interval > 1:
             raise ConfigError(f"--sync_interval {roles.sync_interval} applies to explorers: add --explorer_ranks N "
                               "(explorer ranks) or --sync_offset 1 (an explorer thread per rank), or leave it at 1")

@@ -297,26 +297,41 @@ class RolesConfig:
                                            "stale and have it generated again (drop)", choices=("wait", "drop"))
     experience_queue_size: int = option(2, "rollout batches a trainer holds received but not yet trained (the "
                                            "explorers wait when it is full)")
+    auto_sync_offset: int = option(0, "N >= 1: the explorers' --sync_offset sets itself within [1, N] at each weight "
+                                      "sync, shrinking when the samples drift from the trainer's policy (mismatch KL, "
+                                      "ratio tails, corrected share) and growing when the trainers wait for "
+                                      "experience (docs/async.md); it starts at --sync_offset (at least 1). 0: the "
+                                      "offset stays --sync_offset")
     partial_rollouts: bool = option(False, "explorers take new weights as soon as they arrive, also in the middle of "
                                            "a batch: responses still generating continue under the new weights, each "
                                            "token tagged with the version that sampled it (docs/async.md)")
 
     def __post_init__(self):
         check_positive(self, "sync_interval", "experience_queue_size")
+        if self.auto_sync_offset < 0:
+            raise ConfigError(f"--auto_sync_offset must be >= 0 (0: a fixed --sync_offset), got "
+                              f"{self.auto_sync_offset}")
         if self.explorer_ranks < 0 or self.sync_offset < 0:
             raise ConfigError(f"--explorer_ranks and --sync_offset must be >= 0, got {self.explorer_ranks} and "
                               f"{self.sync_offset}")
 
     @property
+    def start_offset(self) -> int:
+        """The explorers' offset at the start: --sync_offset, within [1, N] under --auto_sync_offset N."""
+        if self.auto_sync_offset:
+            return min(max(self.sync_offset, 1), self.auto_sync_offset)
+        return self.sync_offset
+
+    @property
     def max_staleness(self) -> int:
         """The most versions a trained experience may lag the trainer's weights."""
-        return self.sync_offset + self.sync_interval - 1
+        return max(self.sync_offset, self.auto_sync_offset) + self.sync_interval - 1
 
-    def required_version(self, batch: int) -> int:
+    def required_version(self, batch: int, offset: Optional[int] = None) -> int:
         """The oldest policy version batch `batch` (0-based; trained at step batch + 1) may be
         generated with: the newest sync point (a multiple of sync_interval) at or below
-        batch - sync_offset."""
-        behind = max(0, batch - self.sync_offset)
+        batch - offset (default --sync_offset; under --auto_sync_offset, the one in force)."""
+        behind = max(0, batch - (self.sync_offset if offset is None else offset))
         return behind // self.sync_interval * self.sync_interval
 
 

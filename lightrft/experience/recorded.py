@@ -330,7 +330,7 @@ class RecordedSource:
         return SourceBatch.of([built], self.context.rollout_batch_size,
                               timings={"generate": 0.0, "reward": 0.0, "experience": time.perf_counter() - started})
 
-    def after_step(self, step: int) -> dict[str, float]:
+    def after_step(self, step: int, logs: Optional[dict[str, float]] = None) -> dict[str, float]:
         return {}
 
     def stop(self, preempted: bool = False) -> None:

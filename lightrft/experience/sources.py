@@ -119,14 +119,30 @@ class ExperienceSource(Protocol):
         """The experience of step `step` (0-based), sampled with `params` where this source
         samples; None when the source is exhausted or the run was preempted while waiting."""
 
-    def after_step(self, step: int) -> dict[str, float]:
-        """Called once step `step` (now completed, 1-based count) has trained; returns logs."""
+    def after_step(self, step: int, logs: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Called once step `step` (now completed, 1-based count) has trained, with the step's
+        logs so far (`train/...`: what the update measured); returns logs of its own."""
 
     def stop(self, preempted: bool = False) -> None: ...
 
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+
+def after_step(source: ExperienceSource, step: int, logs: dict[str, float]) -> dict[str, float]:
+    """`source.after_step(step, logs)`. A source written for the earlier protocol, `after_step(step)`
+    (before sources were shown the step's logs), is called that way."""
+    if _takes(source.after_step, "logs"):
+        return source.after_step(step, logs)
+    return source.after_step(step)
+
+
+def _takes(method, name: str) -> bool:
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):      # a callable without a signature: the earlier protocol
+        return False
 
 
 def next_batch(source: ExperienceSource, step: int, params: SamplingParams) -> Optional[SourceBatch]:
@@ -185,7 +201,7 @@ class ColocatedSource:
         return SourceBatch.of(built, len(built) * ctx.rollout_batch_size, experiences, timings=timings,
                               counters={"dropped_groups": dropped, "sampling_rounds": rounds})
 
-    def after_step(self, step: int) -> dict[str, float]:
+    def after_step(self, step: int, logs: Optional[dict[str, float]] = None) -> dict[str, float]:
         return {}
 
     def stop(self, preempted: bool = False) -> None:

@@ -110,11 +110,11 @@ class Explorer:
             self._serve_retries(subscriber)
             if batch % self.explorers != self.index:
                 continue
-            needed = self.roles.required_version(batch)
             while self.roles.staleness_policy == "wait" and batch not in self.sent_batches:
                 # Woken by the trainers' requests too: a dynamic-sampling step asks for its refills.
-                subscriber.wait(lambda: subscriber.newest() >= needed or bool(subscriber.retries)
-                                or self._scoring_failed())
+                # The version needed is re-read on each wake: --auto_sync_offset moves it.
+                subscriber.wait(lambda: subscriber.newest() >= self._required(batch, subscriber)
+                                or bool(subscriber.retries) or self._scoring_failed())
                 self._raise_scoring_error()
                 if not subscriber.retries or subscriber.stopped:
                     break
@@ -140,7 +140,7 @@ class Explorer:
         """Loads the weights batch `batch` is generated with: exactly the version it calls for
         (`needed` when the trainers named it, else its place in the schedule) when waiting, for
         which it waits; the newest received under --staleness_policy drop."""
-        needed = self.roles.required_version(batch) if needed is None else needed
+        needed = self._required(batch, subscriber) if needed is None else needed
         if self.roles.staleness_policy == "wait":
             subscriber.wait(lambda: subscriber.newest() >= needed)
             if subscriber.stopped:
@@ -174,6 +174,11 @@ class Explorer:
             return None
         self._load(*subscriber.take(subscriber.newest(), newest=True), subscriber)
         return self.loaded_version
+
+    def _required(self, batch: int, subscriber: WeightSubscriber) -> int:
+        """The oldest version batch `batch` may be generated with: by --sync_offset, or by the
+        offset the trainers last published with their weights (--auto_sync_offset)."""
+        return self.roles.required_version(batch, subscriber.offset)
 
     def _order(self, episode: int) -> list[int]:
         if episode not in self._orders:

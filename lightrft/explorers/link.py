@@ -33,6 +33,7 @@ from lightrft.rewards.batch import RewardBatch
 from lightrft.explorers.ledger import PromptLedger
 from lightrft.explorers.batches import ExperienceReceiver, RolloutBatch
 from lightrft.explorers.explorer import BackgroundCall, Explorer, ExplorerParts
+from lightrft.explorers.staleness import AutoOffset
 from lightrft.explorers.weights import WeightPublisher
 from lightrft.explorers.roles import JobLink, LocalChannel
 
@@ -65,6 +66,10 @@ class ExplorerLink:
         # token's staleness, responses sampled by more than one version, responses
         self._tokens: list[tuple[float, int, int, int, int]] = []
         self._wait_seconds = 0.0
+        self._step_wait = 0.0              # seconds waited for the step being trained (--auto_sync_offset)
+        self._last_step_end: Optional[float] = None
+        # --auto_sync_offset N: the explorers' offset, decided at each weight sync
+        self.auto = AutoOffset(roles.auto_sync_offset, roles.start_offset) if roles.auto_sync_offset else None
 
     # ----------------------------------------------------------------------------- lifecycle
     def start(self, context: SourceContext) -> None:
@@ -79,7 +84,14 @@ class ExplorerLink:
                                    "correct for the older policy that sampled them; --tis_cap 2 is a common choice")
         if self.stream is None:
             self.stream = context.first_step
+        self._last_step_end = time.perf_counter()
         self.publish(context.first_step)
+
+    @property
+    def offset(self) -> int:
+        """How many steps the explorers may run ahead now: --sync_offset, or the one
+        --auto_sync_offset set last."""
+        return self.roles.sync_offset if self.auto is None else self.auto.offset
 
     def stop(self, preempted: bool = False) -> None:
         """Tells the explorers to stop and takes what they still send, so none is left blocked.
@@ -106,7 +118,8 @@ class ExplorerLink:
             # a context made elsewhere (research code, a test) may not name an adapter
             # The batch the explorers begin at: the run's stream (`start`), else the version's own batch.
             self.publisher.publish(version, named, start_batch=version if self.stream is None else self.stream,
-                                   adapter=getattr(self.context, "adapter", None))
+                                   adapter=getattr(self.context, "adapter", None),
+                                   offset=None if self.auto is None else self.auto.offset)
 
     # ---------------------------------------------------------------------------------- steps
     def next(self, step: int, params=None) -> Optional[SourceBatch]:
@@ -157,12 +170,13 @@ class ExplorerLink:
         index = self.stream
         interval = self.roles.sync_interval
         needed = step // interval * interval        # the newest sync point: published, or resumed from
-        if self.roles.staleness_policy == "wait" and self.roles.required_version(index) > step:
+        if self.roles.staleness_policy == "wait" and self.roles.required_version(index, self.offset) > step:
             self._ask(index, needed, again=False)
         while True:
             started = time.perf_counter()
             batch = self.receiver.take(index, interrupted=self.context.preempted)
             self._wait_seconds += time.perf_counter() - started
+            self._step_wait += time.perf_counter() - started
             if batch is None:
                 return None
             self.ledger.received += 1
@@ -200,12 +214,19 @@ class ExplorerLink:
             experience.info["policy_version"] = torch.full((experience.batch_size,), float(batch.version))
         return built
 
-    def after_step(self, step: int) -> dict[str, float]:
-        """Records the trained prompts, publishes weights every --sync_interval steps and returns
-        the staleness logs since the last call."""
+    def after_step(self, step: int, logs: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Records the trained prompts, publishes weights every --sync_interval steps (under
+        --auto_sync_offset with the offset decided from the steps' `logs` since the last sync)
+        and returns the staleness logs since the last call."""
         for batch in self.current:
             self.ledger.record_trained(step, batch)
+        if self.auto is not None:
+            now = time.perf_counter()
+            self.auto.observe({**(logs or {}), "perf/experience_wait_s": self._step_wait}, now - self._last_step_end)
+            self._last_step_end, self._step_wait = now, 0.0
         if step % self.roles.sync_interval == 0 and step < self.total_steps:
+            if self.auto is not None:
+                self.auto.decide()
             self.publish(step)
         return self.logs()
 
@@ -215,6 +236,8 @@ class ExplorerLink:
         logs = {"rollout/staleness_min": float(min(window)), "rollout/staleness_mean": sum(window) / len(window),
                 "rollout/staleness_max": float(max(window)),
                 "rollout/dropped_stale_batches": float(self.ledger.dropped), "perf/experience_wait_s": wait}
+        if self.auto is not None:
+            logs["rollout/sync_offset"] = float(self.auto.offset)
         tokens, self._tokens = self._tokens, []
         if tokens:
             summed, count, _, spanning, responses = (sum(column) for column in zip(*tokens))
@@ -224,7 +247,10 @@ class ExplorerLink:
         return logs
 
     def state_dict(self) -> dict:
-        return {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict(), "rollout_stream": self.stream}
+        state = {"rollout_calls": self.calls, "prompt_ledger": self.ledger.state_dict(), "rollout_stream": self.stream}
+        if self.auto is not None:
+            state["auto_sync_offset"] = self.auto.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resumes the rollout count and the prompt ledger; a checkpoint saved by another number of
@@ -232,6 +258,8 @@ class ExplorerLink:
         of the episode trains twice whichever rank it now falls to."""
         self.calls = state.get("rollout_calls", 0)
         self.stream = state.get("rollout_stream")        # None (older checkpoints): the step it resumes at
+        if self.auto is not None and "auto_sync_offset" in state:
+            self.auto.load_state_dict(state["auto_sync_offset"])
         ranks = [s["prompt_ledger"] for s in state.get("saved_rank_states", []) if "prompt_ledger" in s]
         if ranks:
             self.ledger.load_state_dict(PromptLedger.merged(ranks))

@@ -52,15 +52,18 @@ class WeightPublisher:
         self.thread.start()
 
     def publish(self, version: int, named: list[tuple[str, torch.Tensor]], start_batch: int,
-                adapter: Optional[dict] = None) -> None:
+                adapter: Optional[dict] = None, offset: Optional[int] = None) -> None:
         """Queues the weights of `version` (copied to host memory here, so training may go on).
         `adapter`: a LoRA actor's adapter name and config (`WeightStream.adapter_spec`), for
-        explorers whose engine serves the adapter apart from the base weights."""
+        explorers whose engine serves the adapter apart from the base weights. `offset`: the
+        explorers' offset from this version on, under --auto_sync_offset."""
         self._check()
         spec = [(name, tuple(t.shape), t.dtype) for name, t in named]
         message = {"kind": "weights", "version": version, "start_batch": start_batch, "spec": spec}
         if adapter is not None:
             message["adapter"] = adapter
+        if offset is not None:      # --auto_sync_offset: the offset the explorers schedule by from now on
+            message["offset"] = offset
         self.outbox.put((message, flatten_tensors([t for _, t in named])))
 
     def send(self, message: dict) -> None:
@@ -150,6 +153,7 @@ class WeightSubscriber:
         # (batch, oldest version it may be generated with or None, whether a copy already sent is asked again)
         self.retries: list[tuple[int, Optional[int], bool]] = []
         self.adapter: Optional[dict] = None     # a LoRA actor's adapter name and config, when published
+        self.offset: Optional[int] = None       # --auto_sync_offset: the offset last published with weights
         self.stopped = False
         self.error: Optional[BaseException] = None
         self.cond = threading.Condition()
@@ -168,6 +172,7 @@ class WeightSubscriber:
                     self.latest = named
                     with self.cond:
                         self.adapter = message.get("adapter", self.adapter)
+                        self.offset = message.get("offset", self.offset)
                         self.versions[message["version"]] = named
                         if self.start_batch is None:
                             self.start_batch = message["start_batch"]

@@ -20,6 +20,7 @@ from lightrft.experience.generation import sampling_params
 from lightrft.experience.maker import NaiveExperienceMaker
 from lightrft.experience.samples import Experience
 from lightrft.experience.sources import ColocatedSource, PromptSampler, SourceContext, next_batch
+from lightrft.experience.sources import after_step as source_after_step
 from lightrft.rollout.base import SamplingParams
 from lightrft.strategy.deepspeed_strategy import PendingReduction
 from lightrft.trainer.assembly import PPOParts, build_ppo_parts, classic_reward_sources
@@ -231,7 +232,7 @@ class PPOTrainer(PPOUpdate, PPOCheckpoints, PPOHealth):
         started = time.time()
         logs = self.step(experiences)
         train_time = time.time() - started
-        logs.update(self.experience_source.after_step(self.global_step))
+        logs.update(source_after_step(self.experience_source, self.global_step, logs))
         logs.update(self.rollout.sync_logs())
         logs.update(perf_metrics(self.last_timings, rollout_time, train_time,
                                  config.rollout.rollout_batch_size * self.algo.n_samples_per_prompt))

@@ -131,3 +131,19 @@ def test_a_source_of_the_earlier_protocol_is_called_without_the_sampling_paramet
                 return super().next(step, params)
 
         assert next_batch(Current([["c"]], 4), 0, params).experiences == ["c"] and seen == [params]
+
+
+def test_after_step_hands_the_step_logs_to_sources_that_take_them():
+    from lightrft.experience.sources import after_step
+
+    class Earlier:
+        def after_step(self, step):
+            return {"seen": float(step)}
+
+    class Current:
+        def after_step(self, step, logs=None):
+            return {"kl": logs["train/mismatch_kl_k3"] + step}
+
+    logs = {"train/mismatch_kl_k3": 0.25}
+    assert after_step(Earlier(), 3, logs) == {"seen": 3.0}
+    assert after_step(Current(), 3, logs) == {"kl": 3.25}

@@ -1,0 +1,86 @@
+"""--auto_sync_offset: the rule that moves the explorers' offset, by hand, and its place in the config."""
+
+import pytest
+
+from lightrft.config import ConfigError, PPORunConfig
+from lightrft.config.sections import RolesConfig
+from lightrft.explorers.staleness import AutoOffset
+
+CALM = {"train/mismatch_kl_k3": 5e-4, "train/rollout_ratio_p05": 0.9, "train/rollout_ratio_p95": 1.1,
+        "train/tis_clip_frac": 0.0}
+
+
+def decide(auto: AutoOffset, steps: list[tuple[dict, float]]) -> int:
+    for logs, wall in steps:
+        auto.observe(logs, wall)
+    return auto.decide()
+
+
+def test_an_idle_trainer_with_calm_samples_lets_the_explorers_run_further_ahead():
+    auto = AutoOffset(high=3, offset=1)
+    # waited 0.3 s of 2 s over two steps: 15% idle > 10%, calm: grow, one step per sync, up to 3
+    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.2}, 1.0),
+                         ({**CALM, "perf/experience_wait_s": 0.1}, 1.0)]) == 2 and auto.reason == "idle"
+    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.5}, 1.0)]) == 3
+    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.5}, 1.0)]) == 3      # the ceiling
+    # 5% idle: hold
+    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.05}, 1.0)]) == 3 and auto.reason == "hold"
+
+
+@pytest.mark.parametrize("tag, value", [("train/mismatch_kl_k3", 3e-3), ("train/rollout_ratio_p05", 0.4),
+                                        ("train/rollout_ratio_p95", 2.5), ("train/tis_clip_frac", 0.08)])
+def test_samples_far_from_the_trainer_shrink_the_offset_even_when_it_waits(tag, value):
+    auto = AutoOffset(high=4, offset=3)
+    assert decide(auto, [({**CALM, tag: value, "perf/experience_wait_s": 0.9}, 1.0)]) == 2
+    assert auto.reason == "off-policy"
+    for _ in range(3):
+        decide(auto, [({**CALM, tag: value}, 1.0)])
+    assert auto.offset == 1          # the floor
+
+
+def test_the_mean_over_the_steps_since_the_last_sync_decides():
+    auto = AutoOffset(high=4, offset=2)
+    # KL 3e-3 and 1e-3: mean 2e-3, not above the 2e-3 limit; but not calm (> 1e-3) either: hold
+    assert decide(auto, [({**CALM, "train/mismatch_kl_k3": 3e-3, "perf/experience_wait_s": 1.0}, 1.0),
+                         ({**CALM, "train/mismatch_kl_k3": 1e-3, "perf/experience_wait_s": 1.0}, 1.0)]) == 2
+    assert auto.reason == "hold"
+    # a margin band: a ratio tail at 1.8 neither shrinks (<= 2) nor lets it grow (> 1.5)
+    assert decide(auto, [({**CALM, "train/rollout_ratio_p95": 1.8, "perf/experience_wait_s": 1.0}, 1.0)]) == 2
+    # nothing observed since the last decision: unchanged
+    assert decide(auto, []) == 2
+
+
+def test_metrics_the_run_does_not_log_do_not_vote():
+    auto = AutoOffset(high=2, offset=1)
+    assert decide(auto, [({"perf/experience_wait_s": 0.5}, 1.0)]) == 2
+
+
+def test_the_offset_starts_within_its_range_and_resumes():
+    assert AutoOffset(high=3, offset=0).offset == 1 and AutoOffset(high=3, offset=7).offset == 3
+    auto = AutoOffset(high=3)
+    auto.load_state_dict({"offset": 2})
+    assert auto.offset == 2 and auto.state_dict() == {"offset": 2}
+
+
+def test_the_bound_and_the_schedule_follow_the_offset_in_force():
+    roles = RolesConfig(explorer_ranks=1, sync_offset=1, sync_interval=2, auto_sync_offset=3)
+    assert roles.start_offset == 1 and roles.max_staleness == 3 + 2 - 1
+    assert [roles.required_version(b, 3) for b in range(7)] == [0, 0, 0, 0, 0, 2, 2]
+    assert [roles.required_version(b) for b in range(5)] == [0, 0, 0, 2, 2]     # --sync_offset 1
+
+
+BASE = ["--pretrain", "m", "--prompt_data", "p.jsonl", "--remote_rm_url", "math", "--advantage_estimator",
+        "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "8", "--train_batch_size", "32"]
+
+
+def parse(*flags):
+    parser = PPORunConfig.build_parser("train_ppo")
+    return PPORunConfig.from_namespace(parser.parse_args(BASE + list(flags)))
+
+
+def test_auto_offset_needs_explorers_and_a_positive_ceiling():
+    assert parse("--explorer_ranks", "1", "--auto_sync_offset", "2").roles.max_staleness == 2
+    with pytest.raises(ConfigError, match="--auto_sync_offset 2 applies to explorers"):
+        parse("--auto_sync_offset", "2")
+    with pytest.raises(ConfigError, match="--auto_sync_offset must be >= 0"):
+        parse("--explorer_ranks", "1", "--auto_sync_offset", "-1")
