@@ -1,12 +1,15 @@
-"""Decoupled explorer and trainer against the colocated loop: when does decoupling pay?
+"""Decoupled explorer and trainer against the colocated loop: when does decoupling pay, and how far ahead?
 
-One GRPO workload runs two ways, both `torchrun --nproc_per_node 2 -m lightrft.cli.train_ppo`
+One GRPO workload runs several ways, all `torchrun --nproc_per_node 2 -m lightrft.cli.train_ppo`
 with the same flags apart from the roles:
 
   sync       `--explorer_ranks 0`: both ranks generate and score their half of the batch, then
              both train on it (ZeRO-2), one after the other;
-  decoupled  `--explorer_ranks 1 --sync_offset 1`: rank 1 only generates and scores (one step
-             ahead at most), rank 0 only trains, on the whole batch.
+  bound1     `--explorer_ranks 1 --sync_offset 1`: rank 1 only generates and scores (one step
+             ahead at most), rank 0 only trains, on the whole batch (`decoupled` names it too);
+  bound2, bound4   the same with `--sync_offset 2` and `4`;
+  partial    bound1 with `--partial_rollouts`: the explorer takes new weights mid-batch;
+  auto       `--auto_sync_offset 4`: the offset sets itself within [1, 4] at each step.
 
 The workload is `grpo_step.py`'s (a tiny Qwen2 SFT-warmed here; the toy addition task, 320
 training and 80 held-out prompts; 32 prompts x G = 8 = 256 samples per step; two AdamW steps of
@@ -28,18 +31,19 @@ make it look more like real RL fine-tuning:
                    reward server keeps the length of every response it scores; their
                    percentiles are printed.
 
-The modes alternate (sync, decoupled, sync, ...) --repeats times, each run a fresh torchrun job
-with one thread per rank; the k-th pair runs with train_ppo's `--seed` set to --seed + k (data
+The modes alternate (sync, bound1, ..., sync, ...) --repeats times, each run a fresh torchrun job
+with one thread per rank; the k-th round runs with train_ppo's `--seed` set to --seed + k (data
 and warm-up keep --seed), so accuracy is seen over several sampling seeds. Reported per mode:
 samples/s (a run's steps after its first, timed by when the trainer wrote each step's
 TensorBoard scalars; median over runs and the spread), held-out greedy accuracy of the exported
 model after the same --steps, so the same samples (mean and spread), the staleness the trainer
 logged (min/mean/max over every step of every run), mean seconds per step spent generating,
-scoring, training and (decoupled) waiting for experience, and the decoupled/sync samples/s ratio
-of each alternating pair; plus the machine and its load average before and after. A benchmark,
-not a test: nothing asserts on time.
+scoring, training and (decoupled) waiting for experience, the trainer's idle share (its waits
+over the timed steps' wall time), and each mode's samples/s over sync's in each round; plus the
+machine and its load average before and after. A benchmark, not a test: nothing asserts on time.
 
     python benchmarks/async.py [--repeats 3] [--steps 30] [--latency_ms 200] [--json OUT]
+    python benchmarks/async.py --modes sync,bound1      # the colocated loop and one step ahead only
     python benchmarks/async.py --latency_ms 0            # an instant reward server
     python benchmarks/async.py --max_new_tokens 8        # short responses, hardly a tail
     python benchmarks/async.py --smoke                   # 3 steps, 1 run per mode: checks it runs
@@ -76,10 +80,17 @@ from lightrft.rewards import make_reward_source  # noqa: E402
 from lightrft.serving.http import HTTPSettings  # noqa: E402
 from lightrft.serving.server import HTTPServer, build_app, json_response, read_json  # noqa: E402
 
-MODES = {"sync": ["--explorer_ranks", "0"], "decoupled": ["--explorer_ranks", "1", "--sync_offset", "1"]}
+MODES = {"sync": ["--explorer_ranks", "0"], "bound1": ["--explorer_ranks", "1", "--sync_offset", "1"],
+         "bound2": ["--explorer_ranks", "1", "--sync_offset", "2"],
+         "bound4": ["--explorer_ranks", "1", "--sync_offset", "4"],
+         "partial": ["--explorer_ranks", "1", "--sync_offset", "1", "--partial_rollouts"],
+         "auto": ["--explorer_ranks", "1", "--sync_offset", "1", "--auto_sync_offset", "4"]}
+ALIASES = {"decoupled": "bound1"}
 PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",
           "train": "perf/train_time", "wait": "perf/experience_wait_s"}
 STALENESS = ("rollout/staleness_min", "rollout/staleness_mean", "rollout/staleness_max")
+EXTRA = {"offset": "rollout/sync_offset", "token_staleness": "rollout/token_staleness_mean",
+         "multi_version": "rollout/multi_version_share"}
 
 
 # ------------------------------------------------------------------------------------ workload
@@ -183,6 +194,8 @@ def step_figures(scalars: dict, samples_per_step: int) -> dict:
 
     lengths = [value for _, (_, value) in sorted(scalars["rollout/response_length"].items())]
     return {"samples_per_sec": (steps - 1) * samples_per_step / (times[-1] - times[0]), "steps": steps,
+            "idle_share": sum(values(PHASES["wait"])) / (times[-1] - times[0]),
+            "extra": {name: statistics.mean(values(tag)) for name, tag in EXTRA.items() if values(tag)},
             "mean_length_first_last": (lengths[0], lengths[-1]),
             "phases": {name: statistics.mean(values(tag)) for name, tag in PHASES.items() if values(tag)},
             "staleness": {tag.rsplit("_", 1)[1]: values(tag) for tag in STALENESS if values(tag)}}
@@ -224,6 +237,9 @@ def summarize(runs: list[dict]) -> dict:
     lengths = [n for run in runs for n in run["lengths"]]
     staleness = {kind: [v for run in runs for v in run["staleness"].get(kind, [])] for kind in ("min", "mean", "max")}
     return {"samples_per_sec": statistics.median(rates), "samples_per_sec_runs": rates,
+            "idle_share": statistics.mean(run["idle_share"] for run in runs),
+            "extra": {name: statistics.mean(run["extra"][name] for run in runs)
+                      for name in EXTRA if all(name in run["extra"] for run in runs)},
             "accuracy_after": statistics.mean(run["accuracy_after"] for run in runs),
             "accuracy_after_runs": [run["accuracy_after"] for run in runs],
             "staleness": ({"min": min(staleness["min"]), "mean": statistics.mean(staleness["mean"]),
@@ -248,32 +264,45 @@ def report(result: dict) -> None:
           f"latency {result['latency_ms']:.0f} ms per request; 2 ranks x 1 thread")
     print("-" * width)
     print(f"held-out greedy accuracy of the warm-started model: {result['accuracy_before']:.1%}")
-    print(f"{'':<11}{'samples/s median (min-max)':>28}{'accuracy after, mean (min-max)':>32}"
+    modes = result["modes"]
+    print(f"{'':<9}{'samples/s median (min-max)':>28}{'idle':>7}{'accuracy after, mean (min-max)':>32}"
           f"{'staleness min/mean/max':>24}{'resp. len p50/p90/max':>23}")
-    for mode in MODES:
+    for mode in modes:
         side = result[mode]
         stale = side["staleness"]
         stale_text = f"{stale['min']:.0f} / {stale['mean']:.2f} / {stale['max']:.0f}" if stale else "0 (colocated)"
         length = side["response_length"]
         accs = side["accuracy_after_runs"]
         acc = f"{side['accuracy_after']:.1%} ({min(accs):.1%}-{max(accs):.1%})"
-        print(f"{mode:<11}{spread(side['samples_per_sec_runs']):>28}{acc:>32}{stale_text:>24}"
-              f"{length['p50']:>11} / {length['p90']} / {length['max']}")
+        print(f"{mode:<9}{spread(side['samples_per_sec_runs']):>28}{side['idle_share']:>7.1%}{acc:>32}"
+              f"{stale_text:>24}{length['p50']:>11} / {length['p90']} / {length['max']}")
     print("-" * width)
     print("mean seconds per step after the first (rank 0's logs; decoupled: generate and reward are the "
           "explorer's, the rest the trainer's):")
-    for mode in MODES:
+    for mode in modes:
         cells = ", ".join(f"{name} {seconds:.3f}" for name, seconds in result[mode]["phases"].items())
         print(f"  {mode:<10} {cells}; whole job {result[mode]['wall_seconds']:.0f} s (median, start-up included)")
     print("response length: mean of all responses, and mean of the first -> last step's (averaged over runs):")
-    for mode in MODES:
+    for mode in modes:
         length = result[mode]["response_length"]
         first, last = result[mode]["mean_length_first_last"]
         print(f"  {mode:<10} {length['mean']:.1f} tokens over {length['count']} responses; {first:.1f} -> {last:.1f}")
-    ratios = result["ratio_runs"]
-    print(f"decoupled / sync samples/s: {spread(ratios, '.2f')} over the alternating pairs "
-          f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    extras = {mode: result[mode]["extra"] for mode in modes if result[mode]["extra"]}
+    for mode, extra in extras.items():
+        print(f"  {mode:<10} " + ", ".join(f"{name} {value:.3f}" for name, value in extra.items())
+              + " (mean over steps and runs)")
+    for (top, bottom), ratios in result["ratio_runs"].items():
+        print(f"{top} / {bottom} samples/s: {spread(ratios, '.2f')} over the alternating rounds "
+              f"({', '.join(f'{r:.2f}' for r in ratios)})")
     print("=" * width)
+
+
+def ratio_runs(runs: dict[str, list[dict]]) -> dict[tuple[str, str], list[float]]:
+    """Samples/s of each mode over sync's, round by round, and partial over bound1 (the same
+    schedule without partial rollouts); only pairs of modes that ran."""
+    pairs = [(mode, "sync") for mode in runs if mode != "sync"] + [("partial", "bound1"), ("auto", "bound2")]
+    return {(top, bottom): [a["samples_per_sec"] / b["samples_per_sec"] for a, b in zip(runs[top], runs[bottom])]
+            for top, bottom in pairs if top in runs and bottom in runs}
 
 
 def main() -> None:
@@ -287,7 +316,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="3 steps, 1 run per mode, 40 SFT steps, 16 new tokens")
     parser.add_argument("--output_dir", default=None, help="keep models and logs here (default: a temporary folder)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, run in this order each round, of {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = [ALIASES.get(mode, mode) for mode in args.modes.split(",")]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or len(set(modes)) != len(modes):
+        parser.error(f"--modes {args.modes}: each of {', '.join(MODES)} at most once (unknown: {unknown})")
     if args.smoke:
         args.steps, args.repeats, args.sft_steps, args.max_new_tokens = 3, 1, 40, 16
     if args.steps < 2:
@@ -302,10 +337,10 @@ def main() -> None:
     try:
         data = prepare_workload(out, work, args)
         print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}", flush=True)
-        runs = {mode: [] for mode in MODES}
+        runs = {mode: [] for mode in modes}
         with SlowRewardServer(args.latency_ms / 1000) as server:
             for repeat in range(args.repeats):
-                for mode in MODES:
+                for mode in modes:
                     run = run_mode(mode, data, work, out / f"{mode}_{repeat}", server, args.steps,
                                    args.seed + repeat)
                     runs[mode].append(run)
@@ -316,14 +351,13 @@ def main() -> None:
                   "steps": args.steps, "repeats": args.repeats, "latency_ms": args.latency_ms,
                   "workload": dataclasses.asdict(work), "accuracy_before": data["accuracy_before"],
                   **{mode: summarize(mode_runs) for mode, mode_runs in runs.items()},
-                  "ratio_runs": [d["samples_per_sec"] / s["samples_per_sec"]
-                                 for s, d in zip(runs["sync"], runs["decoupled"])],
+                  "modes": modes, "ratio_runs": ratio_runs(runs),
                   "load_average": {"start": " ".join(f"{x:.2f}" for x in load_start),
                                    "end": " ".join(f"{x:.2f}" for x in os.getloadavg())}}
-        result["ratio"] = statistics.median(result["ratio_runs"])
         report(result)
         if args.json:
-            for mode in MODES:
+            result["ratio_runs"] = {f"{top}/{bottom}": ratios for (top, bottom), ratios in result["ratio_runs"].items()}
+            for mode in modes:
                 for run in runs[mode]:
                     run.pop("lengths")
                 result[mode]["runs"] = runs[mode]

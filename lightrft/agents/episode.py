@@ -140,6 +140,7 @@ class Episode:
         self.response_ids: list[int] = []
         self.loss_mask: list[bool] = []
         self.log_probs: list[float] = []
+        self.versions: list[int] = []       # the policy version of each response token, -1 for the environment's
         self.turns: list[Turn] = []
         self.turn_ends: list[int] = []      # response position of each turn's last token
         self.truncated = False
@@ -172,11 +173,14 @@ class Episode:
             self.truncated = True
             raise EpisodeEnd("token_budget")
         limit = min(self.max_new_tokens if max_new_tokens is None else max_new_tokens, self.tokens_left)
-        ids, log_probs, cut = await self._request(self.prompt_ids + self.response_ids, limit, len(self.turns))
+        ids, log_probs, cut, *tagged = await self._request(self.prompt_ids + self.response_ids, limit,
+                                                             len(self.turns))
         self.response_ids += ids
         self._marker_ids += ids
         self.loss_mask += [True] * len(ids)
         self.log_probs += log_probs
+        # the version of the weights that sampled each token, where the engine tags them (partial rollouts)
+        self.versions += tagged[0] if tagged and tagged[0] is not None else [-1] * len(ids)
         self.turn_ends.append(len(self.response_ids) - 1)
         turn = Turn(self.tokenizer.decode(ids, skip_special_tokens=True), list(ids), list(log_probs), cut)
         self.truncated |= cut
@@ -296,6 +300,7 @@ class Episode:
         self.response_ids += ids
         self.loss_mask += [False] * len(ids)
         self.log_probs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
 
     async def call_tools(self, calls: Sequence, tool_role: str = "tool") -> list:
         """Runs tool calls (`lightrft.agents.tools.parse_tool_calls`) in the tool workers, adds
@@ -373,3 +378,5 @@ class EpisodeRecord:
     stats: EpisodeStats = field(default_factory=EpisodeStats)
     extra: dict = field(default_factory=dict)
     media: Optional[dict] = None               # the pictures' model inputs (prompt's and environment's), or None
+    versions: Optional[list[int]] = None       # per response token, the policy version that sampled it (-1: the
+    #                                            environment's); None unless the engine tags them (partial rollouts)

@@ -218,9 +218,11 @@ class WorkflowRunner:
             lengths = out.action_mask.sum(dim=1).tolist()
             responses, log_probs = out.responses.tolist(), out.rollout_log_probs.tolist()
             truncated = out.truncated.tolist() if out.truncated is not None else [False] * len(group)
+            versions = out.versions.tolist() if out.versions is not None else None     # partial rollouts
             for row, (_, _, _, future, _) in enumerate(group):
                 n = lengths[row]
-                future.set_result((responses[row][:n], log_probs[row][:n], bool(truncated[row])))
+                future.set_result((responses[row][:n], log_probs[row][:n], bool(truncated[row]),
+                                   None if versions is None else versions[row][:n]))
 
     async def _drive(self, engine, episodes: list[Episode], seeds: list[int], params: SamplingParams) -> list:
         loop = asyncio.get_running_loop()
@@ -314,6 +316,7 @@ class WorkflowRunner:
         return EpisodeRecord(prompt_ids=episode.prompt_ids, response_ids=episode.response_ids[:kept],
                              media=episode.media(before=kept),
                              loss_mask=episode.loss_mask[:kept], log_probs=episode.log_probs[:kept],
+                             versions=episode.versions[:kept] if any(v >= 0 for v in episode.versions) else None,
                              reward=math.nan if reward is None else float(reward), turn_rewards=turn_rewards,
                              truncated=episode.truncated or stop in ("max_turns", "token_budget"), valid=valid,
                              stop_reason=stop, turns=len(episode.turns), stats=episode.stats, extra=episode.extra)
@@ -358,6 +361,12 @@ class WorkflowRunner:
                                               [r.truncated for r in records], self.pad_token_id)
         if any(r.media for r in records):
             rollout = dataclasses.replace(rollout, media=[r.media for r in records])
+        if any(r.versions is not None for r in records):      # partial rollouts: each token's version
+            versions = torch.full(rollout.action_mask.shape, -1, dtype=torch.int32)
+            for row, record in enumerate(records):
+                if record.versions is not None:
+                    versions[row, :len(record.versions)] = torch.tensor(record.versions, dtype=torch.int32)
+            rollout = dataclasses.replace(rollout, versions=versions)
         token_rewards = None
         if any(r.turn_rewards for r in records):
             token_rewards = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)

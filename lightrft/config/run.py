@@ -297,8 +297,6 @@ class PPORunConfig(RunConfig):
                 "--rollout_engine vllm": (self.rollout.rollout_engine == "vllm", "lightrft's vLLM engine generates a "
                                           "batch in one call, with no point between tokens to load weights at; the "
                                           "Hugging Face engine has one"),
-                "--workflow": (self.agent.workflow, "multi-turn episodes are assembled from their turns' tokens and "
-                               "log-probs, without the version of each token"),
                 "--image_key": (self.data.image_key, "taking new weights re-reads each sequence so far as tokens, "
                                 "without its images"),
                 "--routing_replay rollout": (self.model.routing_replay == "rollout", "the routes recorded before new "

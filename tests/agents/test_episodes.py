@@ -357,3 +357,44 @@ def test_a_rollout_whose_every_episode_failed_stops_the_command_with_one_line(ca
     err = capsys.readouterr().err
     assert done.value.code == 1 and "Traceback" not in err
     assert err.startswith("train_ppo: error: --workflow Always: every episode of this rollout failed (6 of 6)")
+
+
+def test_partial_rollouts_tag_each_turns_tokens_with_the_version_that_sampled_them(tiny):
+    """New weights taken between the turns (and inside the second): the policy's tokens carry the
+    version that sampled them, the environment's -1; the log-probs are each version's own."""
+    import copy
+
+    module, newer = copy.deepcopy(tiny.model), copy.deepcopy(tiny.model)
+    with torch.no_grad():
+        for param in newer.parameters():
+            param.mul_(1.5)
+    engine = HFEngine(module, tiny.tokenizer.pad_token_id, tiny.tokenizer.eos_token_id)
+    calls = {"n": 0}
+
+    def switch():      # asked before each prefill and decoding step: the second turn's third step loads v1
+        calls["n"] += 1
+        if calls["n"] == 6 + 3:       # the first turn asks 6 times (a prefill and 5 steps of 6 tokens at most)
+            module.load_state_dict(newer.state_dict())
+            return 1
+        return None
+    engine.weight_switch = switch
+    batch = run_episodes(tiny, TwoTurns(), engine=engine, max_new_tokens=6)
+    environment = len(tiny.tokenizer.encode("\nuser: again\nassistant: ", add_special_tokens=False))
+    rollout = batch.rollout
+    spanning = 0
+    for row, record in enumerate(batch.records):
+        first = record.loss_mask.index(False)
+        assert record.versions[first:first + environment] == [-1] * environment
+        policy = [v for v, trains in zip(record.versions, record.loss_mask) if trains]
+        assert set(policy) <= {0, 1} and policy == sorted(policy)       # never back to the older weights
+        spanning += set(policy) == {0, 1}
+        assert rollout.versions[row, :len(record.versions)].tolist() == record.versions
+    assert spanning > 0
+    # Each policy token's log-prob is its version's own, teacher-forced over the whole episode.
+    old, new = ActorLanguage(tiny.model), ActorLanguage(newer)
+    with torch.no_grad():
+        lp_old = old(rollout.sequences, rollout.num_actions, attention_mask=rollout.attention_mask)
+        lp_new = new(rollout.sequences, rollout.num_actions, attention_mask=rollout.attention_mask)
+    mask = rollout.action_mask
+    expected = torch.where(rollout.versions == 1, lp_new, lp_old)
+    torch.testing.assert_close(rollout.rollout_log_probs[mask], expected[mask], atol=1e-5, rtol=0)
