@@ -293,10 +293,12 @@ class PPORunConfig(RunConfig):
                                                 "a whole vLLM engine; run one engine per explorer rank")},
                "docs/async.md")
         if self.roles.partial_rollouts:
+            from lightrft.rollout import engine_capabilities
+
+            engine = self.rollout.rollout_engine
             refuse("--partial_rollouts", {
-                "--rollout_engine vllm": (self.rollout.rollout_engine == "vllm", "lightrft's vLLM engine generates a "
-                                          "batch in one call, with no point between tokens to load weights at; the "
-                                          "Hugging Face engine has one"),
+                f"--rollout_engine {engine}": (not engine_capabilities(engine).weight_switch, "this engine cannot "
+                                               "take new weights in the middle of a generation"),
                 "--image_key": (self.data.image_key, "taking new weights re-reads each sequence so far as tokens, "
                                 "without its images"),
                 "--routing_replay rollout": (self.model.routing_replay == "rollout", "the routes recorded before new "

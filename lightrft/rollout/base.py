@@ -97,6 +97,9 @@ class EngineCapabilities:
       the doctor recommends when generation runs out.
     - `routes`: it records the experts a mixture-of-experts policy routed each token to
       (`RolloutOutput.routes`), what `--routing_replay rollout` replays.
+    - `weight_switch`: it takes newer weights in the middle of a `generate` call through its
+      `weight_switch` attribute (a callable that loads them and returns their version, or None)
+      and tags each token with its version (`RolloutOutput.versions`): `--partial_rollouts`.
     """
 
     weight_syncs: frozenset[str]
@@ -110,6 +113,7 @@ class EngineCapabilities:
     one_per_process: bool = False
     memory_options: tuple[str, ...] = ()
     routes: bool = False
+    weight_switch: bool = False
 
     def __post_init__(self):
         kinds = frozenset(self.weight_syncs)

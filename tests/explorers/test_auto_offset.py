@@ -4,55 +4,62 @@ import pytest
 
 from lightrft.config import ConfigError, PPORunConfig
 from lightrft.config.sections import RolesConfig
-from lightrft.explorers.staleness import AutoOffset
+from lightrft.explorers.staleness import WINDOW, AutoOffset
 
-CALM = {"train/mismatch_kl_k3": 5e-4, "train/rollout_ratio_p05": 0.9, "train/rollout_ratio_p95": 1.1,
-        "train/tis_clip_frac": 0.0}
+CALM = {"train/mismatch_kl_k3": 0.01, "train/rollout_ratio_p05": 0.9, "train/rollout_ratio_p95": 1.1,
+        "train/tis_clip_frac": 0.005}
 
 
-def decide(auto: AutoOffset, steps: list[tuple[dict, float]]) -> int:
-    for logs, wall in steps:
+def steps(auto: AutoOffset, logs: dict, count: int = WINDOW, wall: float = 1.0) -> int:
+    """`count` steps with these logs, then the decision."""
+    for _ in range(count):
         auto.observe(logs, wall)
     return auto.decide()
 
 
 def test_an_idle_trainer_with_calm_samples_lets_the_explorers_run_further_ahead():
     auto = AutoOffset(high=3, offset=1)
-    # waited 0.3 s of 2 s over two steps: 15% idle > 10%, calm: grow, one step per sync, up to 3
-    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.2}, 1.0),
-                         ({**CALM, "perf/experience_wait_s": 0.1}, 1.0)]) == 2 and auto.reason == "idle"
-    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.5}, 1.0)]) == 3
-    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.5}, 1.0)]) == 3      # the ceiling
+    assert WINDOW == 3
+    # two steps are not a window yet: it holds
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=2) == 1 and auto.reason == "settling"
+    # waited 0.2 + 0.1 + 0.2 s of 3 s: 17% idle > 10%, calm: grow by one
+    auto.observe({**CALM, "perf/experience_wait_s": 0.2}, 1.0)
+    auto.observe({**CALM, "perf/experience_wait_s": 0.1}, 1.0)
+    auto.observe({**CALM, "perf/experience_wait_s": 0.2}, 1.0)
+    assert auto.decide() == 2 and auto.reason == "idle"
+    # after a change it waits a whole window of steps under the new offset
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=2) == 2 and auto.reason == "settling"
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=1) == 3
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}) == 3          # the ceiling
     # 5% idle: hold
-    assert decide(auto, [({**CALM, "perf/experience_wait_s": 0.05}, 1.0)]) == 3 and auto.reason == "hold"
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.05}) == 3 and auto.reason == "hold"
 
 
-@pytest.mark.parametrize("tag, value", [("train/mismatch_kl_k3", 3e-3), ("train/rollout_ratio_p05", 0.4),
-                                        ("train/rollout_ratio_p95", 2.5), ("train/tis_clip_frac", 0.08)])
+@pytest.mark.parametrize("tag, value", [("train/tis_clip_frac", 0.03), ("train/mismatch_kl_k3", 0.06),
+                                        ("train/rollout_ratio_p05", 0.4), ("train/rollout_ratio_p95", 2.5)])
 def test_samples_far_from_the_trainer_shrink_the_offset_even_when_it_waits(tag, value):
     auto = AutoOffset(high=4, offset=3)
-    assert decide(auto, [({**CALM, tag: value, "perf/experience_wait_s": 0.9}, 1.0)]) == 2
-    assert auto.reason == "off-policy"
+    assert steps(auto, {**CALM, tag: value, "perf/experience_wait_s": 0.9}) == 2 and auto.reason == "off-policy"
     for _ in range(3):
-        decide(auto, [({**CALM, tag: value}, 1.0)])
+        steps(auto, {**CALM, tag: value})
     assert auto.offset == 1          # the floor
 
 
-def test_the_mean_over_the_steps_since_the_last_sync_decides():
+def test_the_window_mean_decides_and_a_margin_band_holds():
     auto = AutoOffset(high=4, offset=2)
-    # KL 3e-3 and 1e-3: mean 2e-3, not above the 2e-3 limit; but not calm (> 1e-3) either: hold
-    assert decide(auto, [({**CALM, "train/mismatch_kl_k3": 3e-3, "perf/experience_wait_s": 1.0}, 1.0),
-                         ({**CALM, "train/mismatch_kl_k3": 1e-3, "perf/experience_wait_s": 1.0}, 1.0)]) == 2
+    # corrected shares 0.03, 0.01, 0.005: mean 0.015, not above the 0.02 limit; not calm (> 0.01) either
+    for share in (0.03, 0.01, 0.005):
+        auto.observe({**CALM, "train/tis_clip_frac": share, "perf/experience_wait_s": 1.0}, 1.0)
+    assert auto.decide() == 2 and auto.reason == "hold"
+    # a ratio tail at 1.8 neither shrinks (<= 2) nor lets it grow (> 1.5); a KL of 0.03 likewise
+    assert steps(auto, {**CALM, "train/rollout_ratio_p95": 1.8, "perf/experience_wait_s": 1.0}) == 2
+    assert steps(auto, {**CALM, "train/mismatch_kl_k3": 0.03, "perf/experience_wait_s": 1.0}) == 2
     assert auto.reason == "hold"
-    # a margin band: a ratio tail at 1.8 neither shrinks (<= 2) nor lets it grow (> 1.5)
-    assert decide(auto, [({**CALM, "train/rollout_ratio_p95": 1.8, "perf/experience_wait_s": 1.0}, 1.0)]) == 2
-    # nothing observed since the last decision: unchanged
-    assert decide(auto, []) == 2
 
 
 def test_metrics_the_run_does_not_log_do_not_vote():
     auto = AutoOffset(high=2, offset=1)
-    assert decide(auto, [({"perf/experience_wait_s": 0.5}, 1.0)]) == 2
+    assert steps(auto, {"perf/experience_wait_s": 0.5}) == 2
 
 
 def test_the_offset_starts_within_its_range_and_resumes():

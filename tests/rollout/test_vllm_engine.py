@@ -171,6 +171,47 @@ def test_manager_syncs_a_stale_engine_before_generating(vllm_case):
         case.engine.update_weights(case.reference.named_parameters())
 
 
+@needs_vllm
+def test_partial_rollouts_continue_under_weights_loaded_between_segments(vllm_case):
+    """With a weight switch, vLLM decodes in segments of PARTIAL_SEGMENT_TOKENS; weights loaded
+    after the first segment sample the rest: each token tagged with its version, its log-prob
+    that version's own (the prefix recomputed under the new weights)."""
+    from lightrft.rollout.vllm_engine import PARTIAL_SEGMENT_TOKENS
+
+    case, engine = vllm_case, vllm_case.engine
+    _, other = build_contract_model(seed=1, hidden_size=128)
+    other = other.to(engine_device())
+    calls = []
+
+    def switch():          # asked before the first segment and after each one
+        calls.append(len(calls))
+        if len(calls) == 2:
+            engine.update_weights(other.named_parameters())
+            return 1
+        return None
+    engine.weight_switch = switch
+    try:
+        out = engine.generate(case.prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=5))
+    finally:
+        engine.weight_switch, engine.version = None, 0
+        engine.update_weights(case.reference.named_parameters())
+    mask = out.action_mask.bool()
+    columns = torch.arange(out.num_actions).expand_as(mask)
+    assert torch.equal(out.versions[mask], (columns[mask] >= PARTIAL_SEGMENT_TOKENS).int())
+    assert torch.all(out.versions[~mask] == -1) and len(calls) >= 3
+    later = mask & (out.versions == 1)
+    assert later.any()
+    a = out.num_actions
+    expected = []
+    for model in (case.reference, other):
+        logits = reference_logits(model, out.sequences, out.attention_mask)[:, -a - 1:-1]
+        expected.append(torch.log_softmax(logits.float(), dim=-1).gather(-1, out.responses.unsqueeze(-1))
+                        .squeeze(-1).cpu())
+    want = torch.where(out.versions == 1, expected[1], expected[0])
+    torch.testing.assert_close(out.rollout_log_probs[mask].float(), want[mask], atol=1e-4, rtol=0)
+    assert (out.rollout_log_probs[later] - expected[0][later]).abs().max() > 1e-2      # the versions differ
+
+
 def sampled_log_prob_gap(engine, model, prompt_ids, seed: int = 3) -> tuple[float, float]:
     """Mean and max |engine log-prob - model's teacher-forced log-prob| over sampled tokens."""
     out = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed))
