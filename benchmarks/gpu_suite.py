@@ -384,16 +384,33 @@ def rl_micro_batches(sizes: Sizes, vocab: int, device: torch.device, seed: int, 
     return batches
 
 
+def zero_knobs(text: str) -> dict:
+    """`--zero_knobs overlap_comm=off,zero3_prefetch_bucket_size=50000000` as StrategyConfig fields."""
+    from lightrft.strategy.config import ZERO_TUNING
+
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ZERO_TUNING or not value:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(ZERO_TUNING)}")
+        knobs[key] = value if key == "overlap_comm" else int(float(value))
+    return knobs
+
+
 def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dtype: torch.dtype,
                  probe: MemoryProbe, peak: float | None, seed: int, keep: bool = False, profile_steps: bool = False,
-                 group: int = 1, share: bool = True, compiled: bool = False, layers_compiled: bool = False):
+                 group: int = 1, share: bool = True, compiled: bool = False, layers_compiled: bool = False,
+                 zero_knobs: dict | None = None):
     """Optimizer steps of an `ActorLanguage` under ZeRO-`stage` on one rank: one warm-up step,
     then `sizes.update_steps` timed ones, then (`profile_steps`, CUDA) one step under the profiler
     and one with PyTorch's sync debug mode (`profiled_step`). `group` > 1 gives each prompt that
     many responses, their prompt computed once (`share`) or per sequence. Returns (figures, phase
-    memory, the engine and strategy when `keep`, else None)."""
+    memory, the engine and strategy when `keep`, else None). `zero_knobs`: DeepSpeed's communication
+    settings (`--zero_knobs`), the ZeRO-3 ones applied under stage 3 only."""
+    knobs = {k: v for k, v in (zero_knobs or {}).items() if stage == 3 or not k.startswith("zero3_")}
     strategy = DeepspeedStrategy(StrategyConfig(zero_stage=stage, bf16=dtype == torch.bfloat16, seed=seed,
-                                                micro_train_batch_size=1, train_batch_size=sizes.micro_batches))
+                                                micro_train_batch_size=1, train_batch_size=sizes.micro_batches,
+                                                **knobs))
     strategy.setup_distributed()
     with measured(probe, device) as memory, ExitStack() as stack:
         model = build_qwen2(shape, device, dtype, seed)
@@ -760,6 +777,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="after the timed update steps, one step under the CUDA profiler (GPU busy share, "
                              "device-to-host copies, attention kernels, top kernels) and one under the sync debug "
                              "mode (host syncs by the line that caused them)")
+    parser.add_argument("--zero_knobs", type=zero_knobs, default={}, metavar="KEY=VALUE,...",
+                        help="DeepSpeed communication settings for the ZeRO-2/3 updates, as train_ppo's flags: "
+                             "overlap_comm=on|off, zero_reduce_bucket_size=N, zero3_prefetch_bucket_size=N, "
+                             "zero3_max_live_parameters=N, zero3_param_persistence_threshold=N (default: "
+                             "DeepSpeed's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grpo_worker", default=None, help=argparse.SUPPRESS)   # grpo_in_child's child
     args = parser.parse_args(argv)
@@ -937,7 +959,8 @@ def run_updates(args, shape, sizes, device, dtype, probe, peak, phases: dict, er
         if "update" not in args.sections and not keep:
             continue
         ok, out = attempt(f"update ZeRO-{stage}", errors, lambda: actor_update(
-            stage, shape, sizes, device, dtype, probe, peak, args.seed, keep=keep, profile_steps=args.profile))
+            stage, shape, sizes, device, dtype, probe, peak, args.seed, keep=keep, profile_steps=args.profile,
+            zero_knobs=args.zero_knobs))
         if ok:
             update[f"zero{stage}"], phases[f"update ZeRO-{stage}"], kept = out
             zero3 = kept if keep else None

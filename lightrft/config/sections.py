@@ -92,6 +92,25 @@ class DistributedConfig:
                                                    "for the run dtype)", choices=("fp32", "bf16", "fp16"))
     gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory")
     dist_timeout: int = option(30, "collective timeout in minutes", at_least=1)
+    overlap_comm: str = option("auto", "overlap DeepSpeed's gradient reductions (and, under ZeRO-3, parameter "
+                                       "gathers) with computation: on, off, or auto (DeepSpeed's default: on for "
+                                       "ZeRO-3, off below)", choices=("auto", "on", "off"))
+    zero_reduce_bucket_size: Optional[int] = option(None, "elements per gradient reduction bucket under ZeRO 1-3 "
+                                                          "(default: DeepSpeed's 5e8)", at_least=1)
+    zero3_prefetch_bucket_size: Optional[int] = option(None, "with --zero_stage 3, elements of parameters gathered "
+                                                             "ahead of their use (default: DeepSpeed's 5e7)", at_least=0)
+    zero3_max_live_parameters: Optional[int] = option(None, "with --zero_stage 3, most gathered elements held at "
+                                                            "once (default: DeepSpeed's 1e9)", at_least=1)
+    zero3_param_persistence_threshold: Optional[int] = option(None, "with --zero_stage 3, parameters of fewer "
+                                                                    "elements stay whole on every rank (default: "
+                                                                    "DeepSpeed's 1e5)", at_least=0)
+
+    def __post_init__(self):
+        zero3_only = [name for name in ("zero3_prefetch_bucket_size", "zero3_max_live_parameters",
+                                        "zero3_param_persistence_threshold") if getattr(self, name) is not None]
+        if zero3_only and self.zero_stage != 3:
+            raise ConfigError(f"--{zero3_only[0]} applies to --zero_stage 3 (got --zero_stage {self.zero_stage}): "
+                              "drop it or use --zero_stage 3")
 
 
 @dataclass(frozen=True)

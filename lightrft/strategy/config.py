@@ -17,6 +17,11 @@ BACKENDS = ("nccl", "gloo")
 FLAG_ALIASES = {"dist_timeout_minutes": "dist_timeout"}
 
 
+# DeepSpeed's communication knobs (`get_train_ds_config`), each with its "DeepSpeed's default" value.
+ZERO_TUNING = {"overlap_comm": "auto", "zero_reduce_bucket_size": None, "zero3_prefetch_bucket_size": None,
+               "zero3_max_live_parameters": None, "zero3_param_persistence_threshold": None}
+
+
 @dataclass(frozen=True)
 class StrategyConfig:
     """What `DeepspeedStrategy` needs to know; the flag of each field has the same name.
@@ -41,6 +46,11 @@ class StrategyConfig:
     backend: str | None = None
     ref_reward_offload: bool = False
     sequence_parallel_size: int = 1
+    overlap_comm: str = "auto"
+    zero_reduce_bucket_size: int | None = None
+    zero3_prefetch_bucket_size: int | None = None
+    zero3_max_live_parameters: int | None = None
+    zero3_param_persistence_threshold: int | None = None
 
     def __post_init__(self):
         check_zero_stage(self.zero_stage)
@@ -56,6 +66,13 @@ class StrategyConfig:
                              f"(leave it unset to pick NCCL on CUDA and gloo on CPU)")
         if self.sequence_parallel_size < 1:
             raise ValueError(f"--sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}")
+        zero3_only = [name for name in ("zero3_prefetch_bucket_size", "zero3_max_live_parameters",
+                                        "zero3_param_persistence_threshold") if getattr(self, name) is not None]
+        if zero3_only and self.zero_stage != 3:
+            raise ValueError(f"--{zero3_only[0]} applies to --zero_stage 3 (got --zero_stage {self.zero_stage}): "
+                             "drop it or use ZeRO-3")
+        if self.overlap_comm not in ("auto", "on", "off"):
+            raise ValueError(f"--overlap_comm {self.overlap_comm!r} is not one of auto, on, off")
         if self.dist_timeout_minutes <= 0:
             raise ValueError(f"--dist_timeout_minutes must be > 0, got {self.dist_timeout_minutes}")
 
@@ -68,6 +85,7 @@ class StrategyConfig:
                    adam_offload=distributed.adam_offload, zero3_param_offload=distributed.zero3_param_offload,
                    grad_accum_dtype=distributed.grad_accum_dtype, dist_timeout_minutes=distributed.dist_timeout,
                    ref_reward_offload=distributed.ref_reward_offload,
+                   **{name: getattr(distributed, name, default) for name, default in ZERO_TUNING.items()},
                    sequence_parallel_size=getattr(distributed, "sequence_parallel_size", 1))
 
     @classmethod

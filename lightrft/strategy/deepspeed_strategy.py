@@ -353,7 +353,11 @@ class DeepspeedStrategy:
                                    micro_train_batch_size=c.micro_train_batch_size, world_size=self.world_size,
                                    bf16=c.bf16, max_norm=0.0 if self.clips_gradients else c.max_norm,
                                    adam_offload=c.adam_offload,
-                                   zero3_param_offload=c.zero3_param_offload, grad_accum_dtype=c.grad_accum_dtype)
+                                   zero3_param_offload=c.zero3_param_offload, grad_accum_dtype=c.grad_accum_dtype,
+                                   overlap_comm=c.overlap_comm, zero_reduce_bucket_size=c.zero_reduce_bucket_size,
+                                   zero3_prefetch_bucket_size=c.zero3_prefetch_bucket_size,
+                                   zero3_max_live_parameters=c.zero3_max_live_parameters,
+                                   zero3_param_persistence_threshold=c.zero3_param_persistence_threshold)
 
     def get_ds_eval_config(self, offload: bool | None = None) -> dict:
         c = self.config

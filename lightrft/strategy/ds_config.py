@@ -41,8 +41,20 @@ def gradient_accumulation_steps(train_batch_size: int, micro_train_batch_size: i
     return train_batch_size // per_step
 
 
-def _zero_section(zero_stage: int, *, offload_optimizer: bool, offload_param: bool) -> dict:
+def _zero_section(zero_stage: int, *, offload_optimizer: bool, offload_param: bool, overlap_comm: str = "auto",
+                  reduce_bucket_size: int | None = None, prefetch_bucket_size: int | None = None,
+                  max_live_parameters: int | None = None, param_persistence_threshold: int | None = None) -> dict:
     section = {"stage": zero_stage}
+    if overlap_comm != "auto" and zero_stage > 0:
+        section["overlap_comm"] = overlap_comm == "on"
+    if reduce_bucket_size is not None and zero_stage > 0:
+        section["reduce_bucket_size"] = int(reduce_bucket_size)
+    if zero_stage == 3:
+        for key, value in (("stage3_prefetch_bucket_size", prefetch_bucket_size),
+                           ("stage3_max_live_parameters", max_live_parameters),
+                           ("stage3_param_persistence_threshold", param_persistence_threshold)):
+            if value is not None:
+                section[key] = int(value)
     if offload_optimizer:
         section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_param:
@@ -65,6 +77,11 @@ def get_train_ds_config(
     adam_offload: bool = False,
     zero3_param_offload: bool = False,
     grad_accum_dtype: str | None = None,
+    overlap_comm: str = "auto",
+    zero_reduce_bucket_size: int | None = None,
+    zero3_prefetch_bucket_size: int | None = None,
+    zero3_max_live_parameters: int | None = None,
+    zero3_param_persistence_threshold: int | None = None,
 ) -> dict:
     """The DeepSpeed config for a trained model (actor, critic).
 
@@ -74,7 +91,11 @@ def get_train_ds_config(
       DeepSpeedCPUAdam, which `DeepspeedStrategy.create_optimizer` picks);
     - `zero3_param_offload` keeps parameters on the CPU between uses (stage 3 only);
     - `max_norm` clips the global gradient norm (0 disables clipping);
-    - `grad_accum_dtype` ("fp32", "bf16", "fp16") sets the dtype gradients accumulate in.
+    - `grad_accum_dtype` ("fp32", "bf16", "fp16") sets the dtype gradients accumulate in;
+    - `overlap_comm` ("auto": DeepSpeed's default, "on", "off") and the bucket sizes in elements
+      (None: DeepSpeed's defaults) tune how ZeRO overlaps its communication with computation
+      (`--overlap_comm`, `--zero_reduce_bucket_size`, `--zero3_*`); they change when data moves,
+      never what is computed.
     """
     check_zero_stage(zero_stage)
     gas = gradient_accumulation_steps(train_batch_size, micro_train_batch_size, world_size)
@@ -91,7 +112,11 @@ def get_train_ds_config(
         "gradient_accumulation_steps": gas,
         "gradient_clipping": float(max_norm),
         "zero_optimization": _zero_section(zero_stage, offload_optimizer=adam_offload,
-                                           offload_param=zero3_param_offload),
+                                           offload_param=zero3_param_offload, overlap_comm=overlap_comm,
+                                           reduce_bucket_size=zero_reduce_bucket_size,
+                                           prefetch_bucket_size=zero3_prefetch_bucket_size,
+                                           max_live_parameters=zero3_max_live_parameters,
+                                           param_persistence_threshold=zero3_param_persistence_threshold),
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
         "prescale_gradients": False,

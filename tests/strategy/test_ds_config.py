@@ -166,3 +166,30 @@ def test_strategy_package_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                          text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_zero_communication_knobs_reach_deepspeed_and_name_their_flag(capsys):
+    """--overlap_comm and the bucket sizes land in the ZeRO section under DeepSpeed's own keys
+    (absent: DeepSpeed's defaults); the ZeRO-3 ones are refused below stage 3, naming the flag."""
+    from lightrft.cli.train_sft import parse_args
+    from lightrft.strategy import get_strategy
+
+    base = ["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "8", "--micro_train_batch_size", "2"]
+    config = parse_args(base + ["--zero_stage", "3", "--overlap_comm", "off", "--zero_reduce_bucket_size", "1000",
+                                "--zero3_prefetch_bucket_size", "2000", "--zero3_max_live_parameters", "3000",
+                                "--zero3_param_persistence_threshold", "0"])
+    zero = get_strategy(config).get_ds_train_config()["zero_optimization"]
+    assert {k: zero[k] for k in ("overlap_comm", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                                 "stage3_max_live_parameters", "stage3_param_persistence_threshold")} == {
+        "overlap_comm": False, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 2000,
+        "stage3_max_live_parameters": 3000, "stage3_param_persistence_threshold": 0}
+    plain = get_train_ds_config(zero_stage=3, train_batch_size=8, micro_train_batch_size=2, world_size=1)
+    assert not {"overlap_comm", "reduce_bucket_size", "stage3_prefetch_bucket_size"} & set(plain["zero_optimization"])
+    on = get_train_ds_config(zero_stage=2, train_batch_size=8, micro_train_batch_size=2, world_size=1,
+                             overlap_comm="on")
+    assert on["zero_optimization"]["overlap_comm"] is True
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--zero_stage", "2", "--zero3_prefetch_bucket_size", "2000"])
+    assert "--zero3_prefetch_bucket_size applies to --zero_stage 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--zero3_max_live_parameters applies to --zero_stage 3"):
+        StrategyConfig(zero_stage=2, zero3_max_live_parameters=10)
