@@ -98,7 +98,8 @@ class DistributedConfig:
     zero_reduce_bucket_size: Optional[int] = option(None, "elements per gradient reduction bucket under ZeRO 1-3 "
                                                           "(default: DeepSpeed's 5e8)", at_least=1)
     zero3_prefetch_bucket_size: Optional[int] = option(None, "with --zero_stage 3, elements of parameters gathered "
-                                                             "ahead of their use (default: DeepSpeed's 5e7)", at_least=0)
+                                                             "ahead of their use (default: DeepSpeed's 5e7)",
+                                                       at_least=0)
     zero3_max_live_parameters: Optional[int] = option(None, "with --zero_stage 3, most gathered elements held at "
                                                             "once (default: DeepSpeed's 1e9)", at_least=1)
     zero3_param_persistence_threshold: Optional[int] = option(None, "with --zero_stage 3, parameters of fewer "
