@@ -388,6 +388,17 @@ class RolloutEngine(Protocol):
         ...
 
 
+def switch_weights(engine) -> bool:
+    """Partial rollouts: asks `engine.weight_switch` for newer weights; True when it loaded some,
+    with `engine.version` moved to theirs (the switch may set it itself while it loads)."""
+    before = engine.version
+    version = engine.weight_switch()
+    if version is None or version == before:
+        return False
+    engine.version = int(version)
+    return True
+
+
 def request_seeds_for(prompt_token_ids: list[list[int]], params: SamplingParams,
                       seeds: Sequence[int] | None) -> list[int]:
     """One seed per prompt: `seeds` checked against the prompts, or, without them, seeds derived

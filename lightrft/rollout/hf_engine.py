@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightrft.utils.routing import NO_ROUTE, recorder_of
 from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
-                                   validate_prompts)
+                                   switch_weights, validate_prompts)
 from lightrft.rollout.registry import register_engine
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
@@ -251,12 +251,12 @@ class HFEngine:
 
         versions = None
         if self.weight_switch is not None:
-            self._switch_weights()
+            switch_weights(self)
             versions = torch.full((batch, steps), -1, dtype=torch.int32, device=device)
         logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, merged)
         decoded = 0
         for step in range(steps):
-            if step > 0 and self.weight_switch is not None and self._switch_weights():
+            if step > 0 and self.weight_switch is not None and switch_weights(self):
                 # New weights: the cache and the next logits are recomputed from the whole sequences.
                 positions = torch.cat([position_ids, position_ids[..., -1:] + torch.arange(
                     1, step + 1, device=device)], dim=-1)
@@ -286,15 +286,6 @@ class HFEngine:
                 break
         return (tokens[:, :decoded], log_probs[:, :decoded], is_action[:, :decoded], unfinished,
                 None if versions is None else versions[:, :decoded])
-
-    def _switch_weights(self) -> bool:
-        """Asks `weight_switch` for newer weights; True when it loaded some (`version` moves on)."""
-        before = self.version           # the switch may set `version` itself while it loads
-        version = self.weight_switch()
-        if version is None or version == before:
-            return False
-        self.version = int(version)
-        return True
 
     def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor], extra: dict,

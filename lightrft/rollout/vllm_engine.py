@@ -71,7 +71,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightrft.rollout.base import (EngineCapabilities, RolloutOutput, SamplingParams, request_seeds_for,
-                                   validate_prompts)
+                                   switch_weights, validate_prompts)
 from lightrft.rollout.manager import replica_ranks
 from lightrft.rollout.registry import register_engine
 from lightrft.rollout.seeds import mix_seed, sample_seed
@@ -361,7 +361,7 @@ class VLLMEngine:
         the weights that sampled it and `RolloutOutput.versions` tags it. A segment is seeded by
         the sample's seed and its offset (`mix_seed`), so the samples are another draw than the
         one-call path's, as reproducible."""
-        self._switch_weights()
+        switch_weights(self)
         responses = [[] for _ in prompts]
         log_probs = [[] for _ in prompts]
         versions = [[] for _ in prompts]
@@ -388,22 +388,13 @@ class VLLMEngine:
                     still.append(row)
             going = still
             if going:
-                self._switch_weights()
+                switch_weights(self)
         out = RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
         tagged = torch.full(out.action_mask.shape, -1, dtype=torch.int32)
         for row, row_versions in enumerate(versions):
             kept = int(out.action_mask[row].sum())
             tagged[row, :kept] = torch.tensor(row_versions[:kept], dtype=torch.int32)
         return dataclasses.replace(out, versions=tagged)
-
-    def _switch_weights(self) -> bool:
-        """Asks `weight_switch` for newer weights; True when it loaded some (`version` moves on)."""
-        before = self.version           # the switch may set `version` itself while it loads
-        version = self.weight_switch()
-        if version is None or version == before:
-            return False
-        self.version = int(version)
-        return True
 
     def _request(self, prompt_ids, pictures) -> dict:
         """vLLM's request for a prompt: its ids, or with images the ids with one marker per image

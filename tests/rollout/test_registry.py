@@ -27,12 +27,12 @@ def test_the_builtin_engines_declare_what_they_do():
     assert hf == EngineCapabilities(weight_syncs=frozenset({"live"}), lora=True, tensor_parallel=False, sleep=False,
                                     keeps_weights_asleep=False, multimodal=True, rollout_log_probs=True,
                                     needs_shutdown=False, one_per_process=False,
-                                    memory_options=("micro_rollout_batch_size",), routes=True)
+                                    memory_options=("micro_rollout_batch_size",), routes=True, weight_switch=True)
     assert vllm == EngineCapabilities(weight_syncs=frozenset({"full", "delta", "adapter"}), lora=True,
                                       tensor_parallel=True, sleep=True, keeps_weights_asleep=True, multimodal=True,
                                       rollout_log_probs=True, needs_shutdown=True, one_per_process=True,
                                       memory_options=("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"),
-                                      routes=False)
+                                      routes=False, weight_switch=True)
     assert hf.shares_live_weights and not vllm.shares_live_weights
     # Every memory option the doctor would name is a rollout option.
     options = {f.name for f in dataclasses.fields(RolloutConfig)}
