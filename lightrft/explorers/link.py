@@ -240,10 +240,10 @@ class ExplorerLink:
             logs["rollout/sync_offset"] = float(self.auto.offset)
         tokens, self._tokens = self._tokens, []
         if tokens:
-            summed, count, _, spanning, responses = (sum(column) for column in zip(*tokens))
-            logs.update({"rollout/token_staleness_mean": summed / max(count, 1),
-                         "rollout/token_staleness_max": float(max(t[2] for t in tokens)),
-                         "rollout/multi_version_share": spanning / max(responses, 1)})
+            summed, count, most, spanning, responses = zip(*tokens)
+            logs.update({"rollout/token_staleness_mean": sum(summed) / max(sum(count), 1),
+                         "rollout/token_staleness_max": float(max(most)),
+                         "rollout/multi_version_share": sum(spanning) / max(sum(responses), 1)})
         return logs
 
     def state_dict(self) -> dict:

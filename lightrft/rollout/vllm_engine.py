@@ -350,7 +350,7 @@ class VLLMEngine:
             completion = request_output.outputs[0]
             tokens = list(completion.token_ids)
             responses.append(tokens)
-            log_probs.append([step[token].logprob for token, step in zip(tokens, completion.logprobs)])
+            log_probs.append(sampled_log_probs(completion))
         return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
 
     def _generate_partial(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> RolloutOutput:
@@ -382,7 +382,7 @@ class VLLMEngine:
                 completion = request_output.outputs[0]
                 tokens = list(completion.token_ids)
                 responses[row] += tokens
-                log_probs[row] += [step[token].logprob for token, step in zip(tokens, completion.logprobs)]
+                log_probs[row] += sampled_log_probs(completion)
                 versions[row] += [self.version] * len(tokens)
                 if len(responses[row]) < params.max_new_tokens and not (tokens and tokens[-1] in eos):
                     still.append(row)
@@ -515,6 +515,11 @@ class VLLMEngine:
 # which lightrft's commands skip (`lightrft.utils.program`), so they remove them themselves: one
 # left behind makes the next run with the same ranks fail ("create shm in SHMManager failed.
 # errno: 17").
+def sampled_log_probs(completion) -> list[float]:
+    """The log-prob of each token of a vLLM completion (asked for with logprobs=0: the sampled one)."""
+    return [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+
+
 CPU_SHM_SEGMENT = re.compile(r"^(/dev/shm/\S*-cpushm_\d+)$")
 
 
