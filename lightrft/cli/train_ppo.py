@@ -63,7 +63,8 @@ def train(args: PPORunConfig, *, trainer_cls=None, callbacks=()) -> dict:
         from lightrft.explorers.explorer import run_explorer
         from lightrft.explorers.roles import join_roles
 
-        link = join_roles(args.explorer_ranks, args.dist_timeout)
+        transport = args.explorer_weight_transport if args.sync_method == "broadcast" else "host"
+        link = join_roles(args.explorer_ranks, args.dist_timeout, weight_transport=transport)
         if link.layout.is_explorer:
             return run_explorer(build_explorer(args, link))
     run = build_run(args, trainer_cls=trainer_cls, callbacks=callbacks, explorers=True, link=link)

@@ -312,6 +312,11 @@ class RolesConfig:
                                            "trainers and read by the explorers)", choices=("broadcast", "checkpoint"))
     sync_dir: Optional[str] = option(None, "weights folder of --sync_method checkpoint (default: "
                                            "<ckpt_path>/explorer_weights)")
+    explorer_weight_transport: str = option("host", "how the weights of --sync_method broadcast reach explorer "
+                                                    "ranks: host (gloo through host memory; works everywhere) or "
+                                                    "device (an NCCL broadcast from trainer rank 0's GPU into each "
+                                                    "explorer's GPU memory; needs room for the weights on both, "
+                                                    "docs/async.md)", choices=("host", "device"))
     staleness_policy: str = option("wait", "an explorer whose weights are older than the bound waits for new ones "
                                            "(wait), or generates anyway and the trainers drop what arrives too "
                                            "stale and have it generated again (drop)", choices=("wait", "drop"))
@@ -331,6 +336,9 @@ class RolesConfig:
         if self.auto_sync_offset < 0:
             raise ConfigError(f"--auto_sync_offset must be >= 0 (0: a fixed --sync_offset), got "
                               f"{self.auto_sync_offset}")
+        if self.explorer_weight_transport == "device" and self.sync_method == "checkpoint":
+            raise ConfigError("--explorer_weight_transport device moves the weights of --sync_method broadcast; "
+                              "with --sync_method checkpoint the explorers read them from files: drop one flag")
         if self.explorer_ranks < 0 or self.sync_offset < 0:
             raise ConfigError(f"--explorer_ranks and --sync_offset must be >= 0, got {self.explorer_ranks} and "
                               f"{self.sync_offset}")

@@ -13,7 +13,10 @@ built on the job's rendezvous store:
   broadcast from trainer rank 0.
 
 Both carry host tensors, so they work the same on CPU and on GPUs (weights are copied to the host
-once per sync; see docs/async.md for what that costs). `LocalChannel` stands in for both when the
+once per sync; see docs/async.md for what that costs). On GPUs the weights' bytes may instead
+travel over a third group of the control channel's members on the devices
+(`--explorer_weight_transport device`: an NCCL broadcast from trainer rank 0's GPU into each
+explorer's), the control messages staying on gloo. `LocalChannel` stands in for both when the
 explorer is a thread of the trainer's own process (the colocated one-step-ahead mode).
 
 What arrives on a channel is decoded as tensors and plain data only (`torch.load(weights_only=True)`):
@@ -97,21 +100,28 @@ class ExperienceChannel:
 
 class ControlChannel:
     """Trainer rank 0 -> explorers over a gloo group: a message (a dict) and, with weights, their
-    bytes, broadcast from member 0."""
+    bytes, broadcast from member 0. `weights_group` (the same members, e.g. an NCCL group) and
+    `device` (this member's GPU) move the weights' bytes over the devices instead: the publisher's
+    host bytes are copied to its device once and broadcast, and an explorer receives them into its
+    device's memory, where its engine loads them from. Messages stay on `group`, in order; the
+    bytes of a message follow it on `weights_group`, so the two groups see the same order."""
 
-    def __init__(self, group):
+    def __init__(self, group, weights_group=None, device: torch.device | str | None = None):
         self.group = group
+        self.weights_group = group if weights_group is None else weights_group
+        self.device = torch.device("cpu" if device is None else device)
 
     def publish(self, message: dict, data: torch.Tensor | None = None) -> None:
         broadcast_object(self.group, message)
         if data is not None:
-            broadcast_tensor(self.group, data)
+            broadcast_tensor(self.weights_group, data.to(self.device))
 
     def receive(self) -> tuple[dict, torch.Tensor | None]:
         message = broadcast_object(self.group)
         data = None
         if message["kind"] == "weights" and "path" not in message:
-            data = broadcast_tensor(self.group, torch.empty(flat_size(message["spec"]), dtype=torch.uint8))
+            data = broadcast_tensor(self.weights_group, torch.empty(flat_size(message["spec"]), dtype=torch.uint8,
+                                                                    device=self.device))
         return message, data
 
 
@@ -144,16 +154,23 @@ class JobLink:
     control: ControlChannel | None      # trainer rank 0 and the explorers (None on other trainers)
 
 
-def join_roles(explorers: int, timeout_minutes: float, backend: str | None = None) -> JobLink:
+def join_roles(explorers: int, timeout_minutes: float, backend: str | None = None,
+               weight_transport: str = "host") -> JobLink:
     """Splits the torchrun job: the role's default process group, the environment rewritten to
     the role's rank and size, and the channels between the roles. Call it on every rank before
-    anything else joins a process group."""
+    anything else joins a process group. `weight_transport`: "host" (the weights' bytes over the
+    control channel's gloo group) or "device" (over an NCCL group of the same members, each on its
+    LOCAL_RANK GPU)."""
     if dist.is_initialized():
         raise RuntimeError("--explorer_ranks: the job must be split into roles before a process group starts")
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise ValueError(f"--explorer_ranks needs a torchrun launch (missing {', '.join(missing)}): run "
                          f"torchrun --nproc_per_node <explorers + trainers> -m lightrft.cli.train_ppo ...")
+    on_device = weight_transport == "device"
+    if on_device and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("--explorer_weight_transport device needs CUDA and NCCL on every rank; this rank has "
+                         f"{'no CUDA device' if not torch.cuda.is_available() else 'no NCCL'}: use host")
     layout = RoleLayout(int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), explorers)
     timeout = timedelta(minutes=timeout_minutes)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
@@ -167,10 +184,23 @@ def join_roles(explorers: int, timeout_minutes: float, backend: str | None = Non
                                        layout.world_size, timeout)
     control = None
     if layout.is_explorer or layout.rank == 0:
-        member = 1 + layout.role_rank if layout.is_explorer else 0
-        control = ControlChannel(dist.ProcessGroupGloo(dist.PrefixStore("lightrft/control", store), member,
-                                                       layout.explorers + 1, timeout))
+        member, members = 1 + layout.role_rank if layout.is_explorer else 0, layout.explorers + 1
+        group = dist.ProcessGroupGloo(dist.PrefixStore("lightrft/control", store), member, members, timeout)
+        if on_device:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            control = ControlChannel(group, nccl_group(dist.PrefixStore("lightrft/weights", store), member, members,
+                                                       timeout), device)
+        else:
+            control = ControlChannel(group)
     return JobLink(layout, ExperienceChannel(experience), control)
+
+
+def nccl_group(store, member: int, members: int, timeout: timedelta):
+    """An NCCL process group of `members` on `store` (this process is `member`), built directly
+    as the gloo channels are, outside the default group."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, member, members, options)
 
 
 WIRE_TYPES: dict[str, type] = {}       # class name -> dataclass that may cross the channels

@@ -75,10 +75,19 @@ def test_join_roles_outside_torchrun_names_the_launch():
     # In a fresh process: a test file run earlier in this worker may have left a process group up,
     # which join_roles rightly refuses first.
     code = ("from lightrft.explorers.roles import join_roles\n"
-            "try:\n    join_roles(1, timeout_minutes=1)\nexcept ValueError as err:\n    print('ValueError:', err)\n")
+            "try:\n    join_roles(1, timeout_minutes=1)\nexcept ValueError as err:\n    print('ValueError:', err)\n"
+            # Weights over the devices on a machine without CUDA: refused before any rendezvous.
+            "import os\nos.environ.update(RANK='0', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT='9')\n"
+            "try:\n    join_roles(1, timeout_minutes=1, weight_transport='device')\n"
+            "except ValueError as err:\n    print('ValueError:', err)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
                           text=True, timeout=300)
     assert "ValueError: --explorer_ranks needs a torchrun launch" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert ("ValueError: --explorer_weight_transport device needs CUDA and NCCL on every rank; this rank has no "
+            "CUDA device: use host") in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    with pytest.raises(ConfigError, match="--explorer_weight_transport device moves the weights of --sync_method "
+                                          "broadcast"):
+        RolesConfig(explorer_ranks=1, sync_method="checkpoint", explorer_weight_transport="device")
 
 
 # ------------------------------------------------------------------------------ data helpers
@@ -242,11 +251,34 @@ def test_a_trainer_waiting_for_experience_gives_up_when_interrupted():
     assert not receiver.thread.is_alive()
 
 
-@pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
+class CountingGroup:
+    """A real process group that counts the bytes broadcast over it."""
+
+    def __init__(self, group):
+        self.group, self.nbytes = group, 0
+
+    def rank(self) -> int:
+        return self.group.rank()
+
+    def broadcast(self, tensors, options):
+        self.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        return self.group.broadcast(tensors, options)
+
+
+@pytest.mark.parametrize("method", ["broadcast", "checkpoint", "weights group"])
 def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method):
     trainer_group, explorer_group = gloo_pair()
-    subscriber = WeightSubscriber(ControlChannel(explorer_group), explorer_index=0)
-    publisher = WeightPublisher(ControlChannel(trainer_group), method, sync_dir=tmp_path / "weights")
+    if method == "weights group":
+        # --explorer_weight_transport device: the weights' bytes on a group of their own (NCCL on
+        # GPUs; a gloo pair here, the same code path), the messages on the control group.
+        weights_pair = [CountingGroup(g) for g in gloo_pair()]
+        trainer_channel = ControlChannel(trainer_group, weights_pair[0], "cpu")
+        explorer_channel = ControlChannel(explorer_group, weights_pair[1], "cpu")
+        method = "broadcast"
+    else:
+        trainer_channel, explorer_channel, weights_pair = ControlChannel(trainer_group), ControlChannel(explorer_group), None
+    subscriber = WeightSubscriber(explorer_channel, explorer_index=0)
+    publisher = WeightPublisher(trainer_channel, method, sync_dir=tmp_path / "weights")
     weights = {v: [("w", torch.full((2, 3), float(v))), ("b", torch.full((3,), float(v)).to(torch.bfloat16))]
                for v in range(4)}
     for version in range(4):
@@ -268,6 +300,10 @@ def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method)
     publisher.close(30)
     subscriber.wait(lambda: False)
     assert subscriber.stopped and subscriber.error is None and publisher.error is None
+    if weights_pair is not None:
+        # Version 0 whole (2x3 float32 and 3 bfloat16, each padded to 16 bytes), then deltas: every
+        # element changed, so whole again. Both members moved exactly those bytes over the group.
+        assert publisher.sent_bytes == [48] * 4 and [g.nbytes for g in weights_pair] == [4 * 48, 4 * 48]
 
 
 def test_an_explorer_error_reaches_the_trainer_with_its_traceback():
