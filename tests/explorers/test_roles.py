@@ -276,7 +276,8 @@ def test_published_weights_retries_and_stop_reach_the_explorer(tmp_path, method)
         explorer_channel = ControlChannel(explorer_group, weights_pair[1], "cpu")
         method = "broadcast"
     else:
-        trainer_channel, explorer_channel, weights_pair = ControlChannel(trainer_group), ControlChannel(explorer_group), None
+        trainer_channel, explorer_channel = ControlChannel(trainer_group), ControlChannel(explorer_group)
+        weights_pair = None
     subscriber = WeightSubscriber(explorer_channel, explorer_index=0)
     publisher = WeightPublisher(trainer_channel, method, sync_dir=tmp_path / "weights")
     weights = {v: [("w", torch.full((2, 3), float(v))), ("b", torch.full((3,), float(v)).to(torch.bfloat16))]
