@@ -112,12 +112,14 @@ def check_engine_roles(config) -> None:
                           "and the explorer thread would build a second beside the trainer's; use --explorer_ranks N")
 
 
-def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int = 8, synced_gpus: bool = False):
+def build_hf_engine(module, tokenizer, eos_token_ids=None, micro_batch_size: int = 8, synced_gpus: bool = False,
+                    kv_cache: str = "dynamic", compile_decode: bool = False):
     """A Hugging Face decoding engine over `module` (the policy's transformers model, shared
-    live: it never needs a weight sync), decoding `micro_batch_size` samples at once
+    live: it never needs a weight sync), decoding `micro_batch_size` samples at once with the
+    `kv_cache` and `compile_decode` of `--hf_kv_cache` and `--hf_compile_decode`
     (`lightrft.rollout.hf_engine_for`, which this names among the builders)."""
     from lightrft.models.families import family_of
     from lightrft.rollout.hf_engine import hf_engine_for
 
     return hf_engine_for(module, tokenizer, eos_token_ids, micro_batch_size, synced_gpus=synced_gpus,
-                         family=family_of(module))
+                         family=family_of(module), kv_cache=kv_cache, compile_decode=compile_decode)

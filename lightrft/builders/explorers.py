@@ -53,7 +53,8 @@ def build_explorer_parts(config: PPORunConfig, rank: int) -> ExplorerParts:
                                  # The copy records the routes of what it samples, for the trainers to replay.
                                  "routing_replay": "rollout" if model.routing_replay == "rollout" else "off"})
         module = actor.model.to(device).eval() if device is not None else actor.model.eval()
-        engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size)
+        engine = build_hf_engine(module, tokenizer, eos, config.rollout.micro_rollout_batch_size,
+                                 kv_cache=config.rollout.hf_kv_cache, compile_decode=config.rollout.hf_compile_decode)
     # Reward models are frozen: the explorer scores with its own copy, as the trainers would.
     reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
                                  normalize_reward=model.normalize_reward,

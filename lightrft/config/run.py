@@ -229,6 +229,8 @@ class PPORunConfig(RunConfig):
             self._check_token_budget()
         if self.model.routing_replay == "rollout":
             self._check_rollout_routes()
+        if self.rollout.hf_kv_cache != "dynamic" or self.rollout.hf_compile_decode:
+            self._check_hf_decoding()
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
@@ -261,6 +263,29 @@ class PPORunConfig(RunConfig):
             "--workflow": (self.agent.workflow, "multi-turn episodes are assembled from the turns' tokens, without "
                            "routes; --routing_replay old replays the old-policy forward's routes")},
                "docs/moe.md")
+
+    def _check_hf_decoding(self) -> None:
+        """--hf_kv_cache and --hf_compile_decode set the decoding of the Hugging Face engine, the one
+        built over the policy's live module; a compiled step must be something a CUDA graph can
+        replay (docs/rollout.md)."""
+        from lightrft.rollout import engine_capabilities
+
+        engine = self.rollout.rollout_engine
+        if not engine_capabilities(engine).shares_live_weights:
+            raise ConfigError(f"--hf_kv_cache and --hf_compile_decode set the decoding of the Hugging Face engine; "
+                              f"--rollout_engine {engine} holds its own weights and KV cache and does not use them: "
+                              "drop them")
+        colocated = self.roles.explorer_ranks == 0 and self.roles.sync_offset == 0
+        refuse("--hf_compile_decode", {
+            "--routing_replay rollout": (self.rollout.hf_compile_decode and self.model.routing_replay == "rollout",
+                                         "the routed experts are recorded by hooks that append to a Python list at "
+                                         "every step, which a compiled step does not run; --routing_replay old "
+                                         "replays the old-policy forward's routes"),
+            "--zero_stage 3": (self.rollout.hf_compile_decode and self.distributed.zero_stage == 3 and colocated,
+                               "the colocated engine decodes with the partitioned actor, whose forward gathers every "
+                               "layer's parameters into fresh buffers, which a CUDA graph cannot replay; use "
+                               "--zero_stage 2 or explorer ranks")},
+               "docs/rollout.md")
 
     def _check_token_budget(self) -> None:
         """--micro_train_max_tokens counts the tokens of packed rows; a padded micro-batch pads every

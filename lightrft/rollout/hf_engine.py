@@ -12,6 +12,11 @@ Work a rollout does not need is left out, without changing what it computes (tes
 to the plain loop): the n samples of a prompt share one prompt forward (its KV cache and
 next-token logits are copied to every sample), outputs and the attention mask are preallocated
 and written column by column, and the sample streams come from one reseeded generator.
+
+With `kv_cache="static"` the KV cache is a transformers `StaticCache` allocated once per chunk at
+its final length, so every decoding step has the same shapes; `compile_decode` then runs the
+one-token step through `torch.compile` (CUDA graphs on CUDA). The tokens and log-probs are the
+dynamic cache's, to float32 rounding (tests/rollout/test_hf_static_cache.py).
 """
 
 from collections.abc import Iterable, Sequence
@@ -26,10 +31,16 @@ from lightrft.rollout.registry import register_engine
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
-from lightrft.utils.hf_api import cache_argument, forward_parameters, returned_cache
+from lightrft.utils.hf_api import base_model, cache_argument, forward_parameters, returned_cache
 
 # On CUDA, decoding reads "has every row ended?" back from the device once per this many steps.
 STOP_CHECK_STEPS = 8
+# KV caches the engine decodes with (`--hf_kv_cache`).
+KV_CACHES = ("dynamic", "static")
+# A static cache's length is rounded up to a multiple of this many tokens, so that chunks whose
+# prompts differ a little in length share one compiled decoding step (fewer recompilations and
+# CUDA-graph captures); the extra slots are masked out.
+STATIC_CACHE_MULTIPLE = 64
 
 
 class HFEngine:
@@ -81,7 +92,7 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int | Sequence[int],
                  synced_gpus: bool = False, micro_batch_size: int | None = None, stop_check_steps: int | None = None,
-                 family=None):
+                 family=None, kv_cache: str = "dynamic", compile_decode: bool = False):
         if eos_token_id is None:
             raise ValueError("HFEngine needs an eos_token_id: set tokenizer.eos_token_id or pass it explicitly")
         if pad_token_id is None:
@@ -90,6 +101,8 @@ class HFEngine:
             raise ValueError(f"HFEngine micro_batch_size must be >= 1 (--micro_rollout_batch_size), got {micro_batch_size}")
         if stop_check_steps is not None and stop_check_steps < 1:
             raise ValueError(f"HFEngine stop_check_steps must be >= 1, got {stop_check_steps}")
+        check_cache_options(model, kv_cache, compile_decode)
+        self.kv_cache = kv_cache
         self.stop_check_steps = stop_check_steps
         self.family = family
         self.positions = None if family is None else family.decoding_positions(model)
@@ -104,6 +117,8 @@ class HFEngine:
         # Asking for the last position's logits only keeps the prefill from building (B, T, V) logits.
         self._keep_last_logits = "logits_to_keep" in parameters
         self._cache_name = cache_argument(parameters)
+        # The one-token decoding step: the model itself, or its compiled forward (compiled lazily, at the first call).
+        self._step = compiled_step(model) if compile_decode else model
         self.weight_switch = None        # partial rollouts: () -> the version of newer weights it loaded, or None
         self.version = 0                 # the version of the weights decoding with (partial rollouts)
 
@@ -236,8 +251,12 @@ class HFEngine:
             # prompts and copied to their samples; each row continues by one per step.
             first_d, expand_d = first.to(device), expand.to(device)
             position_ids = self.positions(input_ids[first_d], position_ids[first_d], merged)[..., expand_d, :]
-        # Written in place, one column per step, and read as a prefix: no concatenation per step.
-        attention_mask = torch.zeros((batch, prompt_len + steps), dtype=prompt_mask.dtype, device=device)
+        # Written in place, one column per step, and read as a prefix: no concatenation per step. A
+        # static cache is read whole (its slots past the last token are masked out), so its steps keep
+        # one shape: the mask is as long as the cache.
+        static = self.kv_cache == "static"
+        cache_len = static_cache_length(prompt_len + steps) if static else prompt_len + steps
+        attention_mask = torch.zeros((batch, cache_len), dtype=prompt_mask.dtype, device=device)
         attention_mask[:, :prompt_len] = prompt_mask
         tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
@@ -253,19 +272,24 @@ class HFEngine:
         if self.weight_switch is not None:
             switch_weights(self)
             versions = torch.full((batch, steps), -1, dtype=torch.int32, device=device)
-        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, merged)
+        logits, cache = self._prefill(input_ids, prompt_mask, position_ids, rows, extra, merged,
+                                      cache_len if static else None)
         decoded = 0
         for step in range(steps):
             if step > 0 and self.weight_switch is not None and switch_weights(self):
-                # New weights: the cache and the next logits are recomputed from the whole sequences.
+                # New weights: the cache and the next logits are recomputed from the whole sequences
+                # (a static cache is emptied and refilled in place, keeping its tensors).
                 positions = torch.cat([position_ids, position_ids[..., -1:] + torch.arange(
                     1, step + 1, device=device)], dim=-1)
+                if static:
+                    cache.reset()
                 out = self.model(input_ids=torch.cat([input_ids, tokens[:, :step]], dim=1),
                                  attention_mask=attention_mask[:, :prompt_len + step], position_ids=positions,
-                                 use_cache=True, **extra)
+                                 use_cache=True, **({self._cache_name: cache} if static else {}), **extra)
                 logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
             elif step > 0:
-                out = self.model(input_ids=tokens[:, step - 1:step], attention_mask=attention_mask[:, :prompt_len + step],
+                out = self._step(input_ids=tokens[:, step - 1:step],
+                                 attention_mask=attention_mask if static else attention_mask[:, :prompt_len + step],
                                  position_ids=position_ids[..., -1:] + step, use_cache=True,
                                  **{self._cache_name: cache}, **extra)
                 logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
@@ -288,13 +312,15 @@ class HFEngine:
                 None if versions is None else versions[:, :decoded])
 
     def _prefill(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor,
-                 rows: tuple[torch.Tensor, torch.Tensor], extra: dict,
-                 merged: dict | None) -> tuple[torch.Tensor, object]:
+                 rows: tuple[torch.Tensor, torch.Tensor], extra: dict, merged: dict | None,
+                 static_len: int | None) -> tuple[torch.Tensor, object]:
         """The prompt forward, once per distinct prompt: the n samples of a prompt share its KV
         cache and next-token logits, so a group of G samples costs one prompt forward instead of
         G. The prompts' media (images) enter here, through the model family; the decoding steps
-        after it see tokens only (`merged`: the distinct prompts' media joined, or None). Returns
-        the last position's logits (B, V) and the cache, both expanded to all B rows."""
+        after it see tokens only (`merged`: the distinct prompts' media joined, or None).
+        `static_len`: the slots of a static cache to prefill into (None: the model's dynamic
+        cache). Returns the last position's logits (B, V) and the cache, both expanded to all B
+        rows."""
         first, expand = rows  # (U,), (B,)
         dedupe = first.numel() < input_ids.shape[0]
         if dedupe:
@@ -305,13 +331,18 @@ class HFEngine:
             # Media, or a model that takes them running its vision tower on a blank (every rank
             # runs the same modules: ZeRO-3), may replace the ids by embeddings.
             inputs = self.family.with_media(self.model, inputs, input_ids, merged)
+        if static_len is not None:
+            inputs[self._cache_name] = new_static_cache(self.model, static_len)
         out = self.model(**inputs, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True, **extra)
         logits, cache = out.logits[:, -1, :], returned_cache(out, self._cache_name)
         if dedupe:
             expand = expand.to(logits.device)
-            if not hasattr(cache, "batch_select_indices"):
+            if static_len is not None:
+                expand_static_cache(cache, expand)
+            elif hasattr(cache, "batch_select_indices"):
+                cache.batch_select_indices(expand)  # (U, ...) -> (B, ...) on every layer
+            else:
                 raise TypeError(f"HFEngine needs a transformers Cache with batch_select_indices, got {type(cache)}")
-            cache.batch_select_indices(expand)  # (U, ...) -> (B, ...) on every layer
             logits = logits[expand]  # (U, V) -> (B, V)
         return logits, cache
 
@@ -339,7 +370,8 @@ class HFEngine:
 
 
 def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int] | None = None,
-                  micro_batch_size: int | None = None, synced_gpus: bool = False, family=None) -> HFEngine:
+                  micro_batch_size: int | None = None, synced_gpus: bool = False, family=None,
+                  kv_cache: str = "dynamic", compile_decode: bool = False) -> HFEngine:
     """The one place lightrft builds an `HFEngine`: over `model` (shared live, never synced),
     padding with the tokenizer's pad id and stopping at any of `eos_token_ids` (default: the
     tokenizer's end of sequence).
@@ -348,10 +380,78 @@ def hf_engine_for(model: torch.nn.Module, tokenizer, eos_token_ids: Sequence[int
     a caller whose batch counts prompts multiplies by its samples per prompt. It bounds memory
     only: the samples do not depend on it. `synced_gpus` keeps ranks decoding in step under ZeRO-3
     with several ranks, where every forward gathers parameters. `family`: the model's family
-    (`lightrft.models.families.family_of(model)`, which callers above the models pass)."""
+    (`lightrft.models.families.family_of(model)`, which callers above the models pass).
+    `kv_cache` ("dynamic" or "static", `--hf_kv_cache`) and `compile_decode`
+    (`--hf_compile_decode`): see `HFEngine`."""
     return HFEngine(model, pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=list(eos_token_ids or [tokenizer.eos_token_id]), synced_gpus=synced_gpus,
-                    micro_batch_size=micro_batch_size, family=family)
+                    micro_batch_size=micro_batch_size, family=family, kv_cache=kv_cache,
+                    compile_decode=compile_decode)
+
+
+def check_cache_options(model: torch.nn.Module, kv_cache: str, compile_decode: bool) -> None:
+    """Refuses a KV cache or compiled decoding `model` cannot decode with, naming the flag and
+    the fix."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"HFEngine kv_cache (--hf_kv_cache) must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    if compile_decode and kv_cache != "static":
+        raise ValueError("--hf_compile_decode compiles the decoding step over a static KV cache (fixed shapes); "
+                         "add --hf_kv_cache static or drop --hf_compile_decode")
+    if kv_cache == "static":
+        from transformers.cache_utils import StaticLayer
+
+        name = type(base_model(model)).__name__
+        try:
+            layers = new_static_cache(model, 1).layers
+        except (KeyError, ValueError, TypeError, AttributeError) as err:
+            raise ValueError(f"--hf_kv_cache static: transformers builds no StaticCache for {name} "
+                             f"({type(err).__name__}: {err}); use --hf_kv_cache dynamic") from None
+        # A recurrent (linear-attention) layer keeps a state per row rather than a slot per token.
+        recurrent = sorted({type(layer).__name__ for layer in layers
+                            if not isinstance(layer, StaticLayer) or hasattr(layer, "update_recurrent_state")})
+        if recurrent:
+            raise ValueError(f"--hf_kv_cache static: {name} has recurrent cache layers ({', '.join(recurrent)}), "
+                             "which the engine's shared-prompt prefill cannot copy between rows; lightrft's Hugging "
+                             "Face engine decodes attention-only models (use --rollout_engine vllm)")
+    if compile_decode and recorder_of(model) is not None:
+        raise ValueError("--hf_compile_decode cannot record routed experts (--routing_replay rollout): the recording "
+                         "hooks append to a Python list at every step, which a compiled step does not run; drop "
+                         "--hf_compile_decode or use --routing_replay old")
+
+
+def static_cache_length(tokens: int) -> int:
+    """Slots of a static cache for `tokens` prompt and response tokens: rounded up to a multiple
+    of STATIC_CACHE_MULTIPLE."""
+    return -(-tokens // STATIC_CACHE_MULTIPLE) * STATIC_CACHE_MULTIPLE
+
+
+def new_static_cache(model: torch.nn.Module, length: int):
+    """An empty transformers `StaticCache` of `length` slots for `model`'s layers (full, sliding
+    window); its tensors are allocated at the first forward, with that forward's rows."""
+    from transformers import StaticCache  # transformers loads with the first static cache, not with lightrft.rollout
+
+    return StaticCache(config=base_model(model).config, max_cache_len=length)
+
+
+def expand_static_cache(cache, expand: torch.Tensor) -> None:
+    """Gathers a prefilled static cache's rows to every sample, in place: row b becomes row
+    `expand[b]` on every layer (`reorder_cache`, transformers' row gather for beam search; the
+    write position is shared by all rows). The gathered key and value tensors are marked as
+    static addresses, as a freshly allocated static cache's are, so a compiled step may capture
+    them in a CUDA graph. Shape: (U, H, L, D) -> (B, H, L, D) per layer, `expand` (B,)."""
+    cache.reorder_cache(expand)
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor)
+
+
+def compiled_step(model: torch.nn.Module):
+    """`model`'s forward under `torch.compile`: CUDA graphs (`mode="reduce-overhead"`) when the
+    model is on CUDA, inductor's default elsewhere. Compiled at the first call, again for each new
+    shape (a chunk of another size or cache length)."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return torch.compile(model, mode="reduce-overhead" if on_cuda else None)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

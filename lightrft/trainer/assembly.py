@@ -119,7 +119,8 @@ def build_rollout(strategy, actor, tokenizer, rollout_config, rollout_engine=Non
         policy = strategy.unwrap_model(actor).model
         rollout_engine = hf_engine_for(policy, tokenizer, eos_token_ids, rollout_config.micro_rollout_batch_size,
                                        synced_gpus=strategy.world_size > 1 and strategy.config.zero_stage == 3,
-                                       family=family_of(policy))
+                                       family=family_of(policy), kv_cache=rollout_config.hf_kv_cache,
+                                       compile_decode=rollout_config.hf_compile_decode)
     live = engine_capabilities_of(rollout_engine).shares_live_weights
     engine_bucket_mb = None if live else rollout_engine.sync_bucket_mb
     stream = WeightStream(strategy, actor, engine_bucket_mb or rollout_config.vllm_sync_bucket_mb or 512.0)
