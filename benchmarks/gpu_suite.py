@@ -298,34 +298,6 @@ def pointwise_parts_compiled(model: Qwen2ForCausalLM):
         modeling_qwen2.apply_rotary_pos_emb = rotary
 
 
-@contextmanager
-def decoder_layers_compiled(model: Qwen2ForCausalLM):
-    """The second compile experiment: every decoder layer under torch.compile (dynamic shapes),
-    with lightrft's packed attention kept out of the graph (`torch.compiler.disable`: the layer
-    compiles into the part before the attention call and the part after). Yields a dict that
-    receives the number of graphs dynamo compiled."""
-    from torch._dynamo import config as dynamo_config, reset as dynamo_reset
-    from torch._dynamo.utils import counters as dynamo_counters
-
-    from lightrft.models import hf_utils
-
-    mapping = hf_utils.AttentionInterface._global_mapping
-    original = mapping[hf_utils.VARLEN_ATTENTION]
-    mapping[hf_utils.VARLEN_ATTENTION] = torch.compiler.disable(original)
-    limit = dynamo_config.recompile_limit
-    dynamo_config.recompile_limit = 64
-    dynamo_reset()
-    for layer in model.model.layers:
-        layer.compile(dynamic=True)
-    stats = {}
-    try:
-        yield stats
-    finally:
-        stats["unique_graphs"] = int(dynamo_counters["stats"]["unique_graphs"])
-        mapping[hf_utils.VARLEN_ATTENTION] = original
-        dynamo_config.recompile_limit = limit
-
-
 def parameter_counts(model: torch.nn.Module) -> dict:
     embedding = model.get_input_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())     # a tied LM head is counted once
@@ -416,8 +388,8 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
         model = build_qwen2(shape, device, dtype, seed)
         counts = parameter_counts(model)
         stack.enter_context(pointwise_parts_compiled(model) if compiled else nullcontext())
-        compile_stats = stack.enter_context(decoder_layers_compiled(model)) if layers_compiled else None
-        actor = ActorLanguage(model, packing_samples=True)
+        # `--torch_compile` (lightrft.models.compiled_layers): every decoder layer around the eager packed attention.
+        actor = ActorLanguage(model, packing_samples=True, torch_compile="inductor" if layers_compiled else None)
         actor.train()
         optimizer = strategy.create_optimizer(actor, lr=1e-6)
         engine, optimizer, _ = strategy.prepare((actor, optimizer, None))
@@ -442,10 +414,6 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                 step_seconds.append(time.perf_counter() - started)
         seconds = statistics.median(step_seconds)
         profile = profiled_step(optimizer_step, device, seconds, len(batches)) if profile_steps else None
-        if compile_stats is not None:
-            from torch._dynamo.utils import counters as dynamo_counters
-
-            compile_stats["unique_graphs"] = int(dynamo_counters["stats"]["unique_graphs"])
     flops = sum(training_flops(model.config, b.seq_lens, b.num_actions) for b in batches)
     tokens = sum(sum(b.seq_lens) for b in batches)
     figures = {"zero_stage": stage, "micro_tokens": sizes.micro_tokens, **counts, "attn_implementation": actor.attn_implementation,
@@ -456,7 +424,7 @@ def actor_update(stage: int, shape: dict, sizes: Sizes, device: torch.device, dt
                "mfu": None if peak is None else flops / seconds / (peak * 1e12),
                "group": group, "shared_prompts": bool(share and group > 1), "compiled_parts": compiled,
                "compiled_layers": layers_compiled,
-               "compiled_graphs": None if compile_stats is None else compile_stats.get("unique_graphs"),
+               "compiled_graphs": actor.compiled_layers.graphs if layers_compiled else None,
                "samples_per_s": sum(len(b.seq_lens) for b in batches) / seconds}
     if group > 1:        # the model FLOPs above count every sequence's prompt; shared, fewer are computed
         figures["computed_tokens_per_step"] = sum(
@@ -768,8 +736,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also time a ZeRO-2 update with the norms, MLPs and rotary function compiled "
                              "(torch.compile, dynamic shapes): an experiment on kernel launches")
     parser.add_argument("--compile_layers", action="store_true",
-                        help="also time a ZeRO-2 update with every decoder layer compiled (torch.compile, dynamic "
-                             "shapes) around the eager packed attention: an experiment on kernel launches")
+                        help="also time a ZeRO-2 update with every decoder layer compiled around the eager packed "
+                             "attention, as train_ppo --torch_compile does (inductor, dynamic shapes)")
     parser.add_argument("--shared_prompts", type=int, default=0, metavar="G",
                         help="also time ZeRO-2 updates of micro-batches with G responses per prompt, the prompt "
                              "computed once (prompt_groups) and per sequence")

@@ -17,9 +17,9 @@ def policy_model_kwargs(model: PPOModelConfig, distributed: DistributedConfig) -
     """Keyword arguments of every policy-shaped model of a run (actor, reference, EMA, explorer
     copies) besides its path: `model_kwargs` (critic and reward models share prompts too), the
     fused log-prob head (`--fused_logprob_head`) and routing replay (`--routing_replay`), which only
-    policies have."""
+    policies have, and compiled decoder layers (`--torch_compile`, which the critic takes too)."""
     return {**model_kwargs(model, distributed), "fused_head_chunk": model.fused_logprob_head,
-            "routing_replay": model.routing_replay}
+            "routing_replay": model.routing_replay, "torch_compile": model.torch_compile}
 
 
 def build_scoring_policy(path: str, model: PPOModelConfig, distributed: DistributedConfig, temperature: float,

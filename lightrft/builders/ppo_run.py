@@ -69,8 +69,8 @@ def build_ppo_models(config: PPORunConfig, strategy) -> PPOModels:
                               lora_dropout=model.lora_dropout, target_modules=model.target_modules,
                               gradient_checkpointing=config.distributed.gradient_checkpointing,
                               temperature=temperature, freeze_vision_tower=model.freeze_vision_tower, **policy_kwargs)
-        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix, **scorer_kwargs)
-                  if model.critic_pretrain else None)
+        critic = (Critic(model.critic_pretrain, value_head_prefix=model.value_head_prefix,
+                         torch_compile=model.torch_compile, **scorer_kwargs) if model.critic_pretrain else None)
         reward_models = [RewardModel(path, value_head_prefix=model.value_head_prefix,
                                      normalize_reward=model.normalize_reward, **scorer_kwargs)
                          for path in reward_model_paths(config)]

@@ -249,6 +249,22 @@ class PPOModelConfig(ModelConfig):
                                         "routed to at rollout (rollout: recorded by the Hugging Face engine) or in "
                                         "the old-policy forward (old), the gate weights kept live (docs/moe.md)",
                                  choices=("off", "rollout", "old"))
+    torch_compile: Optional[str] = option(None, "compile every decoder layer of the actor, critic, reference and "
+                                                "teacher with torch.compile (this backend; a bare flag: inductor), "
+                                                "dynamic shapes, lightrft's packed attention kept outside the "
+                                                "graphs; the same values and gradients (docs/scaling.md)",
+                                          choices=("inductor", "aot_eager"), nargs="?", const="inductor",
+                                          metavar="BACKEND")
+
+    def __post_init__(self):
+        if self.torch_compile and self.attn_implementation is not None:
+            from lightrft.models.attention import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY
+
+            if self.attn_implementation not in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
+                raise ConfigError(f"--torch_compile compiles the decoder layers around lightrft's packed attention "
+                                  f"({VARLEN_ATTENTION}, the default); --attn_implementation "
+                                  f"{self.attn_implementation} would be compiled into them with every micro-batch's "
+                                  "lengths: drop --attn_implementation or --torch_compile")
 
 
 @dataclass(frozen=True)
@@ -287,10 +303,20 @@ class RolloutConfig:
     engine_logprob_gap_action: str = option("stop", "what a step past --engine_logprob_gap_threshold does: stop the "
                                                     "run with an error, or warn once and go on",
                                             choices=("stop", "warn"))
+    hf_kv_cache: str = option("dynamic", "KV cache of --rollout_engine hf: dynamic (grows by a token per step) or "
+                                         "static (allocated once per micro-batch at prompt + --generate_max_len "
+                                         "tokens, so every decoding step has the same shapes; the same tokens and "
+                                         "log-probs, to float32 rounding)", choices=("dynamic", "static"))
+    hf_compile_decode: bool = option(False, "--rollout_engine hf: run the one-token decoding step through "
+                                            "torch.compile (CUDA graphs on GPUs); needs --hf_kv_cache static. Each "
+                                            "new micro-batch shape compiles once (tens of seconds)")
 
     def __post_init__(self):
         check_positive(self, "rollout_batch_size", "micro_rollout_batch_size", "generate_max_len",
                        "vllm_tensor_parallel_size", "engine_logprob_gap_threshold")
+        if self.hf_compile_decode and self.hf_kv_cache != "static":
+            raise ConfigError("--hf_compile_decode compiles the decoding step over a static KV cache (fixed shapes): "
+                              "add --hf_kv_cache static or drop --hf_compile_decode")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from lightrft.algorithms.logprobs import entropy_from_logits, log_probs_from_logits
 from lightrft.models.families import family_of, load_model
 from lightrft.models.attention import default_attn_implementation
+from lightrft.models.compiled_layers import CompiledLayers
 from lightrft.models.lm_head import FusedHeadUnsupported, LMHead, find_lm_head
 from lightrft.models.hf_utils import (
     check_packed_row,
@@ -78,6 +79,10 @@ class ActorLanguage(nn.Module):
             `routes=` and send each token through the recorded experts (`lightrft.utils.routing`):
             "rollout" also has the Hugging Face engine decoding with `.model` record the rollout's
             routes; "old" leaves recording to the caller (the old-policy forward's routes).
+        torch_compile: None (the default) runs the model eagerly; "inductor" or "aot_eager" compiles
+            every decoder layer with that torch.compile backend around lightrft's packed attention,
+            with dynamic shapes (`lightrft.models.compiled_layers`; `.compiled_layers.graphs` counts
+            the graphs compiled). The same log-probs and gradients, to floating-point rounding.
 
     Attribute `.model` is the Hugging Face model (a peft model with LoRA), usable for `generate`;
     `.family` its `lightrft.models.families.ModelFamily`, which loads it and builds its forward inputs.
@@ -102,6 +107,7 @@ class ActorLanguage(nn.Module):
         freeze_vision_tower: bool = False,
         fused_head_chunk: int | None = None,
         routing_replay: str = "off",
+        torch_compile: str | None = None,
         flag: str = "--pretrain",
     ) -> None:
         super().__init__()
@@ -174,6 +180,8 @@ class ActorLanguage(nn.Module):
         # The decoder and head the fused log-prob head runs on, or None for the model's logits.
         self.lm_head = self._split_head(model) if fused_head_chunk is not None else None
         self.prompt_sharing = PackedPromptSharing(model, flag)
+        # The decoder layers under torch.compile (`--torch_compile`), or None.
+        self.compiled_layers = CompiledLayers(model, torch_compile, flag) if torch_compile else None
         # The sequence-parallel group packed rows are split over (`use_sequence_parallel`), or None.
         self.sequence_parallel = None
         self.packing_checked = False

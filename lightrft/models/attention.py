@@ -337,6 +337,45 @@ def varlen_attention_mask(
     )
 
 
+# The keywords only the packed attention reads: host-side lengths, the shared-prompt layout, the
+# sequence-parallel split and the sequence starts. A compiled decoder layer carries them through its
+# graphs in one `HeldKeywords` (`lightrft.models.compiled_layers`).
+PACKING_KEYWORDS = ("packed_seq_lens", "packed_cu_seqlens", "shared_prompt_layout", SPLIT_KEYWORD)
+HELD_KEYWORD = "lightrft_held_keywords"
+
+
+class HeldKeywords:
+    """The packed attention's keywords, passed through a compiled decoder layer as one opaque
+    object: torch.compile guards on what the traced code reads, and it never reads these, so
+    micro-batches with other lengths, layouts or sequence counts reuse the same graphs (passed
+    loose, a list of N lengths is guarded on N, and each new N compiles again)."""
+
+    __slots__ = ("keywords",)
+
+    def __init__(self, keywords: dict):
+        self.keywords = keywords
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """VARLEN_ATTENTION as registered with transformers: `varlen_attention`; called from a
+    compiled decoder layer (which passes `HeldKeywords`), it runs outside the layer's graphs.
+    Shape: as `varlen_attention`."""
+    held = kwargs.pop(HELD_KEYWORD, None)
+    if held is None:
+        return varlen_attention(module, query, key, value, attention_mask, **kwargs)
+    return _attention_outside_graphs(module, query, key, value, attention_mask, held, **kwargs)
+
+
+@torch.compiler.disable
+def _attention_outside_graphs(module, query, key, value, attention_mask, held: HeldKeywords, **kwargs):
+    """`varlen_attention` with the held keywords put back, never traced by torch.compile: its
+    Python loop over sequences, host-side lengths, varlen kernels, Ulysses exchange and
+    shared-prompt layouts run as they do eagerly, and the compiled layer is split into the graph
+    before the attention call and the graph after it."""
+    return varlen_attention(module, query, key, value, attention_mask, **kwargs, **held.keywords)
+
+
 for _name in (VARLEN_ATTENTION, VARLEN_SDPA_LEGACY):
-    AttentionInterface.register(_name, varlen_attention)
+    AttentionInterface.register(_name, packed_attention)
     AttentionMaskInterface.register(_name, varlen_attention_mask)

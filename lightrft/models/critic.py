@@ -5,6 +5,7 @@ import os
 import torch
 from torch import nn
 
+from lightrft.models.compiled_layers import CompiledLayers
 from lightrft.models.families import family_of
 from lightrft.models.hf_utils import (
     enable_gradient_checkpointing,
@@ -31,6 +32,8 @@ class Critic(nn.Module):
         share_prompts: samples of one prompt share its forward (`shared_prompts.PackedPromptSharing`),
             in packed rows given `prompt_groups` and in padded batches (which are packed for it);
             values equal the unshared forward's.
+        torch_compile: None, or the torch.compile backend its decoder layers are compiled with
+            (`lightrft.models.compiled_layers`), as for ActorLanguage.
 
     `.model` is the `PreTrainedModel` (backbone under its usual prefix, head under
     `value_head_prefix`); `.head_loaded` says whether the head came from the folder.
@@ -48,6 +51,7 @@ class Critic(nn.Module):
         disable_dropout: bool = True,
         packing_samples: bool = False,
         share_prompts: bool = True,
+        torch_compile: str | None = None,
     ) -> None:
         super().__init__()
         self.value_head_prefix = value_head_prefix
@@ -66,6 +70,9 @@ class Critic(nn.Module):
         self.family = family_of(self.model)
         self.family.check(self.model, "--critic_pretrain")   # values must not see later tokens
         self.prompt_sharing = PackedPromptSharing(self.model, "--critic_pretrain")
+        # The decoder layers under torch.compile (`--torch_compile`), or None.
+        self.compiled_layers = (CompiledLayers(self.model, torch_compile, "--critic_pretrain") if torch_compile
+                                else None)
         self.sequence_parallel = None         # as ActorLanguage.sequence_parallel
         self.packing_checked = False
         if packing_samples:

@@ -57,14 +57,15 @@ def losses(log_probs, entropy, base, advantages, mask):
     return total, kl
 
 
-def check_actor(name: str, group: SequenceParallel, checkpointing: bool) -> dict:
+def check_actor(name: str, group: SequenceParallel, checkpointing: bool, compiled: bool = False) -> dict:
+    """`compiled`: the split actor's decoder layers under torch.compile (`--torch_compile aot_eager`)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name]()).float()
     state = model.state_dict()
     reference = ActorLanguage(model, gradient_checkpointing=checkpointing)
     twin = AutoModelForCausalLM.from_config(CONFIGS[name]()).float()
     twin.load_state_dict(state)
-    split = ActorLanguage(twin, gradient_checkpointing=checkpointing)
+    split = ActorLanguage(twin, gradient_checkpointing=checkpointing, torch_compile="aot_eager" if compiled else None)
     split.use_sequence_parallel(group)
     reference.train(), split.train()
     ids, lens, actions = row(1)
@@ -84,7 +85,8 @@ def check_actor(name: str, group: SequenceParallel, checkpointing: bool) -> dict
         dist.all_reduce(summed[n], group=group.group)
     ref_grads = results["reference"][4]
     return {
-        "check": f"{name}{'_checkpointing' if checkpointing else ''}",
+        "check": f"{name}{'_checkpointing' if checkpointing else ''}{'_compiled' if compiled else ''}",
+        "compiled_graphs": split.compiled_layers.graphs if compiled else 0,
         "log_probs": max_diff(results["split"][0], results["reference"][0]),
         "entropy": max_diff(results["split"][1], results["reference"][1]),
         "kl": max_diff(results["split"][2], results["reference"][2]),
@@ -297,6 +299,7 @@ def main() -> None:
     out = Path(f"{args.out}.rank{strategy.rank}")
     records = [check_actor(name, group, False) for name in CONFIGS]
     records.append(check_actor("qwen2_gqa_window", group, True))
+    records.append(check_actor("qwen2_gqa_window", group, False, compiled=True))
     records.append(check_critic(group, out.parent / "critic"))
     records.append(check_moe(group))
     records.append(check_moe_replay(group))

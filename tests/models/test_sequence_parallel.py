@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism: a packed row split over two ranks computes what the unsplit row
 does (log-probs, entropies, KL, losses and weight gradients to float rounding), for grouped-query
 attention, sliding windows (on some layers, on all), soft-capped attention, multi-head attention,
-gradient checkpointing, the critic's values, a mixture of experts' load-balancing loss and
-vision-language policies (Idefics3, Qwen2/2.5/3-VL); and what cannot be split is refused with the reason."""
+gradient checkpointing, compiled decoder layers (`--torch_compile`), the critic's values, a mixture
+of experts' load-balancing loss and vision-language policies (Idefics3, Qwen2/2.5/3-VL); and what
+cannot be split is refused with the reason."""
 
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from tests.conftest import read_json_lines, run_torchrun
 
 HERE = Path(__file__).parent
 ATOL = 1e-5
-ARCHS = ("qwen2_gqa_window", "mistral_window", "gemma2_softcap", "llama_mha", "qwen2_gqa_window_checkpointing")
+ARCHS = ("qwen2_gqa_window", "mistral_window", "gemma2_softcap", "llama_mha", "qwen2_gqa_window_checkpointing",
+         "qwen2_gqa_window_compiled")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,7 @@ def test_a_split_row_gives_the_unsplit_log_probs_losses_and_gradients(records, a
         for key in ("log_probs", "entropy", "kl", "loss"):
             assert r[key] < ATOL, (key, r[key])
         assert r["grad_names"] and r["grads"] < ATOL
+        assert (r["compiled_graphs"] > 0) == arch.endswith("_compiled")   # the split actor's layers compiled
     # Each rank computed part of the row: its logits cover its own action predictions (the 28 of
     # the row, between the two), and its gradient alone is far from the whole one.
     kept = [rank[arch]["logits_kept"] for rank in records]
