@@ -738,6 +738,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile_layers", action="store_true",
                         help="also time a ZeRO-2 update with every decoder layer compiled around the eager packed "
                              "attention, as train_ppo --torch_compile does (inductor, dynamic shapes)")
+    parser.add_argument("--hf_static", action="store_true",
+                        help="also time the HF engine with a static KV cache and, on CUDA, the compiled decoding "
+                             "step (train_ppo --hf_kv_cache static --hf_compile_decode)")
     parser.add_argument("--shared_prompts", type=int, default=0, metavar="G",
                         help="also time ZeRO-2 updates of micro-batches with G responses per prompt, the prompt "
                              "computed once (prompt_groups) and per sequence")
@@ -962,12 +965,26 @@ def run_rollouts(args, shape, sizes, device, dtype, probe, phases: dict, errors:
             engine = HFEngine(model, 0, 2, micro_batch_size=sizes.rollout_micro_batch)
             return rollout_figures(engine, prompts, sizes, device, args.seed)
 
+    def hf_static():
+        # --hf_kv_cache static --hf_compile_decode: fixed shapes per step, the step compiled (CUDA
+        # graphs); on the CPU (--smoke) the static cache decodes eagerly, compiling would take minutes.
+        with measured(probe, device) as phases["rollout HF static"]:
+            model = build_qwen2(shape, device, dtype, args.seed).eval()
+            model.set_attn_implementation(default_attn_implementation())
+            engine = HFEngine(model, 0, 2, micro_batch_size=sizes.rollout_micro_batch, kv_cache="static",
+                              compile_decode=device.type == "cuda")
+            return {**rollout_figures(engine, prompts, sizes, device, args.seed),
+                    "compiled_step": device.type == "cuda"}
+
     def vllm():
         with measured(probe, device) as phases["rollout vLLM"]:
             return rollout_figures(vllm_engine, prompts, sizes, device, args.seed)
 
     rollout = {"hf": attempt("rollout HF", errors, hf)[1]}
     release_memory(device)
+    if args.hf_static:
+        rollout["hf_static"] = attempt("rollout HF static", errors, hf_static)[1]
+        release_memory(device)
     rollout["vllm"] = attempt("rollout vLLM", errors, vllm)[1] if vllm_engine is not None else {"skipped": vllm_skip}
     return rollout
 
@@ -1010,7 +1027,7 @@ def print_report(results: dict) -> None:
             shape_note = f" ({fig['micro_batches_per_step']} x {fig['micro_tokens']} tokens)" if "wide" in stage else ""
             rows.append((label, f"{achieved}{mfu}; {fig['tokens_per_s']:,.0f} tokens/s, "
                                 f"{fig['step_seconds']:.3f} s/step{shape_note}", label))
-    for engine, phase in (("hf", "rollout HF"), ("vllm", "rollout vLLM")):
+    for engine, phase in (("hf", "rollout HF"), ("hf_static", "rollout HF static"), ("vllm", "rollout vLLM")):
         fig = results.get("rollout", {}).get(engine)
         if fig and "tokens_per_s" in fig:
             rows.append((phase, f"{fig['tokens_per_s']:,.0f} tokens/s ({fig['samples']} samples x "

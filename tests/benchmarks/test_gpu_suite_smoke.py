@@ -30,7 +30,8 @@ def positive(value) -> bool:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_suite") / "suite.json"
-    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--shared_prompts", "4", "--json", str(out)], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, str(SUITE), "--smoke", "--shared_prompts", "4", "--hf_static", "--json",
+                           str(out)], cwd=REPO_ROOT,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (f"gpu_suite --smoke exited {proc.returncode}:\n{proc.stdout[-4000:]}\n"
                                   f"{proc.stderr[-6000:]}")
@@ -86,6 +87,10 @@ def test_rollout_sync_and_grpo_step_report_their_figures(smoke):
     # min_new_tokens = max_new_tokens: every sample decodes exactly that many tokens.
     assert hf["generated_tokens"] == sizes["rollout_prompts"] * sizes["rollout_n"] * sizes["rollout_new_tokens"]
     assert "CUDA only" in results["rollout"]["vllm"]["skipped"]
+    # --hf_static: the static KV cache decodes the same number of tokens (eagerly on the CPU).
+    static = results["rollout"]["hf_static"]
+    assert static["generated_tokens"] == hf["generated_tokens"] and positive(static["tokens_per_s"])
+    assert static["compiled_step"] is False and "rollout HF static" in stdout
 
     sync = results["weight_sync"]
     # Every float32 parameter of the ZeRO-3 actor moved once (the tied LM head is the embedding).
@@ -101,7 +106,7 @@ def test_rollout_sync_and_grpo_step_report_their_figures(smoke):
     assert all(positive(v) for v in grpo["phases_seconds"].values()), grpo["phases_seconds"]
 
     assert set(results["memory"]) == {"update ZeRO-2", "update ZeRO-3", "weight sync", "rollout HF",
-                                      "grpo rollout (step 2)", "grpo train (step 2)"}
+                                      "rollout HF static", "grpo rollout (step 2)", "grpo train (step 2)"}
     for phase, fig in results["memory"].items():
         assert positive(fig["peak_gib"]) and positive(fig["seconds"]) and fig["device_used_gib"] is None, phase
     for row in ("update ZeRO-2", "update ZeRO-3", "rollout HF", "sync gather+copy", "GRPO step"):
