@@ -52,3 +52,12 @@ def make_batch(prompt_lens, response_lens, seed=0) -> Batch:
 @pytest.fixture
 def batch() -> Batch:
     return make_batch(prompt_lens=[3, 6, 2, 4], response_lens=[4, 1, 5, 2], seed=0)
+
+
+def assert_close_grads(grads: dict, ref_grads: dict, atol: float) -> None:
+    """The same parameters got gradients, each within `atol` of the reference's relative to its
+    largest entry (or absolutely, where that is below 1)."""
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max().clamp(min=1.0)
+        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=atol, rtol=0, msg=name)

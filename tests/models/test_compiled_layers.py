@@ -22,7 +22,7 @@ from lightrft.models import compiled_layers
 from lightrft.models.compiled_layers import decoder_layers
 from lightrft.utils.tiny import TINY_ARCHS, build_tiny_arch, save_tiny_arch
 
-from .conftest import make_batch
+from .conftest import assert_close_grads, make_batch
 from .test_shared_packed_prompts import grouped_row
 
 ATOL = 1e-5  # float32: compiled graphs reorder and fuse the same arithmetic
@@ -66,10 +66,7 @@ def assert_same(compiled, eager, atol=ATOL):
     assert log_probs[log_probs != 0].std() > 0.05  # log-probs that vary: not a comparison of constants
     torch.testing.assert_close(log_probs, ref_log_probs, atol=atol, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=atol, rtol=0)
-    assert grads.keys() == ref_grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        scale = ref_grads[name].abs().max().clamp(min=1.0)
-        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=atol, rtol=0, msg=name)
+    assert_close_grads(grads, ref_grads, atol)
 
 
 def packed_runs(eager, compiled) -> list[int]:

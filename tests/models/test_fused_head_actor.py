@@ -15,7 +15,7 @@ from lightrft.models import ActorLanguage
 from lightrft.models.lm_head import FUSED_HEAD_MODEL_TYPES
 from lightrft.utils.tiny import TINY_ARCHS, build_tiny_arch
 
-from .conftest import make_batch
+from .conftest import assert_close_grads, make_batch
 from .test_shared_packed_prompts import grouped_row
 from .test_shared_prompts import count_tokens, grouped_batch
 
@@ -49,10 +49,8 @@ def assert_same(fused, plain, atol):
     assert log_probs.std() > 0.05  # log-probs that vary: not a comparison between constants
     torch.testing.assert_close(log_probs, ref_log_probs, atol=atol, rtol=0)
     torch.testing.assert_close(entropy, ref_entropy, atol=atol, rtol=0)
-    assert grads.keys() == ref_grads.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        scale = ref_grads[name].abs().max().clamp(min=1.0)
-        torch.testing.assert_close(grad / scale, ref_grads[name] / scale, atol=atol, rtol=0, msg=name)
+    assert_close_grads(grads, ref_grads, atol)
+
 
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
