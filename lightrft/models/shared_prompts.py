@@ -94,6 +94,9 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int, fiel
     cache = returned_cache(prompt, name)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise PromptSharingUnsupported(f"{type(model).__name__} returned no KV cache that can be indexed by row")
+    if any(hasattr(layer, "update_recurrent_state") for layer in getattr(cache, "layers", ())):
+        # A recurrent (linear-attention) layer keeps a state per row, which cannot be copied to its samples.
+        raise PromptSharingUnsupported(f"{type(model).__name__} has recurrent cache layers")
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...); the backward sums over a prompt's rows
     output = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,
                    position_ids=position_ids[:, prompt_len:], use_cache=True, **keep(num_actions),

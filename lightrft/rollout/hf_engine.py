@@ -117,6 +117,9 @@ class HFEngine:
         # Asking for the last position's logits only keeps the prefill from building (B, T, V) logits.
         self._keep_last_logits = "logits_to_keep" in parameters
         self._cache_name = cache_argument(parameters)
+        # A recurrent (linear-attention) cache layer cannot copy its rows between samples: those
+        # models prefill every sample's prompt (dynamic cache only; the static one refuses them).
+        self._shares_prefill = not recurrent_cache_layers(model)
         # The one-token decoding step: the model itself, or its compiled forward (compiled lazily, at the first call).
         self._step = compiled_step(model) if compile_decode else model
         self.weight_switch = None        # partial rollouts: () -> the version of newer weights it loaded, or None
@@ -322,7 +325,7 @@ class HFEngine:
         cache). Returns the last position's logits (B, V) and the cache, both expanded to all B
         rows."""
         first, expand = rows  # (U,), (B,)
-        dedupe = first.numel() < input_ids.shape[0]
+        dedupe = self._shares_prefill and first.numel() < input_ids.shape[0]
         if dedupe:
             first = first.to(input_ids.device)
             input_ids, prompt_mask, position_ids = input_ids[first], prompt_mask[first], position_ids[..., first, :]
@@ -417,6 +420,20 @@ def check_cache_options(model: torch.nn.Module, kv_cache: str, compile_decode: b
         raise ValueError("--hf_compile_decode cannot record routed experts (--routing_replay rollout): the recording "
                          "hooks append to a Python list at every step, which a compiled step does not run; drop "
                          "--hf_compile_decode or use --routing_replay old")
+
+
+def recurrent_cache_layers(model: torch.nn.Module) -> list[str]:
+    """The names of the recurrent (linear-attention) cache layers transformers' dynamic cache
+    builds for `model`, which keep a state per row rather than a slot per token; [] for an
+    attention-only model, or when transformers builds no cache from its config (such models
+    build their own at the first forward)."""
+    from transformers import DynamicCache  # transformers loads with the first engine, not with lightrft.rollout
+
+    try:
+        layers = DynamicCache(config=base_model(model).config).layers
+    except (KeyError, ValueError, TypeError, AttributeError):
+        return []
+    return sorted({type(layer).__name__ for layer in layers if hasattr(layer, "update_recurrent_state")})
 
 
 def static_cache_length(tokens: int) -> int:

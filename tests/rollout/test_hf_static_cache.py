@@ -246,8 +246,10 @@ def test_a_compiled_step_cannot_record_routes():
     hf_engine_for(actor.model, tokenizer, kv_cache="static")     # eager decoding records them (test above)
 
 
-def test_a_model_with_recurrent_cache_layers_is_refused():
-    """Qwen3-Next's linear-attention layers keep a state per row, not a slot per token."""
+def test_a_model_with_recurrent_cache_layers_is_refused_a_static_cache_and_decodes_with_the_dynamic_one():
+    """Qwen3-Next's linear-attention layers keep a state per row, not a slot per token: no static
+    cache; the dynamic cache decodes n samples per prompt by prefilling each sample's prompt (its
+    rows cannot be copied), with log-probs equal to a teacher-forced forward of the samples."""
     tokenizer = build_char_tokenizer()
     config = Qwen3NextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_value_heads=2,
@@ -257,4 +259,13 @@ def test_a_model_with_recurrent_cache_layers_is_refused():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"--hf_kv_cache static: Qwen3NextForCausalLM has recurrent cache layers"):
         hf_engine_for(model, tokenizer, kv_cache="static")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine = hf_engine_for(model, tokenizer)
+    out = engine.generate([tokenizer.encode(p) for p in PROMPTS[:3]], SamplingParams(n=2, max_new_tokens=6),
+                          seeds=[11, 12, 13])
+    assert out.sequences.shape[0] == 6 and not torch.equal(out.sequences[0], out.sequences[1])
+    with torch.no_grad():
+        forced = ActorLanguage(model)(out.sequences, out.num_actions, attention_mask=out.attention_mask)
+    torch.testing.assert_close(out.rollout_log_probs[out.action_mask], forced[out.action_mask], atol=1e-5, rtol=0)
 
