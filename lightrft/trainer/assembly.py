@@ -84,6 +84,7 @@ def build_ppo_parts(strategy, models: PPOModels, config: PPOTrainerConfig, *, to
     services = build_rollout_services(
         rollout, tokenizer, strategy, algo=algo, prompt_max_len=config.data.prompt_max_len,
         micro_rollout_batch_size=rollout_config.micro_rollout_batch_size,
+        micro_rollout_max_tokens=rollout_config.micro_rollout_max_tokens,
         apply_chat_template=config.data.apply_chat_template, actor=models.actor, critic=models.critic,
         initial_model=models.initial_model, teacher=models.teacher_model, kl_controller=kl_ctl,
         reward_models=models.reward_models, reward_sources=reward_sources, reward_fn=reward_fn,
