@@ -26,7 +26,7 @@ from torch import nn
 from lightrft.models.families import family_of
 from lightrft.models.attention import VARLEN_ATTENTION, VARLEN_SDPA_LEGACY
 from lightrft.models.packing import SharedPromptLayout, pack_padded, shared_prompt_layout
-from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, returned_cache
+from lightrft.utils.hf_api import activation_checkpointing_on, cache_argument, recurrent_cache_layer, returned_cache
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,7 @@ def shared_prompt_forward(model: nn.Module, kwargs: dict, num_actions: int, fiel
     cache = returned_cache(prompt, name)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise PromptSharingUnsupported(f"{type(model).__name__} returned no KV cache that can be indexed by row")
-    if any(hasattr(layer, "update_recurrent_state") for layer in getattr(cache, "layers", ())):
-        # A recurrent (linear-attention) layer keeps a state per row, which cannot be copied to its samples.
+    if any(recurrent_cache_layer(layer) for layer in getattr(cache, "layers", ())):
         raise PromptSharingUnsupported(f"{type(model).__name__} has recurrent cache layers")
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...); the backward sums over a prompt's rows
     output = model(input_ids=input_ids[:, prompt_len:], attention_mask=attention_mask,

@@ -31,7 +31,8 @@ from lightrft.rollout.registry import register_engine
 from lightrft.rollout.sampling import sample_next_tokens
 from lightrft.rollout.seeds import sample_seed
 from lightrft.utils.distributed import get_world_size
-from lightrft.utils.hf_api import base_model, cache_argument, forward_parameters, returned_cache
+from lightrft.utils.hf_api import (base_model, cache_argument, forward_parameters, recurrent_cache_layer,
+                                   returned_cache)
 
 # On CUDA, decoding reads "has every row ended?" back from the device once per this many steps.
 STOP_CHECK_STEPS = 8
@@ -411,7 +412,7 @@ def check_cache_options(model: torch.nn.Module, kv_cache: str, compile_decode: b
                              f"({type(err).__name__}: {err}); use --hf_kv_cache dynamic") from None
         # A recurrent (linear-attention) layer keeps a state per row rather than a slot per token.
         recurrent = sorted({type(layer).__name__ for layer in layers
-                            if not isinstance(layer, StaticLayer) or hasattr(layer, "update_recurrent_state")})
+                            if not isinstance(layer, StaticLayer) or recurrent_cache_layer(layer)})
         if recurrent:
             raise ValueError(f"--hf_kv_cache static: {name} has recurrent cache layers ({', '.join(recurrent)}), "
                              "which the engine's shared-prompt prefill cannot copy between rows; lightrft's Hugging "
@@ -433,7 +434,7 @@ def recurrent_cache_layers(model: torch.nn.Module) -> list[str]:
         layers = DynamicCache(config=base_model(model).config).layers
     except (KeyError, ValueError, TypeError, AttributeError):
         return []
-    return sorted({type(layer).__name__ for layer in layers if hasattr(layer, "update_recurrent_state")})
+    return sorted({type(layer).__name__ for layer in layers if recurrent_cache_layer(layer)})
 
 
 def static_cache_length(tokens: int) -> int:

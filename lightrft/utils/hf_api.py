@@ -67,6 +67,12 @@ def returned_cache(output, name: str):
     return getattr(output, name, None)
 
 
+def recurrent_cache_layer(layer) -> bool:
+    """Whether a transformers cache layer is recurrent (linear attention: one state per row
+    rather than a slot per token), so its rows cannot be copied from one sample to another."""
+    return hasattr(layer, "update_recurrent_state")
+
+
 def activation_checkpointing_on(model: nn.Module) -> bool:
     """Whether the model recomputes activations in its backward (transformers' checkpointed
     layers), under the property's current name or, in releases before the rename, its old one."""
