@@ -74,6 +74,11 @@ def random_reward_model(base_model, out: Path) -> Path:
     return out
 
 
+# One step ahead (--sync_offset 1), 6 steps: an explorer rank, or an explorer thread per rank.
+AHEAD = dict(sync_offset=1, tis_cap=2.0, max_samples=96)
+# Running ahead by up to 2 versions, 8 steps (test_running_ahead_...).
+RUNNING_AHEAD = dict(max_samples=128, explorer_ranks=1, sync_offset=1, sync_interval=2, tis_cap=2.0)
+
 # The combinations with explorers checked against one colocated rank: (name, extra flags).
 COMBINED = {"lora": dict(lora_rank=4, lora_alpha=8, actor_learning_rate=3e-3),
             "reward_model": dict(reward_pretrain="{rm}"),       # scored with the "math" rule, summed
@@ -111,8 +116,11 @@ def colocated_runs(toy, tmp_path_factory, reward_model):
     root = tmp_path_factory.mktemp("colocated")
     names = ["plain", *COMBINED]
     flags = [{**SMALL, **(combined_flags(name, reward_model) if name in COMBINED else {})} for name in names]
+    # And one rank with an explorer thread one step ahead (test_one_step_ahead_...).
+    names.append("ahead_thread")
+    flags.append({**SMALL, **AHEAD})
     outputs = run_torchrun_many([grpo_flags(toy, root / name, **f) for name, f in zip(names, flags)], root, nproc=1)
-    assert all(summary_line(output)["step"] == 4 for output in outputs)
+    assert [summary_line(output)["step"] for output in outputs] == [4] * (len(names) - 1) + [6]
     return {name: root / name for name in names}
 
 
@@ -125,13 +133,21 @@ def colocated(colocated_runs):
 @pytest.fixture(scope="module")
 def on_policy_runs(toy, tmp_path_factory, reward_model):
     """One explorer rank + one trainer rank on-policy (--sync_offset 0), weights broadcast or
-    through a folder, and with each of COMBINED: one launch."""
+    through a folder, with each of COMBINED, and dropping too-stale batches; two colocated ranks;
+    one step ahead with an explorer rank and with an explorer thread per rank; and running ahead
+    by up to two versions, twice, and refilling with dynamic sampling: one launch."""
     root = tmp_path_factory.mktemp("on_policy")
-    runs = {"broadcast": dict(sync_method="broadcast"), "checkpoint": dict(sync_method="checkpoint"),
-            **{name: combined_flags(name, reward_model) for name in COMBINED}}
-    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **flags, "explorer_ranks": 1,
-                                                                  "sync_offset": 0})
-                                 for name, flags in runs.items()], root)
+    on_policy = {"explorer_ranks": 1, "sync_offset": 0}
+    runs = {"broadcast": dict(sync_method="broadcast", **on_policy),
+            "checkpoint": dict(sync_method="checkpoint", **on_policy),
+            **{name: {**combined_flags(name, reward_model), **on_policy} for name in COMBINED},
+            "drop": dict(staleness_policy="drop", **on_policy),
+            "two_colocated": {},
+            "ahead_rank": dict(explorer_ranks=1, **AHEAD), "ahead_threads": AHEAD,
+            "running_ahead": RUNNING_AHEAD, "running_ahead_again": RUNNING_AHEAD,
+            "running_ahead_dynamic": dict(RUNNING_AHEAD, dynamic_sampling=True, max_sampling_rounds=3)}
+    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **flags}) for name, flags in runs.items()],
+                                root)
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
 
 
@@ -198,37 +214,34 @@ def test_two_explorers_take_turns_and_still_equal_one_colocated_rank(toy, tmp_pa
     assert sorted(trained_prompts(tmp_path)) == list(range(64))
 
 
-def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, tmp_path):
-    launch(toy, tmp_path / "colocated", nproc=2)
+def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, tmp_path, on_policy_runs):
+    two_colocated = on_policy_runs["two_colocated"][0]
     launch(toy, tmp_path / "decoupled", nproc=3, explorer_ranks=1, sync_offset=0)
-    rewards = series(tmp_path / "colocated", "rollout/reward")
+    rewards = series(two_colocated, "rollout/reward")
     assert series(tmp_path / "decoupled", "rollout/reward") == pytest.approx(rewards, abs=1e-6)
-    start, colocated = load_safetensors(toy["model"]), final_weights(tmp_path / "colocated")
+    start, colocated = load_safetensors(toy["model"]), final_weights(two_colocated)
     moved, gap = weight_gap(start, colocated), weight_gap(colocated, final_weights(tmp_path / "decoupled"))
     # Equal up to float summation order (the explorer generates all 16 prompts in one call).
     assert moved > 1e-4 and gap < 0.01 * moved, (gap, moved)
 
 
-def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_path):
+def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(on_policy_runs):
     # --sync_offset 1 --sync_interval 2: bound 1 + 2 - 1 = 2; batch b needs version (b - 1) // 2 * 2.
-    flags = dict(max_samples=128, explorer_ranks=1, sync_offset=1, sync_interval=2, tis_cap=2.0)
-    # The run and its repetition (compared at the end) share a launch, with the same run refilling
-    # its steps (dynamic sampling) while it runs ahead.
-    dynamic = {**SMALL, **flags, "dynamic_sampling": True, "max_sampling_rounds": 3}
-    outputs = run_torchrun_many([grpo_flags(toy, tmp_path, **{**SMALL, **flags}),
-                                 grpo_flags(toy, tmp_path / "again", **{**SMALL, **flags}),
-                                 grpo_flags(toy, tmp_path / "dynamic", **dynamic)], tmp_path)
-    assert summary_line(outputs[0])["step"] == 8
+    # The run, its repetition (compared at the end) and the same run refilling its steps (dynamic
+    # sampling) while it runs ahead.
+    (tmp_path, output), (again, _), (dynamic, dynamic_output) = (
+        on_policy_runs[name] for name in ("running_ahead", "running_ahead_again", "running_ahead_dynamic"))
+    assert summary_line(output)["step"] == 8
     # Refilled steps run ahead within the same bound: batch j generated with version required(j)
     # (the schedule), or one past the schedule (a refill) with the newest published, taken at a
     # step s <= j + 1.
-    assert summary_line(outputs[2])["step"] == 8
-    refilled = client_state(tmp_path / "dynamic")["prompt_ledger"]["trained"]
+    assert summary_line(dynamic_output)["step"] == 8
+    refilled = client_state(dynamic)["prompt_ledger"]["trained"]
     assert [e["batch"] for e in refilled] == list(range(len(refilled))) and len(refilled) > 10
     assert all(e["step"] <= e["batch"] + 1 and 0 <= e["step"] - 1 - e["version"] <= 2 for e in refilled), refilled
     assert all(e["version"] in (max(0, e["batch"] - 1) // 2 * 2, (e["step"] - 1) // 2 * 2) for e in refilled)
-    assert max(series(tmp_path / "dynamic", "rollout/staleness_max")) <= 2
-    assert series(tmp_path / "dynamic", "train/dropped_groups")[-1] > 0
+    assert max(series(dynamic, "rollout/staleness_max")) <= 2
+    assert series(dynamic, "train/dropped_groups")[-1] > 0
     ledger = client_state(tmp_path)["prompt_ledger"]
     # Each batch is generated with exactly the version it calls for, whatever the timing.
     expected_versions = [max(0, b - 1) // 2 * 2 for b in range(8)]        # 0 0 0 2 2 4 4 6
@@ -241,13 +254,13 @@ def test_running_ahead_stays_within_the_staleness_bound_and_reaches_it(toy, tmp_
     weights = series(tmp_path, "train/tis_weight_mean")
     assert any(abs(w - 1.0) > 1e-4 for w in weights), weights
     # Whatever the timing of the two roles, the run is reproducible.
-    first, again = final_weights(tmp_path), final_weights(tmp_path / "again")
-    assert all(torch.equal(first[k], again[k]) for k in first)
+    first, repeated = final_weights(tmp_path), final_weights(again)
+    assert all(torch.equal(first[k], repeated[k]) for k in first)
 
 
-def test_dropped_stale_batches_are_generated_again_and_every_prompt_trains_once(toy, tmp_path):
+def test_dropped_stale_batches_are_generated_again_and_every_prompt_trains_once(on_policy_runs):
     # Explorers that do not wait run ahead with version-0 weights; on-policy, such batches are too stale.
-    launch(toy, tmp_path, explorer_ranks=1, sync_offset=0, staleness_policy="drop")
+    tmp_path = on_policy_runs["drop"][0]
     ledger = client_state(tmp_path)["prompt_ledger"]
     assert ledger["dropped"] >= 1 and ledger["received"] == 4 + ledger["dropped"]
     assert [e["version"] for e in ledger["trained"]] == [0, 1, 2, 3]
@@ -334,26 +347,24 @@ def weight_gap(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_one_step_ahead_in_process_trains_like_an_explorer_rank(toy, tmp_path):
+def test_one_step_ahead_in_process_trains_like_an_explorer_rank(toy, on_policy_runs, colocated_runs):
     """--sync_offset 1 without explorer ranks: an explorer thread per rank generates step k + 1
     while the rank trains step k. It samples what an explorer rank samples (same seeds, same
     weight versions), on one rank or two."""
-    flags = dict(sync_offset=1, tis_cap=2.0, max_samples=96)
-    run_torchrun_many([grpo_flags(toy, tmp_path / "rank", **{**SMALL, **flags, "explorer_ranks": 1}),
-                       grpo_flags(toy, tmp_path / "threads", **{**SMALL, **flags})], tmp_path)
-    launch(toy, tmp_path / "thread", nproc=1, **flags)
-    rewards = series(tmp_path / "rank", "rollout/reward")
-    assert series(tmp_path / "thread", "rollout/reward") == rewards
-    assert series(tmp_path / "threads", "rollout/reward") == pytest.approx(rewards, abs=1e-6)
+    runs = {"rank": on_policy_runs["ahead_rank"][0], "threads": on_policy_runs["ahead_threads"][0],
+            "thread": colocated_runs["ahead_thread"]}
+    rewards = series(runs["rank"], "rollout/reward")
+    assert series(runs["thread"], "rollout/reward") == rewards
+    assert series(runs["threads"], "rollout/reward") == pytest.approx(rewards, abs=1e-6)
     for run in ("thread", "threads"):
-        assert series(tmp_path / run, "rollout/staleness_max") == [0.0] + [1.0] * 5
-        assert [e["version"] for e in client_state(tmp_path / run)["prompt_ledger"]["trained"]] == [0, 0, 1, 2, 3, 4]
-        assert sorted(trained_prompts(tmp_path / run)) == list(range(96))
-    start, rank = load_safetensors(toy["model"]), final_weights(tmp_path / "rank")
+        assert series(runs[run], "rollout/staleness_max") == [0.0] + [1.0] * 5
+        assert [e["version"] for e in client_state(runs[run])["prompt_ledger"]["trained"]] == [0, 0, 1, 2, 3, 4]
+        assert sorted(trained_prompts(runs[run])) == list(range(96))
+    start, rank = load_safetensors(toy["model"]), final_weights(runs["rank"])
     moved = weight_gap(start, rank)
     for run in ("thread", "threads"):
         # Equal up to float summation order (the explorer thread runs its own OpenMP team).
-        gap = weight_gap(rank, final_weights(tmp_path / run))
+        gap = weight_gap(rank, final_weights(runs[run]))
         assert moved > 1e-4 and gap < 0.01 * moved, (run, gap, moved)
 
 

@@ -2,6 +2,7 @@
 
 Faults are injected on rank 0 through the LIGHTRFT_TRAIN_FAULT test hook (lightrft.utils.faults)."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,16 +36,22 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 NONFINITE = "nan-reward@1,nan-logprob@2,nan-advantage@3,nan-loss@3,nan-grad@4"
+MOMENTS = ("rollout", "train", "save")
 
 
 @pytest.fixture(scope="module")
 def clean_runs(toy, tmp_path_factory):
     """The runs that finish, in one torchrun launch (tests/e2e/run_many.py), each in its own
-    folder: the uninterrupted run the preempted ones are compared with, and the non-finite
-    injections under ZeRO-2 and ZeRO-0 (fp32: the strategy skips the step, not DeepSpeed)."""
+    folder: the uninterrupted run the preempted ones are compared with, the non-finite
+    injections under ZeRO-2 and ZeRO-0 (fp32: the strategy skips the step, not DeepSpeed), and a
+    run stopped at step 2 and three stopped by SIGTERM at step 2 (in its rollout, its update or
+    its checkpoint), which the resume tests copy and continue in launches of their own: a resume
+    is about what a new process reads from disk."""
     root = tmp_path_factory.mktemp("clean_runs")
     runs = {"uninterrupted": ({}, {}), "nonfinite-2": ({"zero_stage": 2}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE}),
-            "nonfinite-0": ({"zero_stage": 0}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE})}
+            "nonfinite-0": ({"zero_stage": 0}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE}),
+            "two_steps": ({"max_steps": 2}, {}),
+            **{f"sigterm-{moment}": ({}, {"LIGHTRFT_TRAIN_FAULT": f"sigterm-{moment}@2"}) for moment in MOMENTS}}
     outputs = run_torchrun_many([(grpo_flags(toy, root / name, **{**SMALL, **extra}), env)
                                  for name, (extra, env) in runs.items()], root)
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
@@ -91,22 +98,28 @@ def uninterrupted(clean_runs):
     return out
 
 
-@pytest.mark.parametrize("moment", ["rollout", "train", "save"])
-def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(toy, tmp_path, uninterrupted, moment):
-    proc = launch(toy, tmp_path, fault=f"sigterm-{moment}@2")
-    assert proc.returncode == 0
-    summary = summary_line(proc.stdout)
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(toy, tmp_path, clean_runs,
+                                                                             uninterrupted, moment):
+    out, stdout = clean_runs[f"sigterm-{moment}"]
+    summary = summary_line(stdout)
     assert summary["stop_reason"] == "preempted" and summary["step"] == 2
-    assert "received SIGTERM" in proc.stdout
-    assert (tmp_path / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
+    assert "received SIGTERM" in stdout
+    assert (out / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
 
+    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
     resumed = summary_line(launch(toy, tmp_path, load_checkpoint=True).stdout)
     assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
     assert_resumed_like_uninterrupted(uninterrupted, tmp_path)
 
 
-def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, tmp_path):
-    launch(toy, tmp_path, max_steps=2)                                    # checkpoints at steps 1 and 2
+def stopped_at_step_two(clean_runs, out: Path) -> None:
+    """A copy of the run that stopped at step 2 (checkpoints at steps 1 and 2) in `out`."""
+    shutil.copytree(clean_runs["two_steps"][0], out, dirs_exist_ok=True)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, tmp_path, clean_runs):
+    stopped_at_step_two(clean_runs, tmp_path)
     env = {"LIGHTRFT_CKPT_FAULT": "mid-shard:raise"}                      # every later save fails mid-write
     flags = grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True, "max_steps": 3})
     proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env)
@@ -156,7 +169,7 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(toy, tmp_path, clean_runs):
     sampled (same rewards), and the weights end where that run's did up to float rounding."""
     from safetensors.torch import load_file
 
-    launch(toy, tmp_path, max_steps=2)
+    stopped_at_step_two(clean_runs, tmp_path)
     proc = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True})],
                         nproc=1, module=True)
     assert "was saved by 2 rank(s) and this job has 1: converting it" in proc.stdout
