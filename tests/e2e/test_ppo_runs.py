@@ -2,6 +2,7 @@
 reward files and HTTP servers drive a run, and a broken reward server stops it with a clear error."""
 
 import json
+import shutil
 import time
 
 import pytest
@@ -28,57 +29,80 @@ def first_step(scalars, tag):
     return steps[1]
 
 
-def test_packing_and_zero3_give_the_same_first_step(toy, tmp_path):
+KNOBS = dict(overlap_comm="off", zero_reduce_bucket_size=4096, zero3_prefetch_bucket_size=1024,
+             zero3_max_live_parameters=100_000, zero3_param_persistence_threshold=0)
+LAYOUTS = {
+    "padded-zero2": dict(),
+    "padded-zero3": dict(zero_stage=3),
+    "padded-unshared": dict(no_prompt_sharing=True),
+    "packed-zero2": dict(packing_samples=True),
+    "packed-zero3": dict(packing_samples=True, zero_stage=3, **KNOBS),
+}
+# 16 prompts a step: 4 steps in all, interrupted after step 2 (mid-episode, or exactly at the end
+# of the first of two episodes).
+RESUMES = {"zero2-mid-episode": dict(max_samples=64, num_episodes=1, save_steps=-1, zero_stage=2),
+           "zero3-at-episode-boundary": dict(max_samples=32, num_episodes=2, save_steps=-1, zero_stage=3)}
+DAPO = dict(max_steps=2, dynamic_sampling=True, max_sampling_rounds=3, use_kl_loss=True, kl_estimator="k3",
+            init_kl_coef=0.01, entropy_coef=0.01, pretrain_output_key="output", ptx_coef=0.1, enable_ema=True,
+            max_epochs=2, eval_steps=2, eval_n_samples=4, eps_clip_low_high="0.2 0.28", rollout_correction="geo_mask",
+            rollout_mask_band="0.9 1.1")
+
+
+@pytest.fixture(scope="module")
+def runs(toy, tmp_path_factory):
+    """The runs that finish, in one torchrun launch (tests/e2e/run_many.py; each builds and closes
+    its own process group, models and engine), each in its own folder: the five layouts' first
+    steps, the uninterrupted and the interrupted runs of each resume case (the resumes are launches
+    of their own), DAPO with the regularisers, and PPO with a critic and a reward model."""
+    root = tmp_path_factory.mktemp("ppo_runs")
+    reward_model = train_first_digit_reward_model(toy["model"], root / "rm")
+    flags = {**{name: dict(max_steps=1, **extra) for name, extra in LAYOUTS.items()},
+             **{f"{case}/full": four for case, four in RESUMES.items()},
+             **{f"{case}/part": dict(four, max_steps=2) for case, four in RESUMES.items()},
+             "dapo": dict(DAPO, pretrain_data=toy["train"], eval_data=toy["eval"]),
+             "ppo": dict(advantage_estimator="gae", critic_pretrain=toy["model"], reward_pretrain=reward_model,
+                         remote_rm_url=None, n_samples_per_prompt=1, rollout_batch_size=64, train_batch_size=32,
+                         micro_train_batch_size=16, max_samples=320, num_episodes=2, init_kl_coef=0.01,
+                         critic_learning_rate=5e-3, actor_learning_rate=1e-3, lambd=0.95)}
+    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **extra}) for name, extra in flags.items()],
+                                root)
+    return {name: (root / name, output) for name, output in zip(flags, outputs)}
+
+
+def test_packing_and_zero3_give_the_same_first_step(runs):
     """Padded runs share each prompt's forward among its 4 samples through a KV cache (ZeRO-2 and
     ZeRO-3, where the prompt and response forwards gather the weights twice), packed runs through
     the shared-prompt row; --no_prompt_sharing does not share: all agree. The packed ZeRO-3 run
     moves its data otherwise (no overlap, tiny prefetch, reduce and persistence buckets): when data
     moves changes nothing computed."""
-    knobs = dict(overlap_comm="off", zero_reduce_bucket_size=4096, zero3_prefetch_bucket_size=1024,
-                 zero3_max_live_parameters=100_000, zero3_param_persistence_threshold=0)
-    layouts = {
-        "padded-zero2": dict(),
-        "padded-zero3": dict(zero_stage=3),
-        "padded-unshared": dict(no_prompt_sharing=True),
-        "packed-zero2": dict(packing_samples=True),
-        "packed-zero3": dict(packing_samples=True, zero_stage=3, **knobs),
-    }
-    # One launch runs the five (each builds and closes its own process group, models and engine).
-    outputs = run_torchrun_many([grpo_flags(toy, tmp_path / name, **{**SMALL, "max_steps": 1, **extra})
-                                 for name, extra in layouts.items()], tmp_path)
-    runs = {name: (summary_line(output), tensorboard_scalars(tmp_path / name / "tb"))
-            for name, output in zip(layouts, outputs)}
-    reference = runs["padded-zero2"][1]
+    layouts = {name: (summary_line(runs[name][1]), tensorboard_scalars(runs[name][0] / "tb")) for name in LAYOUTS}
+    reference = layouts["padded-zero2"][1]
     # The rollouts are identical (same seeds, same weights), so the rewards agree exactly ...
-    for name, (summary, scalars) in runs.items():
+    for name, (summary, scalars) in layouts.items():
         assert summary["step"] == 1 and summary["stop_reason"] == "max_steps", name
         assert first_step(scalars, "rollout/reward") == first_step(reference, "rollout/reward"), name
     # ... and the losses of the first optimizer steps agree to float32 rounding.
-    for name, (_, scalars) in runs.items():
+    for name, (_, scalars) in layouts.items():
         for tag in ("train/policy_loss", "train/ratio_mean", "train/approx_kl"):
             assert first_step(scalars, tag) == pytest.approx(first_step(reference, tag), abs=1e-5), (name, tag)
     # The step moved the policy (a loss of exactly zero would make the comparison empty).
     assert abs(first_step(reference, "train/policy_loss")) > 1e-4
 
 
-@pytest.mark.parametrize("zero_stage,episodes,per_episode", [(2, 1, 64), (3, 2, 32)],
-                         ids=["zero2-mid-episode", "zero3-at-episode-boundary"])
-def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, zero_stage, episodes, per_episode):
-    # 16 prompts a step: 4 steps in all, interrupted after step 2 (mid-episode, or exactly at the end
-    # of the first of two episodes).
-    four = dict(max_samples=per_episode, num_episodes=episodes, save_steps=-1, zero_stage=zero_stage)
-    # The uninterrupted run and the interrupted one share a launch; the resume is a new process.
-    outputs = run_torchrun_many([grpo_flags(toy, tmp_path / "full", **{**SMALL, **four}),
-                                 grpo_flags(toy, tmp_path / "part", **{**SMALL, "max_steps": 2, **four})], tmp_path)
-    assert summary_line(outputs[0])["step"] == 4 and summary_line(outputs[1])["step"] == 2
-    full = tensorboard_scalars(tmp_path / "full" / "tb")
-    resumed_summary, resumed = run_ppo(toy, tmp_path / "part", load_checkpoint=True, **four)
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, runs, case):
+    # The uninterrupted run and the interrupted one ran in the shared launch; the resume is a new process.
+    (full_out, full_output), (part, part_output) = runs[f"{case}/full"], runs[f"{case}/part"]
+    assert summary_line(full_output)["step"] == 4 and summary_line(part_output)["step"] == 2
+    full = tensorboard_scalars(full_out / "tb")
+    shutil.copytree(part, tmp_path / "part")
+    resumed_summary, resumed = run_ppo(toy, tmp_path / "part", load_checkpoint=True, **RESUMES[case])
     assert resumed_summary["step"] == 4
     for tag in ("rollout/reward", "train/policy_loss", "train/ratio_max", "rollout/response_length"):
         continued = dict(resumed[tag])
         for step in (3, 4):
             assert continued[step] == dict(full[tag])[step], (tag, step)   # bit for bit
-    final_full = load_file(tmp_path / "full" / "model" / "model.safetensors")
+    final_full = load_file(full_out / "model" / "model.safetensors")
     final_resumed = load_file(tmp_path / "part" / "model" / "model.safetensors")
     assert final_full.keys() == final_resumed.keys()
     for name in final_full:
@@ -157,13 +181,8 @@ def test_a_reward_server_with_the_wrong_number_of_scores_stops_the_run_with_a_cl
     assert time.time() - started < 300
 
 
-def test_ppo_with_critic_and_reward_model_raises_the_reward(toy, tmp_path):
-    reward_model = train_first_digit_reward_model(toy["model"], tmp_path / "rm")
-    summary, scalars = run_ppo(
-        toy, tmp_path / "ppo", advantage_estimator="gae", critic_pretrain=toy["model"],
-        reward_pretrain=reward_model, remote_rm_url=None, n_samples_per_prompt=1, rollout_batch_size=64,
-        train_batch_size=32, micro_train_batch_size=16, max_samples=320, num_episodes=2, init_kl_coef=0.01,
-        critic_learning_rate=5e-3, actor_learning_rate=1e-3, lambd=0.95)
+def test_ppo_with_critic_and_reward_model_raises_the_reward(runs):
+    scalars = tensorboard_scalars(runs["ppo"][0] / "tb")
     rewards = [value for _, value in scalars["rollout/reward"]]
     assert len(rewards) == 10 and "train/critic_loss" in scalars
     print("reward-model score per step:", [round(r, 3) for r in rewards])
@@ -209,15 +228,11 @@ def train_first_digit_reward_model(base_model, out):
     return out
 
 
-def test_dapo_and_regularisers_run_together(toy, tmp_path):
+def test_dapo_and_regularisers_run_together(runs):
     """Dynamic sampling, KL loss (k3), entropy bonus, PTX loss, EMA, two epochs, pass@k and a rollout
     correction (geometric-mean sequence mask) in one run."""
-    summary, scalars = run_ppo(
-        toy, tmp_path, max_steps=2, dynamic_sampling=True, max_sampling_rounds=3, use_kl_loss=True,
-        kl_estimator="k3", init_kl_coef=0.01, entropy_coef=0.01, pretrain_data=toy["train"],
-        pretrain_output_key="output", ptx_coef=0.1, enable_ema=True, max_epochs=2, eval_data=toy["eval"],
-        eval_steps=2, eval_n_samples=4, eps_clip_low_high="0.2 0.28", rollout_correction="geo_mask",
-        rollout_mask_band="0.9 1.1")
+    tmp_path, output = runs["dapo"]
+    summary, scalars = summary_line(output), tensorboard_scalars(tmp_path / "tb")
     assert summary["step"] == 2
     last = {tag: dict(series)[2] for tag, series in scalars.items()}
     assert last["train/ptx_loss"] > 0 and last["train/entropy"] > 0 and last["train/kl_loss"] >= 0

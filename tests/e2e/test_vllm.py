@@ -52,11 +52,10 @@ def launch(toy, out: Path, fault: str | None = None, check: bool = True, **overr
     return run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env, check=check)
 
 
-def test_grpo_with_vllm_under_zero3_raises_held_out_accuracy(toy_vllm, tmp_path):
+def test_grpo_with_vllm_under_zero3_raises_held_out_accuracy(toy_vllm, first_runs):
     before = greedy_accuracy(toy_vllm["model"], toy_vllm["eval_rows"])
-    proc = launch(toy_vllm, tmp_path, num_episodes=2, tis_cap=2.0, eval_data=toy_vllm["eval"], eval_steps=10,
-                  vllm_enforce_eager=False)
-    summary = summary_line(proc.stdout)
+    tmp_path, stdout = first_runs["learn"]
+    summary = summary_line(stdout)
     after = greedy_accuracy(tmp_path / "model", toy_vllm["eval_rows"])
     print(f"held-out greedy accuracy with vLLM rollouts {before:.3f} -> {after:.3f}")
     # The bar of the HF engine's test (tests/e2e/test_grpo_learns.py, +7 points), here in 20 steps.
@@ -77,13 +76,16 @@ def test_grpo_with_vllm_under_zero3_raises_held_out_accuracy(toy_vllm, tmp_path)
 
 @pytest.fixture(scope="module")
 def first_runs(toy_vllm, tmp_path_factory):
-    """The uninterrupted run and the run preempted at step 2, in one torchrun launch
-    (tests/e2e/run_many.py; each run builds and shuts down its own engine); the resume is a launch
-    of its own."""
+    """The uninterrupted run, the run preempted at step 2 and the learning run (20 steps, vLLM's
+    compiled engine), in one torchrun launch (tests/e2e/run_many.py; each run builds and shuts
+    down its own engine); the resume is a launch of its own."""
     root = tmp_path_factory.mktemp("vllm_runs")
-    runs = {"uninterrupted": {}, "preempted": {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}}
-    outputs = run_torchrun_many([(grpo_flags(toy_vllm, root / name, **{**VLLM, **SMALL}), env)
-                                 for name, env in runs.items()], root, env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE})
+    learn = dict(num_episodes=2, tis_cap=2.0, eval_data=toy_vllm["eval"], eval_steps=10, vllm_enforce_eager=False)
+    runs = {"uninterrupted": (SMALL, {}), "preempted": (SMALL, {"LIGHTRFT_TRAIN_FAULT": "sigterm-train@2"}),
+            "learn": (learn, {})}
+    outputs = run_torchrun_many([(grpo_flags(toy_vllm, root / name, **{**VLLM, **flags}), env)
+                                 for name, (flags, env) in runs.items()], root,
+                                env={"TORCHINDUCTOR_CACHE_DIR": INDUCTOR_CACHE})
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
 
 
