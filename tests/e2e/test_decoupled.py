@@ -15,6 +15,7 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +91,13 @@ COMBINED = {"lora": dict(lora_rank=4, lora_alpha=8, actor_learning_rate=3e-3),
                                packing_samples=True)}
 
 
+# The runs the resume tests stop at step 2 (in a shared launch) and resume (in launches of their
+# own): name -> (flags, ranks).
+SAVED = {"explorer_rank": (dict(explorer_ranks=1, sync_offset=0), 3),      # 2 trainers + 1 explorer
+         "threads": (dict(sync_offset=1), 2),                               # an explorer thread per rank
+         "dynamic_sampling": (dict(explorer_ranks=1, sync_offset=0, **COMBINED["dynamic_sampling"]), 2)}
+
+
 def combined_flags(name: str, reward_model: dict) -> dict:
     return {k: (str(reward_model[v.strip("{}")]) if isinstance(v, str) and v.startswith("{") else v)
             for k, v in COMBINED[name].items()}
@@ -134,8 +142,9 @@ def colocated(colocated_runs):
 def on_policy_runs(toy, tmp_path_factory, reward_model):
     """One explorer rank + one trainer rank on-policy (--sync_offset 0), weights broadcast or
     through a folder, with each of COMBINED, and dropping too-stale batches; two colocated ranks;
-    one step ahead with an explorer rank and with an explorer thread per rank; and running ahead
-    by up to two versions, twice, and refilling with dynamic sampling: one launch."""
+    one step ahead with an explorer rank and with an explorer thread per rank; running ahead by
+    up to two versions, twice, and refilling with dynamic sampling; and the two-rank runs of
+    SAVED stopped at step 2: one launch."""
     root = tmp_path_factory.mktemp("on_policy")
     on_policy = {"explorer_ranks": 1, "sync_offset": 0}
     runs = {"broadcast": dict(sync_method="broadcast", **on_policy),
@@ -145,10 +154,29 @@ def on_policy_runs(toy, tmp_path_factory, reward_model):
             "two_colocated": {},
             "ahead_rank": dict(explorer_ranks=1, **AHEAD), "ahead_threads": AHEAD,
             "running_ahead": RUNNING_AHEAD, "running_ahead_again": RUNNING_AHEAD,
-            "running_ahead_dynamic": dict(RUNNING_AHEAD, dynamic_sampling=True, max_sampling_rounds=3)}
+            "running_ahead_dynamic": dict(RUNNING_AHEAD, dynamic_sampling=True, max_sampling_rounds=3),
+            **{f"saved/{name}": dict(flags, max_steps=2) for name, (flags, nproc) in SAVED.items() if nproc == 2}}
     outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **flags}) for name, flags in runs.items()],
                                 root)
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
+
+
+@pytest.fixture(scope="module")
+def three_rank_runs(toy, tmp_path_factory):
+    """On three ranks, in one launch: two explorers and a trainer, one explorer and two trainers,
+    and the latter stopped at step 2 (resumed by its test in a launch of its own)."""
+    root = tmp_path_factory.mktemp("three_ranks")
+    runs = {"two_explorers": dict(explorer_ranks=2, sync_offset=0),
+            "two_trainers": dict(explorer_ranks=1, sync_offset=0),
+            **{f"saved/{name}": dict(flags, max_steps=2) for name, (flags, nproc) in SAVED.items() if nproc == 3}}
+    outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **flags}) for name, flags in runs.items()],
+                                root, nproc=3)
+    return {name: (root / name, output) for name, output in zip(runs, outputs)}
+
+
+def saved_run(runs: dict, name: str, out: Path) -> None:
+    """A copy of SAVED's run `name`, stopped at step 2, in `out`."""
+    shutil.copytree(runs[f"saved/{name}"][0], out, dirs_exist_ok=True)
 
 
 @pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
@@ -206,21 +234,20 @@ def test_explorers_with_lora_a_reward_model_or_dynamic_sampling_equal_one_coloca
         assert all(e["version"] == e["step"] - 1 for e in trained)
 
 
-def test_two_explorers_take_turns_and_still_equal_one_colocated_rank(toy, tmp_path, colocated):
-    launch(toy, tmp_path, nproc=3, explorer_ranks=2, sync_offset=0)
+def test_two_explorers_take_turns_and_still_equal_one_colocated_rank(three_rank_runs, colocated):
+    tmp_path = three_rank_runs["two_explorers"][0]
     assert series(tmp_path, "rollout/reward") == series(colocated, "rollout/reward")
     expected, got = final_weights(colocated), final_weights(tmp_path)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert sorted(trained_prompts(tmp_path)) == list(range(64))
 
 
-def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, tmp_path, on_policy_runs):
-    two_colocated = on_policy_runs["two_colocated"][0]
-    launch(toy, tmp_path / "decoupled", nproc=3, explorer_ranks=1, sync_offset=0)
+def test_two_trainers_get_the_prompts_two_colocated_ranks_would(toy, on_policy_runs, three_rank_runs):
+    two_colocated, decoupled = on_policy_runs["two_colocated"][0], three_rank_runs["two_trainers"][0]
     rewards = series(two_colocated, "rollout/reward")
-    assert series(tmp_path / "decoupled", "rollout/reward") == pytest.approx(rewards, abs=1e-6)
+    assert series(decoupled, "rollout/reward") == pytest.approx(rewards, abs=1e-6)
     start, colocated = load_safetensors(toy["model"]), final_weights(two_colocated)
-    moved, gap = weight_gap(start, colocated), weight_gap(colocated, final_weights(tmp_path / "decoupled"))
+    moved, gap = weight_gap(start, colocated), weight_gap(colocated, final_weights(decoupled))
     # Equal up to float summation order (the explorer generates all 16 prompts in one call).
     assert moved > 1e-4 and gap < 0.01 * moved, (gap, moved)
 
@@ -427,16 +454,14 @@ def test_an_explorer_whose_reward_fails_ends_the_job_with_the_error(toy, tmp_pat
 
 
 @pytest.mark.parametrize("mode", ["explorer_rank", "threads"])
-def test_a_run_saved_on_two_trainer_ranks_resumes_on_one(toy, tmp_path, colocated, mode):
+def test_a_run_saved_on_two_trainer_ranks_resumes_on_one(toy, tmp_path, colocated, on_policy_runs, three_rank_runs,
+                                                         mode):
     """Saved by two trainer ranks, resumed on one: the one rank gets the ledgers of both (each
     records its batches' rows), so the episode's prompts train exactly once; on-policy, the run
     ends where the colocated one does."""
-    if mode == "explorer_rank":       # 2 trainers + 1 explorer, then 1 + 1
-        flags, procs = dict(explorer_ranks=1, sync_offset=0), (3, 2)
-    else:                             # an explorer thread per rank, one step ahead
-        flags, procs = dict(sync_offset=1), (2, 1)
-    launch(toy, tmp_path, nproc=procs[0], max_steps=2, **flags)
-    resumed = launch(toy, tmp_path, nproc=procs[1], load_checkpoint=True, **flags)
+    flags, nproc = SAVED[mode]          # 2 trainers + 1 explorer, then 1 + 1; or 2 ranks, then 1
+    saved_run(three_rank_runs if nproc == 3 else on_policy_runs, mode, tmp_path)
+    resumed = launch(toy, tmp_path, nproc=nproc - 1, load_checkpoint=True, **flags)
     assert "was saved by 2 rank(s) and this job has 1: converting it" in resumed.stdout
     assert summary_line(resumed.stdout)["step"] == 4
     ledger = client_state(tmp_path)["prompt_ledger"]
@@ -450,12 +475,13 @@ def test_a_run_saved_on_two_trainer_ranks_resumes_on_one(toy, tmp_path, colocate
         assert weight_gap(expected, got) < 5e-3 * weight_gap(start, expected)
 
 
-def test_a_dynamic_sampling_run_with_explorers_resumes_where_its_refills_left_off(toy, tmp_path, colocated_runs):
+def test_a_dynamic_sampling_run_with_explorers_resumes_where_its_refills_left_off(toy, tmp_path, colocated_runs,
+                                                                                on_policy_runs):
     """Dynamic sampling's steps take a varying number of rollout batches: a checkpoint holds the
     next batch to take (not the step), the explorers restart there, and on-policy the resumed run
     ends with the uninterrupted colocated run's rewards and weights."""
-    flags = dict(explorer_ranks=1, sync_offset=0, **COMBINED["dynamic_sampling"])
-    launch(toy, tmp_path, max_steps=2, **flags)
+    flags = SAVED["dynamic_sampling"][0]
+    saved_run(on_policy_runs, "dynamic_sampling", tmp_path)
     assert client_state(tmp_path)["rollout_stream"] > 2             # the first two steps refilled
     resumed = launch(toy, tmp_path, load_checkpoint=True, **flags)
     assert "resumed from" in resumed.stdout and summary_line(resumed.stdout)["step"] == 4
