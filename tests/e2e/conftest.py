@@ -2,6 +2,7 @@
 what a run leaves behind (TensorBoard scalars, the final JSON summary line)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def grpo_flags(toy: dict, out: Path, **overrides) -> list[str]:
     }
     flags.update(overrides)
     return to_flags(flags)
+
+
+def copy_run(run: Path, out: Path) -> Path:
+    """A copy of a run's folder (checkpoints, logs, export) at `out`, which is returned: a run
+    stopped in a shared launch (`run_torchrun_many`) is resumed from its copy in a launch of its
+    own, since a resume is about what a new process reads from disk."""
+    shutil.copytree(run, out, dirs_exist_ok=True)
+    return out
 
 
 def assert_resumed_like_uninterrupted(uninterrupted: Path, resumed: Path) -> None:

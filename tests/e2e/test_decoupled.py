@@ -15,7 +15,6 @@
 """
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import torch
 
 from lightrft.datasets.toy import greedy_accuracy
 from tests.conftest import REPO_ROOT, free_port, run_torchrun, run_torchrun_many, subprocess_env
-from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+from tests.e2e.conftest import copy_run, grpo_flags, summary_line, tensorboard_scalars
 
 pytestmark = pytest.mark.dist
 
@@ -172,11 +171,6 @@ def three_rank_runs(toy, tmp_path_factory):
     outputs = run_torchrun_many([grpo_flags(toy, root / name, **{**SMALL, **flags}) for name, flags in runs.items()],
                                 root, nproc=3)
     return {name: (root / name, output) for name, output in zip(runs, outputs)}
-
-
-def saved_run(runs: dict, name: str, out: Path) -> None:
-    """A copy of SAVED's run `name`, stopped at step 2, in `out`."""
-    shutil.copytree(runs[f"saved/{name}"][0], out, dirs_exist_ok=True)
 
 
 @pytest.mark.parametrize("method", ["broadcast", "checkpoint"])
@@ -460,7 +454,7 @@ def test_a_run_saved_on_two_trainer_ranks_resumes_on_one(toy, tmp_path, colocate
     records its batches' rows), so the episode's prompts train exactly once; on-policy, the run
     ends where the colocated one does."""
     flags, nproc = SAVED[mode]          # 2 trainers + 1 explorer, then 1 + 1; or 2 ranks, then 1
-    saved_run(three_rank_runs if nproc == 3 else on_policy_runs, mode, tmp_path)
+    copy_run((three_rank_runs if nproc == 3 else on_policy_runs)[f"saved/{mode}"][0], tmp_path)
     resumed = launch(toy, tmp_path, nproc=nproc - 1, load_checkpoint=True, **flags)
     assert "was saved by 2 rank(s) and this job has 1: converting it" in resumed.stdout
     assert summary_line(resumed.stdout)["step"] == 4
@@ -481,7 +475,7 @@ def test_a_dynamic_sampling_run_with_explorers_resumes_where_its_refills_left_of
     next batch to take (not the step), the explorers restart there, and on-policy the resumed run
     ends with the uninterrupted colocated run's rewards and weights."""
     flags = SAVED["dynamic_sampling"][0]
-    saved_run(on_policy_runs, "dynamic_sampling", tmp_path)
+    copy_run(on_policy_runs["saved/dynamic_sampling"][0], tmp_path)
     assert client_state(tmp_path)["rollout_stream"] > 2             # the first two steps refilled
     resumed = launch(toy, tmp_path, load_checkpoint=True, **flags)
     assert "resumed from" in resumed.stdout and summary_line(resumed.stdout)["step"] == 4

@@ -2,14 +2,13 @@
 
 Faults are injected on rank 0 through the LIGHTRFT_TRAIN_FAULT test hook (lightrft.utils.faults)."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import run_torchrun, run_torchrun_many
-from tests.e2e.conftest import (assert_resumed_like_uninterrupted, grpo_flags, summary_line,
+from tests.e2e.conftest import (assert_resumed_like_uninterrupted, copy_run, grpo_flags, summary_line,
                                tensorboard_scalars)
 
 pytestmark = pytest.mark.dist
@@ -107,19 +106,14 @@ def test_sigterm_ends_with_a_checkpoint_and_the_resumed_run_continues_exactly(to
     assert "received SIGTERM" in stdout
     assert (out / "ckpt" / "_actor" / "latest").read_text().strip() == "global_step2"
 
-    shutil.copytree(out, tmp_path, dirs_exist_ok=True)
+    copy_run(out, tmp_path)
     resumed = summary_line(launch(toy, tmp_path, load_checkpoint=True).stdout)
     assert resumed["step"] == 4 and resumed["stop_reason"] == "finished"
     assert_resumed_like_uninterrupted(uninterrupted, tmp_path)
 
 
-def stopped_at_step_two(clean_runs, out: Path) -> None:
-    """A copy of the run that stopped at step 2 (checkpoints at steps 1 and 2) in `out`."""
-    shutil.copytree(clean_runs["two_steps"][0], out, dirs_exist_ok=True)
-
-
 def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, tmp_path, clean_runs):
-    stopped_at_step_two(clean_runs, tmp_path)
+    copy_run(clean_runs["two_steps"][0], tmp_path)            # stopped at step 2: checkpoints at steps 1 and 2
     env = {"LIGHTRFT_CKPT_FAULT": "mid-shard:raise"}                      # every later save fails mid-write
     flags = grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True, "max_steps": 3})
     proc = run_torchrun(["lightrft.cli.train_ppo", *flags], module=True, env=env)
@@ -169,7 +163,7 @@ def test_a_run_saved_on_two_ranks_resumes_on_one(toy, tmp_path, clean_runs):
     sampled (same rewards), and the weights end where that run's did up to float rounding."""
     from safetensors.torch import load_file
 
-    stopped_at_step_two(clean_runs, tmp_path)
+    copy_run(clean_runs["two_steps"][0], tmp_path)            # stopped at step 2: checkpoints at steps 1 and 2
     proc = run_torchrun(["lightrft.cli.train_ppo", *grpo_flags(toy, tmp_path, **{**SMALL, "load_checkpoint": True})],
                         nproc=1, module=True)
     assert "was saved by 2 rank(s) and this job has 1: converting it" in proc.stdout

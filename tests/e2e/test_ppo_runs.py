@@ -2,7 +2,6 @@
 reward files and HTTP servers drive a run, and a broken reward server stops it with a clear error."""
 
 import json
-import shutil
 import time
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import run_torchrun, run_torchrun_many
-from tests.e2e.conftest import grpo_flags, summary_line, tensorboard_scalars
+from tests.e2e.conftest import copy_run, grpo_flags, summary_line, tensorboard_scalars
 from tests.rewards.test_remote import ScriptedServer
 
 pytestmark = pytest.mark.dist
@@ -95,8 +94,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(toy, tmp_path, runs, ca
     (full_out, full_output), (part, part_output) = runs[f"{case}/full"], runs[f"{case}/part"]
     assert summary_line(full_output)["step"] == 4 and summary_line(part_output)["step"] == 2
     full = tensorboard_scalars(full_out / "tb")
-    shutil.copytree(part, tmp_path / "part")
-    resumed_summary, resumed = run_ppo(toy, tmp_path / "part", load_checkpoint=True, **RESUMES[case])
+    resumed_summary, resumed = run_ppo(toy, copy_run(part, tmp_path / "part"), load_checkpoint=True, **RESUMES[case])
     assert resumed_summary["step"] == 4
     for tag in ("rollout/reward", "train/policy_loss", "train/ratio_max", "rollout/response_length"):
         continued = dict(resumed[tag])
