@@ -9,6 +9,9 @@ weights while loading (transformers' `HfDeepSpeedConfig` switched on for the dur
 """
 
 import contextlib
+import functools
+import importlib
+import inspect
 import os
 import warnings
 import resource
@@ -125,6 +128,51 @@ def warn_if_build_is_locked(name: str) -> None:
               f"ago: a build of the {name} extension that was killed leaves it behind and this build then waits "
               f"forever. If no other process on this machine is building {name}, delete {lock}",
               file=sys.stderr, flush=True)
+
+
+DEEPSPEED_MUON_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def deferred_compile(compile_fn: Callable) -> Callable:
+    """`torch.compile` as a decorator that compiles a function on its first call instead of when
+    it decorates it; the result of that call, and of every later one, is the compiled function's.
+    Modules and anything but plain functions go to `compile_fn` at once."""
+
+    def decorate(fn=None, **options):
+        if fn is None:                                  # @torch.compile(mode=...) form
+            return lambda inner: decorate(inner, **options)
+        if not inspect.isfunction(fn):
+            return compile_fn(fn, **options)
+        compiled = None
+
+        @functools.wraps(fn)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(fn, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    return decorate
+
+
+def import_deepspeed_muon() -> None:
+    """Imports DeepSpeed's Muon module with its `torch.compile` decorations deferred to each
+    function's first call. DeepSpeed's ZeRO and bf16 optimizers import that module when they are
+    built and on every gradient reduction, whatever the optimizer, and its decorations then load
+    inductor's compiler: about 1.5 s of CPU per rank at every start (measured on 2 CPU cores), for
+    an optimizer lightrft does not build. A Muon built by other code still compiles, on first use."""
+    if DEEPSPEED_MUON_MODULE in sys.modules:
+        return
+    eager_compile = torch.compile
+    torch.compile = deferred_compile(eager_compile)
+    try:
+        importlib.import_module(DEEPSPEED_MUON_MODULE)
+    except ImportError:          # a DeepSpeed without Muon: nothing to defer
+        pass
+    finally:
+        torch.compile = eager_compile
 
 
 def release_deepspeed_groups() -> None:
@@ -406,6 +454,7 @@ class DeepspeedStrategy:
         if not is_dist_initialized():
             raise RuntimeError("DeepspeedStrategy.prepare needs the process group: call strategy.setup_distributed() "
                                "first (before building the models, so they are seeded alike on every rank)")
+        import_deepspeed_muon()     # before DeepSpeed's optimizers import it themselves
         results = []
         for item in models_or_triples:
             if item is None:

@@ -1,9 +1,10 @@
-"""What joining the process group costs: DeepSpeed must not JIT-build ops lightrft never calls."""
+"""What starting costs: DeepSpeed must not JIT-build ops, or compile functions, that lightrft never calls."""
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import free_port, subprocess_env
 
@@ -54,6 +55,10 @@ for run in range(2):
     dist.destroy_process_group()       # as vLLM's teardown does, before the strategy closes
     strategy.close()
     print("run", run, "done")
+import sys
+from deepspeed.runtime.zero.muon import original_muon
+print("inductor's compiler loaded:", "torch._inductor.compile_fx" in sys.modules)
+print("Muon deferred:", original_muon.zeropower_via_newtonschulz5.__code__.co_name)
 """
 
 
@@ -67,6 +72,37 @@ def test_a_second_zero3_run_in_the_same_process_after_the_group_was_destroyed_el
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "run 0 done" in result.stdout and "run 1 done" in result.stdout
+    # DeepSpeed's ZeRO optimizers import its Muon module, whose torch.compile decorations load
+    # inductor's compiler at import (~1.5 s a rank); the strategy defers them to their first call.
+    assert "inductor's compiler loaded: False" in result.stdout
+    assert "Muon deferred: first_call_compiles" in result.stdout
+
+
+def test_deferred_compile_compiles_once_on_the_first_call_with_the_decorations_options():
+    from lightrft.strategy.deepspeed_strategy import deferred_compile
+
+    compiled = []
+
+    def compile_fn(fn, **options):          # stands in for torch.compile: records, then doubles the result
+        compiled.append((getattr(fn, "__name__", type(fn).__name__), options))
+        return lambda *args, **kwargs: 2 * fn(*args, **kwargs)
+
+    compile_lazily = deferred_compile(compile_fn)
+
+    @compile_lazily
+    def add(a, b):
+        return a + b
+
+    @compile_lazily(mode="max-autotune", dynamic=False)
+    def negate(a):
+        return -a
+
+    assert compiled == [] and add.__name__ == "add" and add.__wrapped__(1, 2) == 3
+    assert add(1, b=2) == 6 and add(3, 4) == 14 and negate(5) == -10
+    assert compiled == [("add", {}), ("negate", {"mode": "max-autotune", "dynamic": False})]
+    module = torch.nn.Linear(2, 2)
+    assert compile_lazily(module, fullgraph=True)(torch.ones(2)).shape == (2,)   # a module goes at once
+    assert len(compiled) == 3
 
 
 def test_a_build_lock_left_by_a_killed_build_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
