@@ -172,14 +172,17 @@ def run_torchrun_many(runs: list, folder: Path, nproc: int = 2, timeout: int = 6
                       env: dict | None = None) -> list[str]:
     """Runs several train_ppo flag lists one after another in one `torchrun` launch
     (tests/e2e/run_many.py: each run builds and closes everything, as its own launch would; the
-    ranks' imports are paid once) and returns each run's stdout. A run is a flag list, or a pair
-    (flags, {variable: value}) whose variables are set for that run only. The runs' list is
-    written to `folder`."""
+    ranks' imports are paid once) and returns each run's stdout. A run is a flag list, a pair
+    (flags, {variable: value}) whose variables are set for that run only, or a dict with "argv",
+    optionally "env" and "cli" (another `lightrft.cli` command, such as "train_sft"). The runs'
+    list is written to `folder`."""
     from tests.e2e.run_many import MARKER
 
     def entry(run) -> dict:
-        argv, run_env = (run[0], run[1]) if isinstance(run, tuple) else (run, {})
-        return {"port": free_port(), "argv": [str(a) for a in argv], "env": {k: str(v) for k, v in run_env.items()}}
+        if not isinstance(run, dict):
+            run = dict(zip(("argv", "env"), run)) if isinstance(run, tuple) else {"argv": run}
+        return {"port": free_port(), "argv": [str(a) for a in run["argv"]], "cli": run.get("cli", "train_ppo"),
+                "env": {k: str(v) for k, v in run.get("env", {}).items()}}
 
     spec = Path(folder) / "runs.json"
     spec.write_text(json.dumps([entry(run) for run in runs]))

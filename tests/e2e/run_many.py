@@ -1,7 +1,8 @@
-"""Several train_ppo runs one after another in the same torchrun ranks:
+"""Several train_ppo (or train_sft) runs one after another in the same torchrun ranks:
 `python -m torch.distributed.run ... tests/e2e/run_many.py RUNS.json`, where RUNS.json is a list
-of {"port": P, "argv": [flags], "env": {NAME: VALUE}} ("env": variables set for that run only,
-such as a fault-injection plan). Each run builds everything anew (process group, models, engine)
+of {"port": P, "argv": [flags], "env": {NAME: VALUE}, "cli": "train_ppo"} ("env": variables set
+for that run only, such as a fault-injection plan; "cli": the `lightrft.cli` command whose
+`train(parse_args(argv))` runs, train_ppo unless named). Each run builds everything anew (process group, models, engine)
 and closes it, as a launch of its own would; only the interpreter, and so the ~5 s of imports per
 rank, is shared. Each run's process group meets at its own port, with rank 0 hosting the store:
 torchrun's store keeps the keys of the groups a closed run made, under the names the next run's
@@ -11,6 +12,7 @@ Rank 0 prints `=== run i ===` before run i's output, so a test can split the out
 For runs whose results are compared with one another; a test about what a new process reads
 from disk (resume after a kill or a preemption) launches each run on its own."""
 
+import importlib
 import json
 import os
 import sys
@@ -20,7 +22,6 @@ from pathlib import Path
 
 from torch.distributed import TCPStore
 
-from lightrft.cli.train_ppo import parse_args, train
 from lightrft.utils.program import finish_process
 
 MARKER = "=== run {} ==="
@@ -44,7 +45,8 @@ if __name__ == "__main__":
         os.environ.update(run.get("env", {}))
         if launched["RANK"] == "0":
             print(f"\n{MARKER.format(index)}", flush=True)   # on a line of its own, whatever came before
-        train(parse_args(run["argv"]))
+        command = importlib.import_module(f"lightrft.cli.{run.get('cli', 'train_ppo')}")
+        command.train(command.parse_args(run["argv"]))
         # Rank 0 hosts the run's store: no rank leaves (or starts the next run) while a peer may
         # still be closing its groups over it.
         all_arrived(agent, f"run_many/after/{index}", world)

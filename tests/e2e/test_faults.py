@@ -44,16 +44,19 @@ def clean_runs(toy, tmp_path_factory):
     folder: the uninterrupted run the preempted ones are compared with, the non-finite
     injections under ZeRO-2 and ZeRO-0 (fp32: the strategy skips the step, not DeepSpeed), and a
     run stopped at step 2 and three stopped by SIGTERM at step 2 (in its rollout, its update or
-    its checkpoint), which the resume tests copy and continue in launches of their own: a resume
-    is about what a new process reads from disk."""
+    its checkpoint), which the resume tests copy and continue in launches of their own (a resume
+    is about what a new process reads from disk), and a train_sft run whose step 2 has a NaN loss."""
     root = tmp_path_factory.mktemp("clean_runs")
     runs = {"uninterrupted": ({}, {}), "nonfinite-2": ({"zero_stage": 2}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE}),
             "nonfinite-0": ({"zero_stage": 0}, {"LIGHTRFT_TRAIN_FAULT": NONFINITE}),
             "two_steps": ({"max_steps": 2}, {}),
             **{f"sigterm-{moment}": ({}, {"LIGHTRFT_TRAIN_FAULT": f"sigterm-{moment}@2"}) for moment in MOMENTS}}
-    outputs = run_torchrun_many([(grpo_flags(toy, root / name, **{**SMALL, **extra}), env)
-                                 for name, (extra, env) in runs.items()], root)
-    return {name: (root / name, output) for name, output in zip(runs, outputs)}
+    launched = [{"argv": grpo_flags(toy, root / name, **{**SMALL, **extra}), "env": env}
+                for name, (extra, env) in runs.items()]
+    launched.append({"cli": "train_sft", "argv": sft_flags(toy, root / "sft-nan-loss"),
+                     "env": {"LIGHTRFT_TRAIN_FAULT": "nan-loss@2"}})
+    outputs = run_torchrun_many(launched, root)
+    return {name: (root / name, output) for name, output in zip([*runs, "sft-nan-loss"], outputs)}
 
 
 @pytest.mark.parametrize("zero_stage", [2, 0])
@@ -126,26 +129,25 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_the_run_continues(toy, 
     assert "resumed from" in resumed.stdout and "global_step2: step 2" in resumed.stdout
 
 
-def test_sft_skips_a_non_finite_step_and_stops_after_a_streak(toy, tmp_path):
-    def sft(out, fault, **extra):
-        flags = ["--pretrain", toy["model"], "--dataset", toy["train"], "--input_key", "input", "--output_key",
-                 "output", "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "8",
-                 "--max_samples", "128", "--learning_rate", "1e-3", "--save_path", out / "model", "--ckpt_path",
-                 out / "ckpt", "--save_steps", "1", "--max_ckpt_num", "4", "--use_tensorboard", out / "tb"]
-        for key, value in extra.items():
-            flags += [f"--{key}", str(value)]
-        return run_torchrun(["lightrft.cli.train_sft", *flags], module=True, check=False,
-                            env={"LIGHTRFT_TRAIN_FAULT": fault})
+def sft_flags(toy, out: Path, **extra) -> list:
+    flags = ["--pretrain", toy["model"], "--dataset", toy["train"], "--input_key", "input", "--output_key",
+             "output", "--max_len", "16", "--train_batch_size", "32", "--micro_train_batch_size", "8",
+             "--max_samples", "128", "--learning_rate", "1e-3", "--save_path", out / "model", "--ckpt_path",
+             out / "ckpt", "--save_steps", "1", "--max_ckpt_num", "4", "--use_tensorboard", out / "tb"]
+    for key, value in extra.items():
+        flags += [f"--{key}", str(value)]
+    return flags
 
-    proc = sft(tmp_path / "one", "nan-loss@2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    skipped = dict(tensorboard_scalars(tmp_path / "one" / "tb")["train/skipped_steps"])
+
+def test_sft_skips_a_non_finite_step_and_stops_after_a_streak(toy, tmp_path, clean_runs):
+    one = clean_runs["sft-nan-loss"][0]
+    skipped = dict(tensorboard_scalars(one / "tb")["train/skipped_steps"])
     assert skipped == {1: 0.0, 2: 1.0, 3: 1.0, 4: 1.0}
-    assert same_weights(actor_weights_sft(tmp_path / "one" / "ckpt", 1), actor_weights_sft(tmp_path / "one" / "ckpt", 2))
-    assert not same_weights(actor_weights_sft(tmp_path / "one" / "ckpt", 2),
-                            actor_weights_sft(tmp_path / "one" / "ckpt", 3))
+    assert same_weights(actor_weights_sft(one / "ckpt", 1), actor_weights_sft(one / "ckpt", 2))
+    assert not same_weights(actor_weights_sft(one / "ckpt", 2), actor_weights_sft(one / "ckpt", 3))
 
-    proc = sft(tmp_path / "streak", "nan-loss@2,nan-loss@3", max_nonfinite_steps=2)
+    proc = run_torchrun(["lightrft.cli.train_sft", *sft_flags(toy, tmp_path / "streak", max_nonfinite_steps=2)],
+                        module=True, check=False, env={"LIGHTRFT_TRAIN_FAULT": "nan-loss@2,nan-loss@3"})
     assert proc.returncode != 0
     assert "2 optimizer steps in a row were skipped for non-finite values (loss" in proc.stdout + proc.stderr
     assert (tmp_path / "streak" / "ckpt" / "latest").read_text().strip() == "global_step3"
