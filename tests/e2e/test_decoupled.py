@@ -465,8 +465,9 @@ def test_a_run_saved_on_two_trainer_ranks_resumes_on_one(toy, tmp_path, colocate
         assert series(tmp_path, "rollout/reward")[-2:] == series(colocated, "rollout/reward")[-2:]
         start, expected, got = load_safetensors(toy["model"]), final_weights(colocated), final_weights(tmp_path)
         # Two trainer ranks sum gradients in another order than one: an uninterrupted 2-trainer run
-        # also ends 7.1e-6 from the colocated one (4.0e-3 of training), as this one does.
-        assert weight_gap(expected, got) < 5e-3 * weight_gap(start, expected)
+        # also ends 7.1e-6 from the colocated one (training moved the weights 4.0e-3), as this one
+        # does; the rounding depends on the CPU's vector kernels: 2.1e-5 on an AVX2-only CPU.
+        assert weight_gap(expected, got) < 2e-2 * weight_gap(start, expected)
 
 
 def test_a_dynamic_sampling_run_with_explorers_resumes_where_its_refills_left_off(toy, tmp_path, colocated_runs,
