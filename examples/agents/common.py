@@ -20,10 +20,12 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def transcript(tokenizer, prompt: str, turns: list[tuple[str, list[dict]]]) -> tuple[list[int], list[bool]]:
+def transcript(tokenizer, prompt: str, turns: list[tuple[str, list[dict]]],
+               context_turns: int = 0) -> tuple[list[int], list[bool]]:
     """One conversation as an episode holds it: token ids and which of them train. `prompt` is
     the user message (rendered with the generation prompt), `turns` are (assistant text,
-    environment messages after it); each turn and its EOS train, the rest does not."""
+    environment messages after it); each turn and its EOS train, the rest does not, nor do the
+    first `context_turns` turns (they are context for the ones after them)."""
     from lightrft.agents import ChatRenderer
 
     renderer = ChatRenderer(tokenizer, [tokenizer.eos_token_id])
@@ -31,9 +33,9 @@ def transcript(tokenizer, prompt: str, turns: list[tuple[str, list[dict]]]) -> t
                                             add_generation_prompt=True)
     ids = tokenizer.encode(context, add_special_tokens=False)
     trains = [False] * len(ids)
-    for text, environment in turns:
+    for index, (text, environment) in enumerate(turns):
         turn = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids, trains = ids + turn, trains + [True] * len(turn)
+        ids, trains = ids + turn, trains + [index >= context_turns] * len(turn)
         if environment:
             observed = renderer.environment_ids(environment)
             ids, trains = ids + observed, trains + [False] * len(observed)
@@ -41,10 +43,11 @@ def transcript(tokenizer, prompt: str, turns: list[tuple[str, list[dict]]]) -> t
 
 
 def warm_start(output_dir, transcripts: list[tuple[list[int], list[bool]]], steps: int, lr: float = 3e-3,
-               hidden_size: int = 128, seed: int = 0, batch_size: int = 32) -> Path:
+               hidden_size: int = 128, seed: int = 0, batch_size: int = 32, lr_decay: bool = False) -> Path:
     """A tiny Llama-shaped model (character tokenizer, heads of 32: vLLM's CPU attention takes
     them) trained for `steps` plain-PyTorch steps on `transcripts` (`transcript`), the loss on the
     tokens that train; saved with its tokenizer. Few steps leave it partly right, so RL has room.
+    `lr_decay` lowers the rate linearly to a tenth of `lr` over 90% of the steps, then holds it.
 
     Llama rather than Qwen2 because transformers loads a saved Qwen2 folder's tokenizer as
     `Qwen2Tokenizer`, whose byte-level pre-tokenizer drops the character tokenizer's spaces and
@@ -58,6 +61,8 @@ def warm_start(output_dir, transcripts: list[tuple[list[int], list[bool]]], step
                                  num_heads=hidden_size // 32, num_kv_heads=max(1, hidden_size // 64),
                                  seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rate = (lambda step: max(0.1, 1 - step / steps)) if lr_decay else (lambda step: 1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         batch = [transcripts[i] for i in torch.randint(0, len(transcripts), (batch_size,), generator=generator)]
@@ -73,6 +78,7 @@ def warm_start(output_dir, transcripts: list[tuple[list[int], list[bool]]], step
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
     output_dir = Path(output_dir)
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -65,7 +65,7 @@ def calc(tmp_path_factory):
     root = tmp_path_factory.mktemp("calc")
     train_rows, eval_rows = calculator.product_splits(seed=0)
     return {"train": write_jsonl(train_rows, root / "train.jsonl"), "eval": write_jsonl(eval_rows, root / "eval.jsonl"),
-            "eval_rows": eval_rows, "model": warm(calculator.sft_model, root / "sft", train_rows, 600)}
+            "eval_rows": eval_rows, "model": warm(calculator.sft_model, root / "sft", train_rows, 900)}
 
 
 def calculator_flags(calc, out: Path, steps: int, **overrides) -> list:
@@ -106,8 +106,9 @@ def test_calculator_grpo_learns_to_call_the_tool(calc, runs):
     summary = summary_line(stdout)
     after = summary["eval/reward_greedy"]
     print(f"held-out greedy success {before:.3f} -> {after:.3f}")
-    # Measured (2 CPU ranks): 29.7% -> 42.2% in 12 steps, 43.8% in 30; with other warm-start
-    # draws 48.4% -> 81.2% in 30. Tool calls per episode 0.27 -> 0.88 in 12 steps.
+    # Measured (2 CPU ranks, 12 steps) over warm-start seeds 0-3, one of them with PyTorch's
+    # scalar kernels: 42.2% -> 93.8%, 39.1% -> 84.4%, 32.8% -> 79.7%, 26.6% -> 51.6%; tool calls
+    # per episode 0.26-0.30 at the first step, 0.95-0.98 at the last (docs/agents.md).
     assert after >= before + 0.08, (before, after)
     calls = series(tmp_path, "rollout/tool_calls")
     assert calls[0] < 0.5 and calls[-1] > 0.8, calls         # the tool habit spreads to every question
