@@ -4,9 +4,10 @@ of {"port": P, "argv": [flags], "env": {NAME: VALUE}, "cli": "train_ppo"} ("env"
 for that run only, such as a fault-injection plan; "cli": the `lightrft.cli` command whose
 `train(parse_args(argv))` runs, train_ppo unless named). Each run builds everything anew
 (process group, models, engine) and closes it, as a launch of its own would; only the
-interpreter, and so the ~5 s of imports per rank, is shared. Each run's process group meets at its own port, with rank 0 hosting the store:
-torchrun's store keeps the keys of the groups a closed run made, under the names the next run's
-groups get again, and a rank reading them would wait for peers that are gone.
+interpreter, and so the ~5 s of imports per rank, is shared. Each run's process group meets at
+its own port, with rank 0 hosting the store: torchrun's store keeps the keys of the groups a
+closed run made, under the names the next run's groups get again, and a rank reading them would
+wait for peers that are gone.
 Rank 0 prints `=== run i ===` before run i's output, so a test can split the output per run.
 
 For runs whose results are compared with one another; a test about what a new process reads

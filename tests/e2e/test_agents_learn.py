@@ -23,7 +23,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import calculator  # noqa: E402
 import guessing_game  # noqa: E402
-from common import greedy_success  # noqa: E402
+from common import greedy_success, transcript  # noqa: E402
 
 
 def with_flags(flags: list, **overrides) -> list:
@@ -114,6 +114,25 @@ def test_calculator_grpo_learns_to_call_the_tool(calc, runs):
     assert calls[0] < 0.5 and calls[-1] > 0.8, calls         # the tool habit spreads to every question
     assert max(series(tmp_path, "rollout/tool_failure")) == 0.0
     assert max(series(tmp_path, "rollout/workflow_error")) == 0.0
+
+
+def test_a_reading_transcript_trains_the_answer_only():
+    """The calculator's warm start teaches reading the tool's result with transcripts whose call
+    is context (`context_turns=1`): only the answer and its EOS train, the call does not."""
+    from lightrft.utils.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    row = {"input": "37*48", "label": "1776"}
+    call = '<tool_call>{"name":"multiply","arguments":{"a":37,"b":48}}</tool_call>'
+    trained = {}
+    for context_turns in (0, 1):
+        ids, trains = transcript(tokenizer, row["input"], calculator.conversation(row, True), context_turns)
+        trained[context_turns] = [i for i, t in zip(ids, trains) if t]
+        assert "tool: 1776" in tokenizer.decode(ids)          # the tool's message is there either way
+    eos = [tokenizer.eos_token_id]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    assert trained[0] == encode(call) + eos + encode("1776") + eos
+    assert trained[1] == encode("1776") + eos
 
 
 SMALL = dict(rollout_batch_size=8, n_samples_per_prompt=4, train_batch_size=32, micro_train_batch_size=16,
