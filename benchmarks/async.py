@@ -9,6 +9,8 @@ with the same flags apart from the roles:
              ahead at most), rank 0 only trains, on the whole batch (`decoupled` names it too);
   bound2, bound4   the same with `--sync_offset 2` and `4`;
   partial    bound1 with `--partial_rollouts`: the explorer takes new weights mid-batch;
+  overlap    partial with `--overlap_batches`: the explorer decodes its next batch beside the
+             current one's longest responses, in segments (staleness bound 2);
   auto       `--auto_sync_offset 4`: the offset sets itself within [1, 4] at each step.
 
 The workload is `grpo_step.py`'s (a tiny Qwen2 SFT-warmed here; the toy addition task, 320
@@ -47,6 +49,15 @@ machine and its load average before and after. A benchmark, not a test: nothing 
     python benchmarks/async.py --latency_ms 0            # an instant reward server
     python benchmarks/async.py --max_new_tokens 8        # short responses, hardly a tail
     python benchmarks/async.py --smoke                   # 3 steps, 1 run per mode: checks it runs
+    python benchmarks/async.py --generation_only         # the explorer's decoding alone, see below
+
+--generation_only times the explorer's decoding without training: the warm-started model, one
+thread, the first 6 rollout batches (32 prompts x 8 samples, the run's micro-batches of 64),
+decoded batch after batch by one `generate` call each (what an explorer does without
+--overlap_batches) and by `OverlappedBatches` (segments of 8 tokens, the next batch admitted at
+the same share still going as in a run), alternating for --repeats rounds. One set of weights
+throughout, so the responses are drawn from the same policy and the pace is the engine's alone,
+not the trained tail's.
 """
 
 import argparse
@@ -84,6 +95,7 @@ MODES = {"sync": ["--explorer_ranks", "0"], "bound1": ["--explorer_ranks", "1", 
          "bound2": ["--explorer_ranks", "1", "--sync_offset", "2"],
          "bound4": ["--explorer_ranks", "1", "--sync_offset", "4"],
          "partial": ["--explorer_ranks", "1", "--sync_offset", "1", "--partial_rollouts"],
+         "overlap": ["--explorer_ranks", "1", "--sync_offset", "1", "--partial_rollouts", "--overlap_batches"],
          "auto": ["--explorer_ranks", "1", "--sync_offset", "1", "--auto_sync_offset", "4"]}
 ALIASES = {"decoupled": "bound1"}
 PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",
@@ -297,10 +309,67 @@ def report(result: dict) -> None:
     print("=" * width)
 
 
+def generation_pace(data: dict, work: grpo_step.Workload, repeats: int, seed: int, batches: int = 6) -> None:
+    """--generation_only: samples/s of the explorer's decoding, plain and overlapped (module doc)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lightrft.explorers.overlap import EARLY_START_GOING_SHARE, OverlappedBatches
+    from lightrft.rollout import HFEngine, SamplingParams
+
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(data["model"])
+    model = AutoModelForCausalLM.from_pretrained(data["model"], dtype=torch.float32).eval()
+    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, micro_batch_size=64)
+    params = SamplingParams(temperature=work.temperature, max_new_tokens=work.max_new_tokens, n=work.group_size)
+    rows = [json.loads(line) for line in Path(data["train"]).read_text().splitlines()]
+    size = work.prompts_per_step
+    prompts = [[tokenizer.encode(row["input"]) for row in rows[b * size:(b + 1) * size]] for b in range(batches)]
+
+    def seeds(batch: int, round_: int) -> list[int]:
+        return [seed * 1_000_003 + round_ * 10_007 + batch * size + i for i in range(size)]
+
+    def plain(round_: int) -> tuple[float, int]:
+        started, tokens = time.perf_counter(), 0
+        for batch, batch_prompts in enumerate(prompts):
+            tokens += int(engine.generate(batch_prompts, params, seeds=seeds(batch, round_)).action_mask.sum())
+        return time.perf_counter() - started, tokens
+
+    def overlapped(round_: int) -> tuple[float, int]:
+        decoder = OverlappedBatches(engine, params, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+        queue, started, tokens = list(enumerate(prompts)), time.perf_counter(), 0
+        while queue or decoder.in_flight:
+            in_flight = decoder.in_flight
+            if queue and (not in_flight or (len(in_flight) < 2
+                                            and in_flight[0].going_share <= EARLY_START_GOING_SHARE)):
+                batch, batch_prompts = queue.pop(0)
+                decoder.admit(batch, batch_prompts, seeds(batch, round_), version=0)
+                continue
+            decoder.decode_segment(version=0)
+            tokens += sum(int(done.rollout.action_mask.sum()) for done in decoder.finished())
+        return time.perf_counter() - started, tokens
+
+    samples = batches * work.samples_per_step
+    pace = {"plain": [], "overlapped": []}
+    with torch.no_grad():
+        for round_ in range(repeats):
+            for name, decode in (("plain", plain), ("overlapped", overlapped)):
+                seconds, tokens = decode(round_)
+                pace[name].append(samples / seconds)
+                print(f"round {round_ + 1} {name:10s} {samples / seconds:6.0f} samples/s, {tokens / seconds:6.0f} "
+                      f"tokens/s ({tokens / samples:.1f} tokens per response)", flush=True)
+    ratios = [o / p for o, p in zip(pace["overlapped"], pace["plain"])]
+    print(f"{grpo_step.machine_description()}; one thread; {batches} batches of {samples // batches} samples, "
+          f"<= {work.max_new_tokens} new tokens")
+    for name, values in pace.items():
+        print(f"{name:10s} samples/s: {spread(values, '.0f')}")
+    print(f"overlapped / plain: {spread(ratios, '.2f')} ({', '.join(f'{r:.2f}' for r in ratios)})")
+
+
 def ratio_runs(runs: dict[str, list[dict]]) -> dict[tuple[str, str], list[float]]:
-    """Samples/s of each mode over sync's, round by round, and partial over bound1 (the same
-    schedule without partial rollouts); only pairs of modes that ran."""
-    pairs = [(mode, "sync") for mode in runs if mode != "sync"] + [("partial", "bound1"), ("auto", "bound2")]
+    """Samples/s of each mode over sync's, round by round, and partial and overlap over bound1
+    (the same schedule without partial rollouts); only pairs of modes that ran."""
+    pairs = [(mode, "sync") for mode in runs if mode != "sync"] + [("partial", "bound1"), ("overlap", "bound1"),
+                                                                   ("auto", "bound2")]
     return {(top, bottom): [a["samples_per_sec"] / b["samples_per_sec"] for a, b in zip(runs[top], runs[bottom])]
             for top, bottom in pairs if top in runs and bottom in runs}
 
@@ -316,6 +385,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="3 steps, 1 run per mode, 40 SFT steps, 16 new tokens")
     parser.add_argument("--output_dir", default=None, help="keep models and logs here (default: a temporary folder)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    parser.add_argument("--generation_only", action="store_true",
+                        help="time the explorer's decoding alone, plain and overlapped (see above)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated, run in this order each round, of {', '.join(MODES)}")
     args = parser.parse_args()
@@ -337,6 +408,9 @@ def main() -> None:
     try:
         data = prepare_workload(out, work, args)
         print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}", flush=True)
+        if args.generation_only:
+            generation_pace(data, work, args.repeats, args.seed)
+            return
         runs = {mode: [] for mode in modes}
         with SlowRewardServer(args.latency_ms / 1000) as server:
             for repeat in range(args.repeats):

@@ -234,8 +234,9 @@ class PPORunConfig(RunConfig):
         roles = self.roles
         if roles.explorer_ranks > 0 or roles.sync_offset > 0:
             self._check_roles()
-        elif roles.partial_rollouts or roles.auto_sync_offset:
-            flag = "--partial_rollouts" if roles.partial_rollouts else f"--auto_sync_offset {roles.auto_sync_offset}"
+        elif roles.partial_rollouts or roles.auto_sync_offset or roles.overlap_batches:
+            flag = ("--partial_rollouts" if roles.partial_rollouts else "--overlap_batches" if roles.overlap_batches
+                    else f"--auto_sync_offset {roles.auto_sync_offset}")
             raise ConfigError(f"{flag} applies to explorers: add --explorer_ranks N or --sync_offset 1, or drop {flag}")
         elif roles.sync_interval > 1:
             raise ConfigError(f"--sync_interval {roles.sync_interval} applies to explorers: add --explorer_ranks N "
@@ -329,6 +330,19 @@ class PPORunConfig(RunConfig):
                 "--routing_replay rollout": (self.model.routing_replay == "rollout", "the routes recorded before new "
                                              "weights arrive are those of the old weights; --routing_replay old "
                                              "replays the trainer's own")},
+                   "docs/async.md")
+        if self.roles.overlap_batches:
+            if not self.roles.partial_rollouts:
+                raise ConfigError("--overlap_batches takes new weights between segments, each token tagged with "
+                                  "the version that sampled it, which is what --partial_rollouts does: add "
+                                  "--partial_rollouts (docs/async.md)")
+            refuse("--overlap_batches", {
+                "--staleness_policy drop": (self.roles.staleness_policy == "drop", "a batch asked for again would "
+                                            "start beside the ones in flight; use --staleness_policy wait"),
+                "--dynamic_sampling": (self.algorithm.dynamic_sampling, "its refills are batches asked for out of "
+                                       "turn, beside the ones in flight"),
+                "--workflow": (self.agent.workflow, "a multi-turn episode's turns wait for its environment, not "
+                               "for segments; --partial_rollouts alone takes new weights inside and between turns")},
                    "docs/async.md")
 
     @property

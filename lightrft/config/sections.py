@@ -361,6 +361,11 @@ class RolesConfig:
     partial_rollouts: bool = option(False, "explorers take new weights as soon as they arrive, also in the middle of "
                                            "a batch: responses still generating continue under the new weights, each "
                                            "token tagged with the version that sampled it (docs/async.md)")
+    overlap_batches: bool = option(False, "with --partial_rollouts: an explorer starts its next batch while the "
+                                          "current one's longest responses finish, decoding both together in "
+                                          "segments, so no batch waits for its slowest response alone; the next "
+                                          "batch may start one sync early, which raises the staleness bound by "
+                                          "--sync_interval (docs/async.md)")
 
     def __post_init__(self):
         check_positive(self, "sync_interval", "experience_queue_size")
@@ -383,8 +388,10 @@ class RolesConfig:
 
     @property
     def max_staleness(self) -> int:
-        """The most versions a trained experience may lag the trainer's weights."""
-        return max(self.sync_offset, self.auto_sync_offset) + self.sync_interval - 1
+        """The most versions a trained experience may lag the trainer's weights (--overlap_batches
+        starts a batch up to one sync early)."""
+        early = self.sync_interval if self.overlap_batches else 0
+        return max(self.sync_offset, self.auto_sync_offset) + self.sync_interval - 1 + early
 
     def required_version(self, batch: int, offset: Optional[int] = None) -> int:
         """The oldest policy version batch `batch` (0-based; trained at step batch + 1) may be

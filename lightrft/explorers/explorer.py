@@ -24,6 +24,7 @@ from lightrft.experience.generation import Generation, rollout_generate_kwargs, 
 from lightrft.experience.placement import arrive
 from lightrft.experience.services import RolloutServices
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
+from lightrft.explorers.overlap import EARLY_START_GOING_SHARE, Finished, OverlappedBatches
 from lightrft.explorers.weights import WeightSubscriber
 from lightrft.rollout.manager import adapter_from_spec
 from lightrft.utils.distributed_sampler import DistributedSampler
@@ -58,11 +59,13 @@ class Explorer:
     `parts` are the explorer's engine, policy copy, generation and scoring services and prompts
     (`ExplorerParts`): it generates and scores exactly as a colocated trainer does
     (`lightrft.experience.services`), with the seeds of the trainer ranks it serves. Scoring and
-    sending batch b run on a thread of their own while batch b + 1 generates, so a slow reward source (an HTTP server's latency) stays off the generation's path.
-    Explorer `index` of `explorers` takes batches index, index + explorers, ...; of each batch it
-    generates global positions `first_position`, `first_position + stride`, ... (all of them
-    on an explorer rank; one rank's share in the one-step-ahead mode) and sends trainer t of
-    `trainers` every t-th of them: the prompts a colocated rank t would get."""
+    sending batch b run on a thread of their own while batch b + 1 generates, so a slow reward
+    source (an HTTP server's latency) stays off the generation's path; with --overlap_batches
+    two batches decode together (`lightrft.explorers.overlap`). Explorer `index` of `explorers`
+    takes batches index, index + explorers, ...; of each batch it generates global positions
+    `first_position`, `first_position + stride`, ... (all of them on an explorer rank; one rank's
+    share in the one-step-ahead mode) and sends trainer t of `trainers` every t-th of them: the
+    prompts a colocated rank t would get."""
 
     def __init__(self, args, experience, control, parts: ExplorerParts, *, index: int = 0, explorers: int = 1,
                  trainers: int = 1, first_position: int = 0, stride: int = 1):
@@ -86,6 +89,9 @@ class Explorer:
                                           seed=args.distributed.seed, drop_last=True)
         self._orders: dict[int, list[int]] = {}
         self.sent = 0
+        # --overlap_batches: its batches decoded two at a time, in segments (lightrft.explorers.overlap).
+        self.overlap = (OverlappedBatches(self.generator.engine, self.params, self.engine.pad_token_id,
+                                          self.engine.eos_token_ids) if args.roles.overlap_batches else None)
 
     def run(self) -> int:
         """Explores until the trainers say stop; returns the batches sent. An error is reported
@@ -93,7 +99,9 @@ class Explorer:
         subscriber = WeightSubscriber(self.control, self.index)
         try:
             subscriber.wait(lambda: subscriber.start_batch is not None)
-            if subscriber.start_batch is not None:
+            if subscriber.start_batch is not None and self.overlap is not None:
+                self._explore_overlapped(subscriber, start=subscriber.start_batch)
+            elif subscriber.start_batch is not None:
                 self._explore(subscriber, start=subscriber.start_batch)
             self._settle()
         except BaseException:
@@ -127,6 +135,69 @@ class Explorer:
             subscriber.wait(lambda: bool(subscriber.retries) or self._scoring_failed())
             self._raise_scoring_error()
             self._serve_retries(subscriber)
+
+    def _explore_overlapped(self, subscriber: WeightSubscriber, start: int) -> None:
+        """--overlap_batches: this explorer's batches, up to two in flight, decoded together in
+        segments; the newest weights received are loaded between segments, and each batch is
+        scored and sent as soon as its responses all ended, in order."""
+        planned = itertools.count(start) if self.endless else range(start, self.total_steps)
+        mine = (batch for batch in planned if batch % self.explorers == self.index)
+        upcoming = next(mine, None)
+        while not subscriber.stopped:
+            self._raise_scoring_error()
+            if subscriber.retries:
+                raise RuntimeError(f"an explorer with --overlap_batches was asked for rollout batch "
+                                   f"{subscriber.retries[0][0]} again, which only --staleness_policy drop or "
+                                   "--dynamic_sampling ask for (both refused with it); this is a bug")
+            if upcoming is not None and self._may_admit(upcoming, subscriber):
+                self._admit(upcoming, subscriber)
+                upcoming = next(mine, None)
+                continue
+            if not self.overlap.in_flight:
+                if upcoming is None:
+                    break
+                subscriber.wait(lambda: subscriber.newest() >= self._required(upcoming, subscriber)
+                                or self._scoring_failed())
+                self._raise_scoring_error()
+                continue
+            self._take_newer(subscriber)
+            self.overlap.decode_segment(self.loaded_version)
+            for done in self.overlap.finished():
+                self._send_finished(done, subscriber)
+        while not subscriber.stopped:      # the trainers are still training what was sent
+            subscriber.wait(lambda: self._scoring_failed())
+            self._raise_scoring_error()
+
+    def _may_admit(self, batch: int, subscriber: WeightSubscriber) -> bool:
+        """Whether batch `batch` starts now: with the weights it calls for received; or early, when
+        at most half of the batch in flight is still going and the weights received are at most
+        one sync (--sync_interval versions) older than those it calls for. Never a third batch."""
+        in_flight = self.overlap.in_flight
+        if len(in_flight) >= 2:
+            return False
+        required = self._required(batch, subscriber)
+        if subscriber.newest() >= required:
+            return True
+        return (bool(in_flight) and in_flight[0].going_share <= EARLY_START_GOING_SHARE
+                and subscriber.newest() >= required - self.roles.sync_interval)
+
+    def _admit(self, batch: int, subscriber: WeightSubscriber) -> None:
+        """Starts decoding batch `batch` with the newest weights received."""
+        self._load(*subscriber.take(subscriber.newest(), newest=True), subscriber)
+        self.sent_batches.add(batch)
+        episode, ids, prompts, labels = self._batch_prompts(batch)
+        # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
+        seeds = self.generator.seeds(len(prompts), batch + 1)
+        self.overlap.admit(batch, self.generator.tokenize(prompts), seeds, self.loaded_version,
+                           payload=(episode, ids, prompts, labels))
+
+    def _send_finished(self, done: Finished, subscriber: WeightSubscriber) -> None:
+        """Scores and sends a batch whose responses all ended, on a thread of its own that first
+        waits for the batch before it: decoding goes on meanwhile, batches leave in order."""
+        episode, ids, prompts, labels = done.payload
+        self._scored = BackgroundCall(self._score_and_send, done.batch, episode, ids, prompts, labels,
+                                      Generation(done.rollout), done.version, {"generate": done.seconds}, subscriber,
+                                      self._scored, on_error=subscriber.wake)
 
     def _serve_retries(self, subscriber: WeightSubscriber) -> None:
         """Generates what the trainers asked for: a batch again (it arrived too stale), or a
@@ -186,17 +257,22 @@ class Explorer:
             self._orders = {episode: self.sampler.epoch_order()}
         return self._orders[episode]
 
+    def _batch_prompts(self, batch: int) -> tuple[int, list[int], list[Prompt], list]:
+        """Batch `batch`'s episode, the dataset rows of the whole batch, and this explorer's
+        prompts and labels among them."""
+        size = self.args.rollout.rollout_batch_size
+        episode, position = divmod(batch, self.per_episode)
+        ids = self._order(episode)[position * size:(position + 1) * size]
+        mine = list(range(self.first_position, size, self.stride))
+        prompts, labels = self.prompts.collate_fn([self.prompts[ids[p]] for p in mine])
+        return episode, ids, prompts, labels
+
     def _generate_and_send(self, batch: int, subscriber: WeightSubscriber, needed: Optional[int] = None) -> None:
         self._refresh(batch, subscriber, needed)
         if subscriber.stopped:
             return
         self.sent_batches.add(batch)
-        args = self.args
-        size = args.rollout.rollout_batch_size
-        episode, position = divmod(batch, self.per_episode)
-        ids = self._order(episode)[position * size:(position + 1) * size]
-        mine = list(range(self.first_position, size, self.stride))
-        prompts, labels = self.prompts.collate_fn([self.prompts[ids[p]] for p in mine])
+        episode, ids, prompts, labels = self._batch_prompts(batch)
         started = time.perf_counter()
         version = self.loaded_version      # the batch's version: the oldest of its tokens'
         if self.roles.partial_rollouts:
@@ -223,7 +299,13 @@ class Explorer:
             scored.result()
 
     def _score_and_send(self, batch: int, episode: int, ids: list[int], prompts: list[Prompt], labels: list,
-                        generation: Generation, version: int, seconds: dict, subscriber: WeightSubscriber) -> None:
+                        generation: Generation, version: int, seconds: dict, subscriber: WeightSubscriber,
+                        before: Optional["BackgroundCall"] = None) -> None:
+        """Scores batch `batch` and sends each trainer its share, once `before` (the batch before
+        it, on a thread of its own) was scored and sent: one batch scores at a time, in order; its
+        error is raised here."""
+        if before is not None:
+            before.result()
         n = self.params.n
         started = time.perf_counter()
         rollout = arrive(generation.rollout)       # from the engine's device to where experience is made

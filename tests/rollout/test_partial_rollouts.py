@@ -6,6 +6,7 @@ its KV cache under the new weights); without a switch nothing changes.
 """
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,3 +140,87 @@ def test_an_explorer_takes_weights_published_while_it_decodes(policies):
     assert torch.equal(out.versions[mask], (columns[mask] >= 3).int())
     expected = torch.where(out.versions == 0, teacher_forced(model, out), teacher_forced(newer, out))
     torch.testing.assert_close(out.rollout_log_probs[mask], expected[mask], atol=1e-5, rtol=0)
+
+
+def overlapped(engine, **params):
+    from lightrft.explorers.overlap import OverlappedBatches
+
+    return OverlappedBatches(engine, replace(PARAMS, **params), engine.pad_token_id, engine.eos_token_ids, segment=4)
+
+
+def test_overlapped_batches_tag_each_token_with_the_version_that_sampled_it(policies):
+    """Two batches in flight (--overlap_batches), the second admitted after the first's first
+    segment, new weights loaded after the second segment: every token carries the version that
+    sampled it and that version's log-prob; the batches come out whole, in order."""
+    tokenizer, model, newer = policies
+    module = copy.deepcopy(model)
+    engine = HFEngine(module, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    batches = overlapped(engine)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    batches.admit(0, prompts, seeds=[11, 12, 13], version=0, payload="first")
+    batches.decode_segment(version=0)
+    assert batches.finished() == []
+    batches.admit(1, prompts[:2], seeds=[21, 22], version=0, payload="second")
+    batches.decode_segment(version=0)
+    module.load_state_dict(newer.state_dict())
+    done = []
+    while batches.in_flight:
+        batches.decode_segment(version=1)
+        done += batches.finished()
+    assert [(d.batch, d.version, d.payload) for d in done] == [(0, 0, "first"), (1, 0, "second")]
+    spans = []
+    for d, switch_at in zip(done, (8, 4)):       # tokens decoded before the switch: two segments, then one
+        out, mask = d.rollout, d.rollout.action_mask
+        columns = torch.arange(out.num_actions).expand_as(mask)
+        assert torch.equal(out.versions[mask], (columns[mask] >= switch_at).int())
+        assert torch.all(out.versions[~mask] == -1)
+        expected = torch.where(out.versions == 0, teacher_forced(model, out), teacher_forced(newer, out))
+        torch.testing.assert_close(out.rollout_log_probs[mask], expected[mask], atol=1e-5, rtol=0)
+        spans += [set(row[m].tolist()) for row, m in zip(out.versions, mask)]
+    assert {0, 1} in spans and out.sequences.shape[0] == 2 * PARAMS.n
+
+
+def test_overlapped_segments_continue_each_response_where_it_stopped(policies):
+    """Greedy, one version: decoding in segments of 4 (each continued from the response so far)
+    gives the tokens and log-probs of one uninterrupted call, and stops at the length limit."""
+    tokenizer, model, _ = policies
+    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    greedy = dict(temperature=0.0, n=1, max_new_tokens=10)
+    whole = engine.generate(prompts, replace(PARAMS, **greedy))
+    batches = overlapped(engine, **greedy)
+    batches.admit(0, prompts, seeds=[1, 2, 3], version=0)
+    segments = 0
+    while batches.in_flight:
+        segments += 1
+        batches.decode_segment(version=0)
+        done = batches.finished()
+    out = done[0].rollout
+    assert segments >= 3                       # 10 tokens in segments of 4: 4, 4, 2
+    assert torch.equal(out.sequences, whole.sequences) and torch.equal(out.action_mask, whole.action_mask)
+    assert torch.equal(out.truncated, whole.truncated) and bool(whole.truncated.any())
+    torch.testing.assert_close(out.rollout_log_probs, whole.rollout_log_probs, atol=1e-5, rtol=0)
+    assert int(out.action_mask.sum(dim=-1).max()) == 10
+
+
+@pytest.mark.parametrize("newest, going, in_flight, admitted", [
+    (4, 1.0, 1, True),      # the weights batch 5 calls for (offset 1: version 4) are in
+    (3, 0.5, 1, True),      # one sync older, half of the batch in flight still going: early
+    (3, 0.75, 1, False),    # ... but most of it still going: the batch in flight first
+    (2, 0.25, 1, False),    # two syncs older: never
+    (3, 0.5, 0, False),     # nothing in flight to overlap: wait for the weights it calls for
+    (4, 0.0, 2, False),     # two batches in flight already
+])
+def test_an_overlapping_explorer_admits_the_next_batch_early_by_one_sync_at_most(newest, going, in_flight,
+                                                                              admitted):
+    from types import SimpleNamespace
+
+    from lightrft.config.sections import RolesConfig
+    from lightrft.explorers.explorer import Explorer
+
+    explorer = Explorer.__new__(Explorer)
+    explorer.roles = RolesConfig(explorer_ranks=1, sync_offset=1, partial_rollouts=True, overlap_batches=True)
+    explorer.overlap = SimpleNamespace(in_flight=[SimpleNamespace(going_share=going)] * in_flight)
+    subscriber = SimpleNamespace(newest=lambda: newest, offset=None)
+    assert explorer._may_admit(5, subscriber) is admitted
+    assert explorer.roles.max_staleness == 2       # the offset's 1, and one sync for an early start

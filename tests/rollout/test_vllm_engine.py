@@ -212,6 +212,35 @@ def test_partial_rollouts_continue_under_weights_loaded_between_segments(vllm_ca
     assert (out.rollout_log_probs[later] - expected[0][later]).abs().max() > 1e-2      # the versions differ
 
 
+
+@needs_vllm
+def test_overlapped_batches_continue_each_response_in_segments(vllm_case):
+    """--overlap_batches over vLLM: two batches decoded together in segments of 4 tokens, each
+    response continued from its tokens so far, give the greedy chains of one uninterrupted call,
+    with its log-probs, each token tagged with the version it was decoded under."""
+    from lightrft.explorers.overlap import OverlappedBatches
+
+    case, engine = vllm_case, vllm_case.engine
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12, n=1)
+    whole = engine.generate(case.prompt_ids, greedy)
+    assert int(whole.action_mask.sum(dim=-1).max()) > 8       # some chains span three segments
+    batches = OverlappedBatches(engine, greedy, engine.pad_token_id, engine.eos_token_ids, segment=4)
+    batches.admit(0, case.prompt_ids[:2], seeds=[1, 2], version=0)
+    batches.decode_segment(version=0)
+    batches.admit(1, case.prompt_ids[2:], seeds=[3], version=0)
+    done = []
+    while batches.in_flight:
+        batches.decode_segment(version=0)
+        done += batches.finished()
+    assert [d.batch for d in done] == [0, 1]
+    for d, rows in zip(done, (slice(0, 2), slice(2, 3))):
+        expected = whole.select(range(len(case.prompt_ids))[rows])
+        assert [response_of(d.rollout, r) for r in range(d.rollout.sequences.shape[0])] == \
+            [response_of(expected, r) for r in range(expected.sequences.shape[0])]
+        torch.testing.assert_close(d.rollout.rollout_log_probs[d.rollout.action_mask],
+                                   expected.rollout_log_probs[expected.action_mask], atol=1e-4, rtol=0)
+        assert torch.all(d.rollout.versions[d.rollout.action_mask] == 0)
+
 def sampled_log_prob_gap(engine, model, prompt_ids, seed: int = 3) -> tuple[float, float]:
     """Mean and max |engine log-prob - model's teacher-forced log-prob| over sampled tokens."""
     out = engine.generate(prompt_ids, SamplingParams(temperature=1.0, max_new_tokens=8, seed=seed))
