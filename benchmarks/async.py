@@ -37,12 +37,15 @@ The modes alternate (sync, bound1, ..., sync, ...) --repeats times, each run a f
 with one thread per rank; the k-th round runs with train_ppo's `--seed` set to --seed + k (data
 and warm-up keep --seed), so accuracy is seen over several sampling seeds. Reported per mode:
 samples/s (a run's steps after its first, timed by when the trainer wrote each step's
-TensorBoard scalars; median over runs and the spread), held-out greedy accuracy of the exported
-model after the same --steps, so the same samples (mean and spread), the staleness the trainer
-logged (min/mean/max over every step of every run), mean seconds per step spent generating,
+TensorBoard scalars; median over runs and the spread), held-out greedy accuracy and held-out
+reward (the mean `math` reward of 32 sampled responses per held-out prompt: `held_out_reward`)
+of the exported model after the same --steps, so the same samples (mean and spread), the
+staleness the trainer logged (min/mean/max over every step of every run), mean seconds per step
+spent generating,
 scoring, training and (decoupled) waiting for experience, the trainer's idle share (its waits
-over the timed steps' wall time), and each mode's samples/s over sync's in each round; plus the
-machine and its load average before and after. A benchmark, not a test: nothing asserts on time.
+over the timed steps' wall time), and each mode's samples/s over sync's in each round; auto's
+held-out reward against the best fixed bound's (per round) and its samples/s over bound2's; plus
+the machine and its load average before and after. A benchmark, not a test: nothing asserts on time.
 
     python benchmarks/async.py [--repeats 3] [--steps 30] [--latency_ms 200] [--json OUT]
     python benchmarks/async.py --modes sync,bound1      # the colocated loop and one step ahead only
@@ -87,6 +90,7 @@ from starlette.routing import Route  # noqa: E402
 
 import grpo_step  # noqa: E402
 from lightrft.datasets.toy import arithmetic_splits, greedy_accuracy, sft_warm_start, write_jsonl  # noqa: E402
+from lightrft.models.tokenizer import build_tokenizer  # noqa: E402
 from lightrft.rewards import make_reward_source  # noqa: E402
 from lightrft.serving.http import HTTPSettings  # noqa: E402
 from lightrft.serving.server import HTTPServer, build_app, json_response, read_json  # noqa: E402
@@ -101,6 +105,7 @@ ALIASES = {"decoupled": "bound1"}
 PHASES = {"generate": "perf/generate_time", "reward": "perf/reward_time", "experience": "perf/experience_time",
           "train": "perf/train_time", "wait": "perf/experience_wait_s"}
 STALENESS = ("rollout/staleness_min", "rollout/staleness_mean", "rollout/staleness_max")
+HELD_OUT_SAMPLES = 32   # responses per held-out prompt for the held-out reward
 EXTRA = {"offset": "rollout/sync_offset", "token_staleness": "rollout/token_staleness_mean",
          "multi_version": "rollout/multi_version_share"}
 
@@ -131,7 +136,39 @@ def prepare_workload(out: Path, work: grpo_step.Workload, args) -> dict:
     print(f"SFT warm-up on long-tailed answers: {args.sft_steps} steps in {time.perf_counter() - started:.0f} s",
           flush=True)
     return {"model": model, "train": write_jsonl(train_rows, out / "train.jsonl"), "eval_rows": eval_rows,
-            "accuracy_before": greedy_accuracy(model, eval_rows, max_new_tokens=work.max_new_tokens)}
+            "accuracy_before": greedy_accuracy(model, eval_rows, max_new_tokens=work.max_new_tokens),
+            "reward_before": held_out_reward(model, eval_rows, work)}
+
+
+def held_out_reward(model_path: Path, rows: list[dict], work: grpo_step.Workload, samples: int = HELD_OUT_SAMPLES,
+                    seed: int = 0) -> float:
+    """The mean `math` reward of `samples` responses per held-out prompt, sampled as training
+    samples them (temperature, no top-p/top-k, up to max_new_tokens): the policy's expected reward
+    on unseen prompts, the quantity RL raises. It moves smoothly with the policy, where greedy
+    accuracy flips whole prompts (1.25 points each of 80), so modes compare at a fraction of the
+    noise. The same sampling seed for every model (common random numbers)."""
+    tokenizer = build_tokenizer(str(model_path), padding_side="left")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    rule = make_reward_source("math")
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), 16):
+                chunk = rows[start:start + 16]
+                enc = tokenizer([row["input"] for row in chunk], return_tensors="pt", padding=True,
+                                add_special_tokens=False)
+                out = model.generate(**enc, max_new_tokens=work.max_new_tokens, do_sample=True,
+                                     temperature=work.temperature, top_p=1.0, top_k=0, num_return_sequences=samples,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                prompts = [row["input"] for row in chunk for _ in range(samples)]
+                labels = [row["label"] for row in chunk for _ in range(samples)]
+                total += float(rule([p + t for p, t in zip(prompts, texts)], prompts, labels).sum())
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return total / (len(rows) * samples)
 
 
 # ------------------------------------------------------------------------------- reward server
@@ -234,7 +271,8 @@ def run_mode(mode: str, data: dict, work: grpo_step.Workload, out: Path, server:
         raise SystemExit(f"{mode} logged {figures['steps']} steps, expected {steps}; log {out / 'train_ppo.log'}")
     return {**figures, "mode": mode, "seed": seed, "wall_seconds": wall, "lengths": server.take_lengths(),
             "load_average": os.getloadavg()[0],
-            "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens)}
+            "accuracy_after": greedy_accuracy(out / "model", data["eval_rows"], max_new_tokens=work.max_new_tokens),
+            "reward_after": held_out_reward(out / "model", data["eval_rows"], work)}
 
 
 # -------------------------------------------------------------------------------------- report
@@ -254,6 +292,8 @@ def summarize(runs: list[dict]) -> dict:
                       for name in EXTRA if all(name in run["extra"] for run in runs)},
             "accuracy_after": statistics.mean(run["accuracy_after"] for run in runs),
             "accuracy_after_runs": [run["accuracy_after"] for run in runs],
+            "reward_after": statistics.mean(run["reward_after"] for run in runs),
+            "reward_after_runs": [run["reward_after"] for run in runs],
             "staleness": ({"min": min(staleness["min"]), "mean": statistics.mean(staleness["mean"]),
                            "max": max(staleness["max"])} if staleness["max"] else None),
             "phases": {name: statistics.mean(run["phases"][name] for run in runs)
@@ -275,10 +315,11 @@ def report(result: dict) -> None:
           f"long-tailed), {result['steps']} steps x {result['repeats']} alternating run(s) per mode; reward server "
           f"latency {result['latency_ms']:.0f} ms per request; 2 ranks x 1 thread")
     print("-" * width)
-    print(f"held-out greedy accuracy of the warm-started model: {result['accuracy_before']:.1%}")
+    print(f"warm-started model: held-out greedy accuracy {result['accuracy_before']:.1%}, held-out reward "
+          f"{result['reward_before']:.3f} ({HELD_OUT_SAMPLES} samples per prompt)")
     modes = result["modes"]
     print(f"{'':<9}{'samples/s median (min-max)':>28}{'idle':>7}{'accuracy after, mean (min-max)':>32}"
-          f"{'staleness min/mean/max':>24}{'resp. len p50/p90/max':>23}")
+          f"{'reward after, mean (min-max)':>30}{'staleness min/mean/max':>24}{'resp. len p50/p90/max':>23}")
     for mode in modes:
         side = result[mode]
         stale = side["staleness"]
@@ -286,7 +327,9 @@ def report(result: dict) -> None:
         length = side["response_length"]
         accs = side["accuracy_after_runs"]
         acc = f"{side['accuracy_after']:.1%} ({min(accs):.1%}-{max(accs):.1%})"
-        print(f"{mode:<9}{spread(side['samples_per_sec_runs']):>28}{side['idle_share']:>7.1%}{acc:>32}"
+        rewards = side["reward_after_runs"]
+        reward = f"{side['reward_after']:.3f} ({min(rewards):.3f}-{max(rewards):.3f})"
+        print(f"{mode:<9}{spread(side['samples_per_sec_runs']):>28}{side['idle_share']:>7.1%}{acc:>32}{reward:>30}"
               f"{stale_text:>24}{length['p50']:>11} / {length['p90']} / {length['max']}")
     print("-" * width)
     print("mean seconds per step after the first (rank 0's logs; decoupled: generate and reward are the "
@@ -306,14 +349,34 @@ def report(result: dict) -> None:
     for (top, bottom), ratios in result["ratio_runs"].items():
         print(f"{top} / {bottom} samples/s: {spread(ratios, '.2f')} over the alternating rounds "
               f"({', '.join(f'{r:.2f}' for r in ratios)})")
+    if "auto_against_bounds" in result:
+        verdict = result["auto_against_bounds"]
+        print(f"auto against the best fixed bound by held-out reward ({verdict['best']}, mean "
+              f"{verdict['best_reward']:.3f}): {verdict['difference']:+.3f}, per round "
+              f"{', '.join(f'{d:+.3f}' for d in verdict['per_round'])}; samples/s over bound2's median "
+              f"{verdict['rate_over_bound2']:.2f}")
     print("=" * width)
+
+
+def auto_against_bounds(result: dict) -> dict | None:
+    """auto's mean held-out reward minus the best fixed bound's (bound1/2/4, whichever ran), with the
+    per-round differences (paired by run seed), and auto's samples/s median over bound2's."""
+    bounds = [mode for mode in ("bound1", "bound2", "bound4") if mode in result["modes"]]
+    if "auto" not in result["modes"] or "bound2" not in bounds:
+        return None
+    best = max(bounds, key=lambda mode: result[mode]["reward_after"])
+    auto, top = result["auto"]["reward_after_runs"], result[best]["reward_after_runs"]
+    return {"best": best, "best_reward": result[best]["reward_after"],
+            "difference": result["auto"]["reward_after"] - result[best]["reward_after"],
+            "per_round": [a - b for a, b in zip(auto, top)],
+            "rate_over_bound2": result["auto"]["samples_per_sec"] / result["bound2"]["samples_per_sec"]}
 
 
 def generation_pace(data: dict, work: grpo_step.Workload, repeats: int, seed: int, batches: int = 6) -> None:
     """--generation_only: samples/s of the explorer's decoding, plain and overlapped (module doc)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightrft.explorers.overlap import EARLY_START_GOING_SHARE, OverlappedBatches
+    from lightrft.explorers.overlap import OverlappedBatches, may_admit
     from lightrft.rollout import HFEngine, SamplingParams
 
     torch.set_num_threads(1)
@@ -338,9 +401,10 @@ def generation_pace(data: dict, work: grpo_step.Workload, repeats: int, seed: in
         decoder = OverlappedBatches(engine, params, tokenizer.pad_token_id, [tokenizer.eos_token_id])
         queue, started, tokens = list(enumerate(prompts)), time.perf_counter(), 0
         while queue or decoder.in_flight:
-            in_flight = decoder.in_flight
-            if queue and (not in_flight or (len(in_flight) < 2
-                                            and in_flight[0].going_share <= EARLY_START_GOING_SHARE)):
+            # As in a run whose next weights are one sync away: the next batch starts early (or
+            # when nothing is in flight, as if its weights had just arrived).
+            if queue and (not decoder.in_flight or may_admit(decoder.in_flight, newest=0, required=1,
+                                                             sync_interval=1)):
                 batch, batch_prompts = queue.pop(0)
                 decoder.admit(batch, batch_prompts, seeds(batch, round_), version=0)
                 continue
@@ -407,7 +471,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         data = prepare_workload(out, work, args)
-        print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}", flush=True)
+        print(f"held-out greedy accuracy after SFT: {data['accuracy_before']:.1%}, held-out reward "
+              f"{data['reward_before']:.3f}", flush=True)
         if args.generation_only:
             generation_pace(data, work, args.repeats, args.seed)
             return
@@ -419,15 +484,20 @@ def main() -> None:
                                    args.seed + repeat)
                     runs[mode].append(run)
                     print(f"{mode} run {repeat + 1} (--seed {run['seed']}): {run['samples_per_sec']:.0f} samples/s, "
-                          f"held-out accuracy {run['accuracy_after']:.1%}, {run['wall_seconds']:.0f} s, "
+                          f"held-out accuracy {run['accuracy_after']:.1%}, reward {run['reward_after']:.3f}, "
+                          f"{run['wall_seconds']:.0f} s, "
                           f"load {run['load_average']:.1f}", flush=True)
         result = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": grpo_step.machine_description(),
                   "steps": args.steps, "repeats": args.repeats, "latency_ms": args.latency_ms,
                   "workload": dataclasses.asdict(work), "accuracy_before": data["accuracy_before"],
+                  "reward_before": data["reward_before"],
                   **{mode: summarize(mode_runs) for mode, mode_runs in runs.items()},
                   "modes": modes, "ratio_runs": ratio_runs(runs),
                   "load_average": {"start": " ".join(f"{x:.2f}" for x in load_start),
                                    "end": " ".join(f"{x:.2f}" for x in os.getloadavg())}}
+        verdict = auto_against_bounds(result)
+        if verdict:
+            result["auto_against_bounds"] = verdict
         report(result)
         if args.json:
             result["ratio_runs"] = {f"{top}/{bottom}": ratios for (top, bottom), ratios in result["ratio_runs"].items()}

@@ -24,7 +24,7 @@ from lightrft.experience.generation import Generation, rollout_generate_kwargs, 
 from lightrft.experience.placement import arrive
 from lightrft.experience.services import RolloutServices
 from lightrft.explorers.batches import DONE, FAILED, RolloutBatch
-from lightrft.explorers.overlap import EARLY_START_GOING_SHARE, Finished, OverlappedBatches
+from lightrft.explorers.overlap import Finished, OverlappedBatches, may_admit
 from lightrft.explorers.weights import WeightSubscriber
 from lightrft.rollout.manager import adapter_from_spec
 from lightrft.utils.distributed_sampler import DistributedSampler
@@ -89,6 +89,7 @@ class Explorer:
                                           seed=args.distributed.seed, drop_last=True)
         self._orders: dict[int, list[int]] = {}
         self.sent = 0
+        self._blocked = 0.0           # seconds waited for weights since the last batch started (`_wait_for_weights`)
         # --overlap_batches: its batches decoded two at a time, in segments (lightrft.explorers.overlap).
         self.overlap = (OverlappedBatches(self.generator.engine, self.params, self.engine.pad_token_id,
                                           self.engine.eos_token_ids) if args.roles.overlap_batches else None)
@@ -121,8 +122,8 @@ class Explorer:
             while self.roles.staleness_policy == "wait" and batch not in self.sent_batches:
                 # Woken by the trainers' requests too: a dynamic-sampling step asks for its refills.
                 # The version needed is re-read on each wake: --auto_sync_offset moves it.
-                subscriber.wait(lambda: subscriber.newest() >= self._required(batch, subscriber)
-                                or bool(subscriber.retries) or self._scoring_failed())
+                self._wait_for_weights(subscriber, lambda: subscriber.newest() >= self._required(batch, subscriber)
+                                       or bool(subscriber.retries) or self._scoring_failed())
                 self._raise_scoring_error()
                 if not subscriber.retries or subscriber.stopped:
                     break
@@ -156,8 +157,8 @@ class Explorer:
             if not self.overlap.in_flight:
                 if upcoming is None:
                     break
-                subscriber.wait(lambda: subscriber.newest() >= self._required(upcoming, subscriber)
-                                or self._scoring_failed())
+                self._wait_for_weights(subscriber, lambda: subscriber.newest() >= self._required(upcoming, subscriber)
+                                       or self._scoring_failed())
                 self._raise_scoring_error()
                 continue
             self._take_newer(subscriber)
@@ -171,15 +172,9 @@ class Explorer:
     def _may_admit(self, batch: int, subscriber: WeightSubscriber) -> bool:
         """Whether batch `batch` starts now: with the weights it calls for received; or early, when
         at most half of the batch in flight is still going and the weights received are at most
-        one sync (--sync_interval versions) older than those it calls for. Never a third batch."""
-        in_flight = self.overlap.in_flight
-        if len(in_flight) >= 2:
-            return False
-        required = self._required(batch, subscriber)
-        if subscriber.newest() >= required:
-            return True
-        return (bool(in_flight) and in_flight[0].going_share <= EARLY_START_GOING_SHARE
-                and subscriber.newest() >= required - self.roles.sync_interval)
+        one sync (--sync_interval versions) older than those it calls for (`may_admit`)."""
+        return may_admit(self.overlap.in_flight, subscriber.newest(), self._required(batch, subscriber),
+                         self.roles.sync_interval)
 
     def _admit(self, batch: int, subscriber: WeightSubscriber) -> None:
         """Starts decoding batch `batch` with the newest weights received."""
@@ -196,7 +191,8 @@ class Explorer:
         waits for the batch before it: decoding goes on meanwhile, batches leave in order."""
         episode, ids, prompts, labels = done.payload
         self._scored = BackgroundCall(self._score_and_send, done.batch, episode, ids, prompts, labels,
-                                      Generation(done.rollout), done.version, {"generate": done.seconds}, subscriber,
+                                      Generation(done.rollout), done.version,
+                                      {"generate": done.seconds, "blocked": self._take_blocked()}, subscriber,
                                       self._scored, on_error=subscriber.wake)
 
     def _serve_retries(self, subscriber: WeightSubscriber) -> None:
@@ -213,12 +209,24 @@ class Explorer:
         which it waits; the newest received under --staleness_policy drop."""
         needed = self._required(batch, subscriber) if needed is None else needed
         if self.roles.staleness_policy == "wait":
-            subscriber.wait(lambda: subscriber.newest() >= needed)
+            self._wait_for_weights(subscriber, lambda: subscriber.newest() >= needed)
             if subscriber.stopped:
                 return
         newest = self.roles.staleness_policy == "drop" or self.roles.partial_rollouts
         version, named = subscriber.take(needed, newest=newest)
         self._load(version, named, subscriber)
+
+    def _wait_for_weights(self, subscriber: WeightSubscriber, ready) -> None:
+        """`subscriber.wait(ready)`, its seconds counted as blocked by the staleness bound: sent
+        with the next batch (`seconds["blocked"]`), they tell --auto_sync_offset whether running
+        further ahead would give this explorer work to do (lightrft.explorers.staleness)."""
+        started = time.perf_counter()
+        subscriber.wait(ready)
+        self._blocked += time.perf_counter() - started
+
+    def _take_blocked(self) -> float:
+        blocked, self._blocked = self._blocked, 0.0
+        return blocked
 
     def _load(self, version: int, named: list, subscriber: WeightSubscriber) -> None:
         """Loads published weights `version` into the engine (the policy copy, or vLLM)."""
@@ -280,7 +288,7 @@ class Explorer:
         with torch.no_grad():
             # The seeds a colocated run draws at this step: rollout count batch + 1, global positions.
             generation = self.generator.generate(prompts, labels, self.params, batch + 1)
-        seconds = {"generate": time.perf_counter() - started}
+        seconds = {"generate": time.perf_counter() - started, "blocked": self._take_blocked()}
         self._settle()                # the previous batch is scored and sent (in order), or its error raised
         self._scored = BackgroundCall(self._score_and_send, batch, episode, ids, prompts, labels, generation,
                                       version, seconds, subscriber, on_error=subscriber.wake)

@@ -156,6 +156,7 @@ class ExplorerLink:
         self.calls = self.stream      # the rollout count a colocated run would be at
         timings = {"generate": sum(b.seconds.get("generate", 0.0) for b in self.current),
                    "reward": sum(b.seconds.get("reward", 0.0) for b in self.current),
+                   "explorer_blocked": sum(b.seconds.get("blocked", 0.0) for b in self.current),
                    "experience": time.perf_counter() - started}
         return SourceBatch.of(built, len(built) * self.context.rollout_batch_size, experiences, counters=counters,
                               timings=timings)
@@ -222,7 +223,9 @@ class ExplorerLink:
             self.ledger.record_trained(step, batch)
         if self.auto is not None:
             now = time.perf_counter()
-            self.auto.observe({**(logs or {}), "perf/experience_wait_s": self._step_wait}, now - self._last_step_end)
+            blocked = sum(batch.seconds.get("blocked", 0.0) for batch in self.current)
+            self.auto.observe({**(logs or {}), "perf/experience_wait_s": self._step_wait,
+                               "perf/explorer_blocked_s": blocked}, now - self._last_step_end)
             self._last_step_end, self._step_wait = now, 0.0
         if step % self.roles.sync_interval == 0 and step < self.total_steps:
             if self.auto is not None:

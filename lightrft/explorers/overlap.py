@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from lightrft.rollout.base import RolloutOutput, SamplingParams
 from lightrft.rollout.seeds import mix_seed, sample_seed
 
@@ -29,6 +27,19 @@ SEGMENT_TOKENS = 8      # tokens per segment: a weight switch or a new batch wai
 # idle 17-18% of the time against 31% without overlap; 1.0 (always two batches) did no better and
 # made more tokens one sync older.
 EARLY_START_GOING_SHARE = 0.5
+
+
+def may_admit(in_flight: list["InFlight"], newest: int, required: int, sync_interval: int) -> bool:
+    """Whether the next batch starts now, given the batches in flight, the newest weights received
+    and the version the batch calls for: with those weights; or early, when at most
+    EARLY_START_GOING_SHARE of the batch in flight is still going and the weights received are at
+    most one sync (`sync_interval` versions) older. Never a third batch."""
+    if len(in_flight) >= 2:
+        return False
+    if newest >= required:
+        return True
+    return (bool(in_flight) and in_flight[0].going_share <= EARLY_START_GOING_SHARE
+            and newest >= required - sync_interval)
 
 
 @dataclass
@@ -129,9 +140,5 @@ class OverlappedBatches:
         return done
 
     def _rollout(self, batch: InFlight) -> RolloutOutput:
-        out = RolloutOutput.from_token_lists(batch.prompts, batch.responses, batch.log_probs, self.pad_token_id,
-                                             self.eos)
-        tagged = torch.full(out.action_mask.shape, -1, dtype=torch.int32)
-        for row, versions in enumerate(batch.versions):
-            tagged[row, :len(versions)] = torch.tensor(versions, dtype=torch.int32)
-        return dataclasses.replace(out, versions=tagged)
+        return RolloutOutput.from_token_lists(batch.prompts, batch.responses, batch.log_probs, self.pad_token_id,
+                                              self.eos, batch.versions)

@@ -220,12 +220,15 @@ class RolloutOutput:
         log_probs: Sequence[Sequence[float]],
         pad_token_id: int,
         eos_token_ids: Iterable[int],
+        versions: Sequence[Sequence[int]] | None = None,
     ) -> "RolloutOutput":
         """Pads per-sample token lists into a `RolloutOutput`.
 
         `prompts`, `responses` and `log_probs` hold one entry per sample (B entries, prompts
         already repeated n times). A response is cut after its first EOS token; a response without
         EOS was stopped by the length limit and keeps all its tokens (`truncated` is True).
+        `versions` (partial rollouts), one policy version per response token, becomes `versions`,
+        cut alike (-1 past each response).
         """
         if not len(prompts) == len(responses) == len(log_probs):
             raise ValueError(
@@ -241,8 +244,14 @@ class RolloutOutput:
             cut_responses.append(list(resp[:end]))
             cut_log_probs.append(list(lp[:end]))
         truncated = [len(r) == 0 or r[-1] not in eos for r in cut_responses]
-        return cls.from_episodes(prompts, cut_responses, [[True] * len(r) for r in cut_responses], cut_log_probs,
-                                 truncated, pad_token_id)
+        out = cls.from_episodes(prompts, cut_responses, [[True] * len(r) for r in cut_responses], cut_log_probs,
+                                truncated, pad_token_id)
+        if versions is None:
+            return out
+        tagged = torch.full(out.action_mask.shape, -1, dtype=torch.int32)
+        for row, (response, row_versions) in enumerate(zip(cut_responses, versions)):
+            tagged[row, :len(response)] = torch.tensor(row_versions[:len(response)], dtype=torch.int32)
+        return dataclasses.replace(out, versions=tagged)
 
     @classmethod
     def from_episodes(

@@ -389,12 +389,8 @@ class VLLMEngine:
             going = still
             if going:
                 switch_weights(self)
-        out = RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids)
-        tagged = torch.full(out.action_mask.shape, -1, dtype=torch.int32)
-        for row, row_versions in enumerate(versions):
-            kept = int(out.action_mask[row].sum())
-            tagged[row, :kept] = torch.tensor(row_versions[:kept], dtype=torch.int32)
-        return dataclasses.replace(out, versions=tagged)
+        return RolloutOutput.from_token_lists(prompts, responses, log_probs, self.pad_token_id, self.eos_token_ids,
+                                              versions)
 
     def _request(self, prompt_ids, pictures) -> dict:
         """vLLM's request for a prompt: its ids, or with images the ids with one marker per image

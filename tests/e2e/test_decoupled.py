@@ -180,6 +180,9 @@ def test_on_policy_explorer_and_trainer_equal_one_colocated_rank(on_policy_runs,
     assert summary["step"] == 4 and summary["stop_reason"] == "finished"
     assert series(tmp_path, "rollout/reward") == series(colocated, "rollout/reward")
     assert series(tmp_path, "rollout/staleness_max") == [0.0] * 4
+    # On-policy, the explorer waits for each step's weights before generating the next batch: the
+    # bound holds it every step after the first (what --auto_sync_offset reads to grow the offset).
+    assert all(held > 0 for held in series(tmp_path, "perf/explorer_blocked_time")[1:])
     expected, got = final_weights(colocated), final_weights(tmp_path)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     if method == "checkpoint":      # the weights travelled through the folder (the newest two are kept)

@@ -27,12 +27,29 @@ def test_an_idle_trainer_with_calm_samples_lets_the_explorers_run_further_ahead(
     auto.observe({**CALM, "perf/experience_wait_s": 0.1}, 1.0)
     auto.observe({**CALM, "perf/experience_wait_s": 0.2}, 1.0)
     assert auto.decide() == 2 and auto.reason == "idle"
-    # after a change it waits a whole window of steps under the new offset
-    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=2) == 2 and auto.reason == "settling"
+    # after a change from 1 to 2 it waits 3 + 2 steps: the batches generated under the old offset
+    # arrive first, then a whole window of batches generated under the new one
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=4) == 2 and auto.reason == "settling"
     assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=1) == 3
-    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}) == 3          # the ceiling
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.5}, count=WINDOW + 3) == 3          # the ceiling
     # 5% idle: hold
     assert steps(auto, {**CALM, "perf/experience_wait_s": 0.05}) == 3 and auto.reason == "hold"
+
+
+def test_explorers_the_bound_never_holds_do_not_run_further_ahead_however_long_the_trainer_waits():
+    auto = AutoOffset(high=4, offset=1)
+    # held 0.1 + 0 + 0 s of 3 s (3.3% > 2%) while the trainer waited 30%: the bound costs: grow
+    for held in (0.1, 0.0, 0.0):
+        auto.observe({**CALM, "perf/experience_wait_s": 0.3, "perf/explorer_blocked_s": held}, 1.0)
+    assert auto.decide() == 2 and auto.reason == "idle"
+    # two ahead: never held (slower than the trainer on average), still 22% idle: a third step
+    # ahead would only age the samples
+    for _ in range(4):
+        assert steps(auto, {**CALM, "perf/experience_wait_s": 0.22, "perf/explorer_blocked_s": 0.0}) == 2
+    assert auto.reason == "hold"
+    # held 1.5% of the time: within the margin, hold
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.22, "perf/explorer_blocked_s": 0.015}) == 2
+    assert steps(auto, {**CALM, "perf/experience_wait_s": 0.22, "perf/explorer_blocked_s": 0.025}) == 3
 
 
 @pytest.mark.parametrize("tag, value", [("train/tis_clip_frac", 0.03), ("train/mismatch_kl_k3", 0.06),

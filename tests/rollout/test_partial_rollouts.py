@@ -119,7 +119,7 @@ def test_an_explorer_takes_weights_published_while_it_decodes(policies):
     subscriber.wait(lambda: subscriber.newest() == 0)
     explorer = Explorer.__new__(Explorer)        # the loop's weight handling alone, without prompts or scoring
     explorer.engine = HFEngine(module, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    explorer.module, explorer.loaded_version = module, -1
+    explorer.module, explorer.loaded_version, explorer._blocked = module, -1, 0.0
     explorer.roles = SimpleNamespace(partial_rollouts=True, staleness_policy="wait")
     explorer._refresh(0, subscriber, needed=0)
     steps = {"n": 0}
@@ -224,3 +224,13 @@ def test_an_overlapping_explorer_admits_the_next_batch_early_by_one_sync_at_most
     subscriber = SimpleNamespace(newest=lambda: newest, offset=None)
     assert explorer._may_admit(5, subscriber) is admitted
     assert explorer.roles.max_staleness == 2       # the offset's 1, and one sync for an early start
+
+
+def test_token_lists_with_versions_tag_the_kept_tokens_and_leave_the_rest_untagged():
+    """What the segment loops (vLLM's and the overlapped batches') assemble their output with: each
+    kept response token keeps its version, tokens past EOS and padding are -1."""
+    out = RolloutOutput.from_token_lists([[7, 8], [9]], [[5, 2, 6], [4, 4, 4]], [[-0.1, -0.2, -0.3]] * 2,
+                                         pad_token_id=0, eos_token_ids=[2], versions=[[3, 4, 4], [1, 1, 2]])
+    assert out.versions.tolist() == [[3, 4, -1], [1, 1, 2]]
+    assert out.action_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert RolloutOutput.from_token_lists([[7]], [[5]], [[-0.1]], 0, [2]).versions is None
