@@ -446,6 +446,9 @@ def main() -> None:
     parser.add_argument("--max_new_tokens", type=int, default=48, help="generation limit; caps the long tail")
     parser.add_argument("--sft_steps", type=int, default=400, help="SFT warm-up steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first_round", type=int, default=0,
+                        help="number the rounds from here (round k runs train_ppo with --seed seed + k): more "
+                             "run seeds on the same data and warm start, to add to an earlier run's rounds")
     parser.add_argument("--smoke", action="store_true", help="3 steps, 1 run per mode, 40 SFT steps, 16 new tokens")
     parser.add_argument("--output_dir", default=None, help="keep models and logs here (default: a temporary folder)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
@@ -481,7 +484,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for mode in modes:
                     run = run_mode(mode, data, work, out / f"{mode}_{repeat}", server, args.steps,
-                                   args.seed + repeat)
+                                   args.seed + args.first_round + repeat)
                     runs[mode].append(run)
                     print(f"{mode} run {repeat + 1} (--seed {run['seed']}): {run['samples_per_sec']:.0f} samples/s, "
                           f"held-out accuracy {run['accuracy_after']:.1%}, reward {run['reward_after']:.3f}, "
