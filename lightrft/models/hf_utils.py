@@ -254,6 +254,26 @@ def value_model_class(backbone: type[PreTrainedModel], value_head_prefix: str) -
     return type(name, (pretrained_base,), {"__init__": __init__, "forward": forward, "__module__": __name__})
 
 
+def import_submodel_modules(config: PretrainedConfig) -> None:
+    """Imports the modeling module of each sub-model `config` names (a vision-language model's
+    text model, say) before `from_pretrained` builds it. Under ZeRO-3 the build runs inside
+    DeepSpeed's `zero.Init`, which wraps the `__init__` of every module class created meanwhile and
+    puts back, on leaving, the one it wrapped. A class that transformers decorates after creating
+    it (its hub-kernel layers, with the `kernels` package installed) then loses the decorated
+    `__init__`, and every instance built later (a reference model, an EMA copy) fails in forward
+    ("'LlamaAttention' object has no attribute '_kernel_funcs'"). Imported first, the class is
+    whole before zero.Init sees it."""
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub_config = getattr(config, name, None)
+        if not isinstance(sub_config, PretrainedConfig):
+            continue
+        try:
+            MODEL_MAPPING[type(sub_config)]       # imports the module that defines its model
+        except (KeyError, ValueError, ImportError):
+            pass                                   # a sub-model its parent's module defines itself
+        import_submodel_modules(sub_config)
+
+
 def load_value_model(
     pretrain: str,
     *,
@@ -279,6 +299,7 @@ def load_value_model(
             f"for; pass --value_head_prefix {saved_prefix}"
         )
     cls = value_model_class(backbone_class(hf_config, path, trust_remote_code), value_head_prefix)
+    import_submodel_modules(hf_config)
     with explain_load_errors(path, flag):
         model, info = cls.from_pretrained(
             path,

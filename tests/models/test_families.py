@@ -396,3 +396,28 @@ def test_lora_leaves_the_vision_tower_out_and_the_freeze_flag_fits_vision_models
     with pytest.raises(ValueError, match="--freeze_vision_tower: --pretrain is a causal LM model, which has no vision "
                                          "tower"):
         ActorLanguage(build_tiny_causal_lm(tokenizer), freeze_vision_tower=True)
+
+
+def test_a_vision_language_models_text_model_class_is_imported_before_it_is_built(tmp_path):
+    """`load_model` imports a sub-model's modeling module before `from_pretrained` builds it: built
+    inside DeepSpeed's zero.Init (ZeRO-3), a class imported meanwhile and decorated after its
+    creation (transformers' hub-kernel layers, with the `kernels` package installed) lost its
+    decorated __init__ when zero.Init put back the one it wrapped, and later instances failed in
+    forward. A fresh interpreter, so that nothing imported the module before."""
+    import subprocess
+    import sys
+
+    from lightrft.utils.tiny import save_tiny_idefics3
+    from tests.conftest import REPO_ROOT, subprocess_env
+
+    folder = save_tiny_idefics3(tmp_path / "vlm")
+    script = ("import sys; from transformers import AutoConfig; "
+              "from lightrft.models.hf_utils import import_submodel_modules; "
+              f"config = AutoConfig.from_pretrained({str(folder)!r}); "
+              "before = 'transformers.models.llama.modeling_llama' in sys.modules; "
+              "import_submodel_modules(config); "
+              "print(config.text_config.model_type, before, 'transformers.models.llama.modeling_llama' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["llama", "False", "True"]

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from lightrft.utils.hf_api import LOAD_OPTIONS
 from lightrft.models.hf_utils import (
     context_length,
+    import_submodel_modules,
     packed_forward_kwargs,
     packing_problem,
     padded_forward_kwargs,
@@ -267,6 +268,7 @@ def load_model(path: str | os.PathLike, *, trust_remote_code: bool = False, **op
     """The model of a checkpoint folder (or Hub id), loaded by the family of its config;
     `options` are `from_pretrained`'s (dtype, attn_implementation)."""
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    import_submodel_modules(config)
     return family_for(config).load(path, config, trust_remote_code=trust_remote_code, **options)
 
 
