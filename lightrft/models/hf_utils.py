@@ -269,8 +269,8 @@ def import_submodel_modules(config: PretrainedConfig) -> None:
             continue
         try:
             MODEL_MAPPING[type(sub_config)]       # imports the module that defines its model
-        except (KeyError, ValueError, ImportError):
-            pass                                   # a sub-model its parent's module defines itself
+        except Exception:   # not in the mapping (its parent's module defines it), remote code, ...:
+            pass            # a head start only; the load that follows builds it and raises what is wrong
         import_submodel_modules(sub_config)
 
 
