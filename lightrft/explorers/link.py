@@ -67,6 +67,7 @@ class ExplorerLink:
         self._tokens: list[tuple[float, int, int, int, int]] = []
         self._wait_seconds = 0.0
         self._step_wait = 0.0              # seconds waited for the step being trained (--auto_sync_offset)
+        self._step_blocked = 0.0           # seconds its batches' explorers waited for weights
         self._last_step_end: Optional[float] = None
         # --auto_sync_offset N: the explorers' offset, decided at each weight sync
         self.auto = AutoOffset(roles.auto_sync_offset, roles.start_offset) if roles.auto_sync_offset else None
@@ -154,10 +155,10 @@ class ExplorerLink:
                 self.context.algo.max_sampling_rounds, self.context.strategy)
             counters = {"dropped_groups": dropped, "sampling_rounds": rounds}
         self.calls = self.stream      # the rollout count a colocated run would be at
+        self._step_blocked = sum(b.seconds.get("blocked", 0.0) for b in self.current)
         timings = {"generate": sum(b.seconds.get("generate", 0.0) for b in self.current),
                    "reward": sum(b.seconds.get("reward", 0.0) for b in self.current),
-                   "explorer_blocked": sum(b.seconds.get("blocked", 0.0) for b in self.current),
-                   "experience": time.perf_counter() - started}
+                   "explorer_blocked": self._step_blocked, "experience": time.perf_counter() - started}
         return SourceBatch.of(built, len(built) * self.context.rollout_batch_size, experiences, counters=counters,
                               timings=timings)
 
@@ -223,9 +224,8 @@ class ExplorerLink:
             self.ledger.record_trained(step, batch)
         if self.auto is not None:
             now = time.perf_counter()
-            blocked = sum(batch.seconds.get("blocked", 0.0) for batch in self.current)
             self.auto.observe({**(logs or {}), "perf/experience_wait_s": self._step_wait,
-                               "perf/explorer_blocked_s": blocked}, now - self._last_step_end)
+                               "perf/explorer_blocked_s": self._step_blocked}, now - self._last_step_end)
             self._last_step_end, self._step_wait = now, 0.0
         if step % self.roles.sync_interval == 0 and step < self.total_steps:
             if self.auto is not None:
