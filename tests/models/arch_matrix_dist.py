@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lightrft.cli.train_ppo import parse_args, train
 from lightrft.datasets.toy import arithmetic_rows, write_jsonl
-from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy
+from lightrft.strategy.deepspeed_strategy import DeepspeedStrategy, skip_shared_memory_comm_op
 from lightrft.utils.tiny import save_tiny_arch
 from lightrft.utils.program import run_program
 
@@ -47,6 +47,7 @@ def flags(pretrain: Path, prompts: Path, out: Path) -> list[str]:
 
 def main(out_dir: str, archs: list[str]) -> None:
     torch.set_num_threads(1)
+    skip_shared_memory_comm_op()     # as the strategy does: no JIT build of an op lightrft never calls (~75 s)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                                timeout=timedelta(minutes=3))
     DeepspeedStrategy.close = lambda self: dist.barrier()
