@@ -64,11 +64,11 @@ def test_fused_equals_plain_padded_and_packed_in_float64(arch):
     # -inf: the left padding's rows come out NaN, and through the values every row after them
     # (float32 is fine). sdpa serves both actors alike where transformers offers it for Gemma 2;
     # where it does not (5.25 on), the padded form runs in float32.
-    padded_in_float32 = arch == "gemma2" and not type(model)._supports_sdpa
-    plain, fused = twins(model, attn_implementation="sdpa" if arch == "gemma2" and not padded_in_float32 else None)
+    gemma_sdpa = arch == "gemma2" and type(model)._supports_sdpa
+    plain, fused = twins(model, attn_implementation="sdpa" if gemma_sdpa else None)
     assert fused.lm_head is not None and plain.lm_head is None
     padded_plain, padded_fused, padded_atol = plain, fused, F64_ATOL
-    if padded_in_float32:
+    if arch == "gemma2" and not gemma_sdpa:
         padded_plain, padded_fused = twins(build_tiny_arch(arch, seed=1))
         padded_atol = F32_ATOL
     padded = (batch.sequences, batch.num_actions)
